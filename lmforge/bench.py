@@ -1,0 +1,152 @@
+"""`lmforge bench`: training throughput of a recipe's model through the lmforge loop, on random tokens,
+and optionally the same GPT-2 config as ``transformers.GPT2LMHeadModel`` with a plain AdamW loop."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmforge.config import load_config
+from lmforge.errors import LMForgeError
+from lmforge.models import build_model
+from lmforge.train import seed_everything
+from lmforge.train.device import DeviceInfo, setup_device, _sync
+from lmforge.train.distributed import DistInfo
+from lmforge.train.loop import DataBundle, Trainer
+
+
+class RandomTokens:
+    """Seeded random token windows: the same batches for every system being compared."""
+
+    def __init__(self, vocab_size: int, micro_batch_size: int, seq_len: int, seed: int = 0):
+        self.shape = (micro_batch_size, seq_len + 1)
+        self.vocab_size = vocab_size
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        w = torch.randint(0, self.vocab_size, self.shape, generator=self.gen)
+        return {"input_ids": w[:, :-1], "labels": w[:, 1:]}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        return None
+
+
+def _peak_memory_mb(device: torch.device) -> float | None:
+    """Peak GPU memory of the run. On CPU there is no per-run figure (process RSS mixes both systems)."""
+    if device.type == "cuda":
+        mb = torch.cuda.max_memory_allocated(device) / 2**20
+        torch.cuda.reset_peak_memory_stats(device)
+        return mb
+    return None
+
+
+def _time_steps(step_fn, steps: int, warmup: int, device: torch.device) -> float:
+    for _ in range(warmup):
+        step_fn()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step_fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def bench_lmforge(cfg, steps: int, warmup: int, devinfo: DeviceInfo) -> dict[str, Any]:
+    seed_everything(cfg.seed)
+    model = build_model(cfg.model).to(devinfo.device)
+    if cfg.training.activation_checkpointing:
+        model.set_activation_checkpointing(True)
+    mb, seq = cfg.training.micro_batch_size, cfg.data.seq_len
+    data = DataBundle(train=RandomTokens(cfg.model.vocab_size, mb, seq, cfg.seed), val=None,
+                      tokens_per_micro_batch=mb * seq, seq_len=seq)
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = Trainer(cfg, model, data, devinfo, DistInfo(), Path(tmp))
+        seconds = _time_steps(trainer.step_once, steps, warmup, devinfo.device)
+    tokens = steps * mb * seq * cfg.training.grad_accum_steps
+    tok_s = tokens / seconds
+    return {"system": "lmforge", "params": model.num_parameters(), "tokens_per_s": tok_s,
+            "mfu": tok_s * model.flops_per_token(seq) / devinfo.peak_flops,
+            "step_ms": 1000 * seconds / steps, "peak_memory_mb": _peak_memory_mb(devinfo.device)}
+
+
+def bench_transformers(cfg, steps: int, warmup: int, devinfo: DeviceInfo) -> dict[str, Any]:
+    """The reference: GPT2LMHeadModel with the same sizes, plain AdamW, same batches, clip and precision."""
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError as e:
+        raise LMForgeError("--compare-transformers needs transformers: pip install transformers") from e
+    m = cfg.model
+    if getattr(m, "flavor", None) != "gpt2":
+        raise LMForgeError("--compare-transformers compares the gpt2 flavor only (model.flavor=gpt2)")
+    seed_everything(cfg.seed)
+    hf_cfg = GPT2Config(vocab_size=m.vocab_size, n_positions=m.n_positions, n_embd=m.n_embd, n_layer=m.n_layer,
+                        n_head=m.n_head, n_inner=m.n_inner or None, activation_function=m.activation_function,
+                        resid_pdrop=m.resid_pdrop, embd_pdrop=m.embd_pdrop, attn_pdrop=m.attn_pdrop,
+                        layer_norm_epsilon=m.layer_norm_epsilon)
+    model = GPT2LMHeadModel(hf_cfg).to(devinfo.device)
+    model.train()
+    t = cfg.training
+    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+                            weight_decay=t.weight_decay)
+    mb, seq = t.micro_batch_size, cfg.data.seq_len
+    data = RandomTokens(m.vocab_size, mb, seq, cfg.seed)
+    scaler = torch.amp.GradScaler(devinfo.device.type, enabled=devinfo.precision == "fp16")
+
+    def step() -> None:
+        for _ in range(t.grad_accum_steps):
+            x = data.next_batch()["input_ids"].to(devinfo.device)
+            with devinfo.autocast():
+                loss = model(input_ids=x, labels=x).loss
+            scaler.scale(loss / t.grad_accum_steps).backward()
+        if t.grad_clip > 0:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+
+    seconds = _time_steps(step, steps, warmup, devinfo.device)
+    tok_s = steps * mb * seq * t.grad_accum_steps / seconds
+    return {"system": "transformers", "params": sum(p.numel() for p in model.parameters()), "tokens_per_s": tok_s,
+            "step_ms": 1000 * seconds / steps, "peak_memory_mb": _peak_memory_mb(devinfo.device)}
+
+
+def run_bench(recipe: str, overrides: list[str], steps: int = 20, warmup: int = 3, vocab_size: int = 8192,
+              compare_transformers: bool = False, show: bool = True) -> dict[str, Any]:
+    if steps < 1 or warmup < 0:
+        raise LMForgeError("--steps must be >= 1 and --warmup >= 0")
+    cfg = load_config(recipe, overrides)
+    if getattr(cfg.model, "vocab_size", 1) == 0:
+        cfg.model.vocab_size = vocab_size
+    devinfo = setup_device(cfg.training.device, cfg.training.precision, cfg.training.peak_flops)
+    header = (f"bench {cfg.name}: {devinfo.device} {devinfo.precision}, micro-batch {cfg.training.micro_batch_size}"
+              f" x accum {cfg.training.grad_accum_steps} x seq {cfg.data.seq_len}, {steps} timed steps after "
+              f"{warmup} warm-up; compile={cfg.training.compile}; MFU vs {devinfo.peak_flops / 1e12:.2f} "
+              f"TFLOP/s ({devinfo.peak_source})")
+    if show:
+        print(header, flush=True)
+    results = {"config": cfg.to_dict(), "device": str(devinfo.device), "precision": devinfo.precision,
+               "torch": torch.__version__, "threads": torch.get_num_threads(), "runs": []}
+    runs = [bench_lmforge(cfg, steps, warmup, devinfo)]
+    if compare_transformers:
+        runs.append(bench_transformers(cfg, steps, warmup, devinfo))
+    results["runs"] = runs
+    if compare_transformers:
+        results["speedup"] = runs[0]["tokens_per_s"] / runs[1]["tokens_per_s"]
+    if show:
+        print(f"{'system':<14}{'params':>12}{'tokens/s':>12}{'step ms':>10}{'MFU':>8}{'peak MB':>10}")
+        for r in runs:
+            mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "-"
+            mem = f"{r['peak_memory_mb']:.0f}" if r["peak_memory_mb"] is not None else "-"
+            print(f"{r['system']:<14}{r['params'] / 1e6:>11.2f}M{r['tokens_per_s']:>12,.0f}{r['step_ms']:>10.1f}"
+                  f"{mfu:>8}{mem:>10}")
+        if compare_transformers:
+            print(f"lmforge / transformers tokens/s: {results['speedup']:.2f}x")
+    return results

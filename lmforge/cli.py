@@ -1,0 +1,250 @@
+"""`lmforge <verb>`: a thin command line over the Python API. It parses, loads config, and calls."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from lmforge.errors import LMForgeError
+
+RECIPE_HELP = "a recipe name from configs/ (e.g. go_coder_tiny) or the path of a YAML file"
+OVERRIDES_HELP = ("dotted overrides key=value, applied after the recipe, e.g. training.max_steps=200 "
+                  "model.n_layer=4 (values are read as YAML: numbers, true/false, lists)")
+
+
+def _formatter(prog):
+    return argparse.ArgumentDefaultsHelpFormatter(prog, max_help_position=32)
+
+
+# ---- train --------------------------------------------------------------------------------------
+def _add_train(sub) -> None:
+    from lmforge.config import list_recipes
+
+    p = sub.add_parser("train", help="train a model from a recipe", formatter_class=_formatter,
+                       description="Train a model. Resolved config, metrics.jsonl, TensorBoard logs and "
+                                   "checkpoints go to OUT_DIR/NAME (defaults runs/<recipe name>). "
+                                   f"Recipes: {', '.join(list_recipes())}.")
+    p.add_argument("recipe", help=RECIPE_HELP)
+    p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
+    p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CKPT",
+                   help="continue the run from its latest checkpoint (or from CKPT): model, optimizer, "
+                        "scaler, schedule, RNG and data position")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.set_defaults(func=_cmd_train)
+
+
+def _cmd_train(args) -> int:
+    import yaml
+
+    from lmforge.config import load_config
+    from lmforge.train import train
+
+    cfg = load_config(args.recipe, args.overrides)
+    if args.print_config:
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+        return 0
+    result = train(cfg, resume=args.resume or False)
+    if _is_main_process():
+        ev = ", ".join(f"{k.split('/')[-1]} {v:.4f}" for k, v in result.eval_metrics.items())
+        print(f"done: step {result.step} ({result.stopped}); train loss {result.train_loss:.4f}"
+              + (f"; eval {ev}" if ev else ""))
+        print(f"checkpoint: {result.last_checkpoint}" + (f" | best: {result.best_checkpoint}"
+                                                          if result.best_checkpoint else ""))
+        if result.stopped == "signal":
+            print(f"resume with: lmforge train {args.recipe} {' '.join(args.overrides)} --resume".replace("  ", " "))
+    return 0
+
+
+def _is_main_process() -> bool:
+    import os
+
+    return os.environ.get("RANK", "0") == "0"
+
+
+# ---- eval ---------------------------------------------------------------------------------------
+def _add_eval(sub) -> None:
+    p = sub.add_parser("eval", help="loss, perplexity and bits per byte of a checkpoint",
+                       formatter_class=_formatter,
+                       description="Evaluate a checkpoint (a step directory, best/, or a run directory) on "
+                                   "prepared shards (a `data prepare` directory) or on raw files.")
+    p.add_argument("checkpoint", help="checkpoint directory or run directory")
+    p.add_argument("--data", required=True, help="a prepared data directory, or raw sources (dir/JSONL/text/parquet)")
+    p.add_argument("--split", default="val", help="split of a prepared data directory")
+    p.add_argument("--include", action="append", default=[], help="glob for files in a raw source directory "
+                   "(repeatable; default **/*.go)")
+    p.add_argument("--text-field", default="text", help="text field of JSONL/parquet sources")
+    p.add_argument("--seq-len", type=int, default=0, help="window length; 0 = the model's context")
+    p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
+    p.add_argument("--max-tokens", type=int, default=None, help="evaluate only the first N tokens")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    p.add_argument("--json", action="store_true", help="print the metrics as JSON")
+    p.set_defaults(func=_cmd_eval)
+
+
+def _cmd_eval(args) -> int:
+    from lmforge.eval.lm import evaluate
+
+    m = evaluate(args.checkpoint, args.data, split=args.split, seq_len=args.seq_len, batch_size=args.batch_size,
+                 max_tokens=args.max_tokens, device=args.device, include=tuple(args.include),
+                 text_field=args.text_field)
+    if args.json:
+        print(json.dumps(m))
+    else:
+        bpb = f"  bits/byte {m['bpb']:.4f}" if "bpb" in m else ""
+        print(f"{m['data']}: {int(m['tokens']):,} tokens  loss {m['loss']:.4f}  perplexity {m['ppl']:.3f}{bpb}")
+    return 0
+
+
+# ---- generate -----------------------------------------------------------------------------------
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="sample text from a checkpoint, streaming", formatter_class=_formatter)
+    p.add_argument("checkpoint", help="checkpoint directory or run directory")
+    p.add_argument("--prompt", default="", help="text to continue (use --prompt-file for long prompts)")
+    p.add_argument("--prompt-file", default=None, help="read the prompt from this file")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = off")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass; 1.0 = off")
+    p.add_argument("--seed", type=int, default=None, help="seed for reproducible samples")
+    p.add_argument("--no-stop-at-eos", action="store_true", help="keep going past the end-of-document token")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    p.set_defaults(func=_cmd_generate)
+
+
+def _cmd_generate(args) -> int:
+    from pathlib import Path
+
+    from lmforge.infer.generate import generate_text
+    from lmforge.infer.loading import load_for_inference
+
+    if args.max_new_tokens < 1:
+        raise LMForgeError("--max-new-tokens must be >= 1")
+    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
+        raise LMForgeError("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0")
+    prompt = args.prompt
+    if args.prompt_file:
+        try:
+            prompt = Path(args.prompt_file).read_text()
+        except OSError as e:
+            raise LMForgeError(f"cannot read --prompt-file {args.prompt_file}: {e.strerror}") from e
+    prompt = prompt.replace("\\n", "\n").replace("\\t", "\t")  # shells pass "\n" literally
+    model, tokenizer, _ = load_for_inference(args.checkpoint, args.device)
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+
+    def stream(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    generate_text(model, tokenizer, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_at_eos=not args.no_stop_at_eos,
+                  stream=stream)
+    sys.stdout.write("\n")
+    return 0
+
+
+# ---- plot ---------------------------------------------------------------------------------------
+def _add_plot(sub) -> None:
+    p = sub.add_parser("plot", help="PNG of train/val loss and learning rate", formatter_class=_formatter)
+    p.add_argument("run_dir", help="a run directory (holds metrics.jsonl)")
+    p.add_argument("--out", default=None, help="output PNG (default RUN_DIR/loss.png)")
+    p.set_defaults(func=_cmd_plot)
+
+
+def _cmd_plot(args) -> int:
+    from lmforge.plot import plot_run
+
+    print(plot_run(args.run_dir, args.out))
+    return 0
+
+
+# ---- bench --------------------------------------------------------------------------------------
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="training throughput (tokens/s, MFU, memory) of a recipe's model",
+                       formatter_class=_formatter,
+                       description="Time training steps of a recipe's model on random tokens through the "
+                                   "lmforge loop; optionally the same GPT-2 config in transformers + AdamW.")
+    p.add_argument("recipe", help=RECIPE_HELP)
+    p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
+    p.add_argument("--steps", type=int, default=20, help="timed optimizer steps")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile, allocator warm-up)")
+    p.add_argument("--vocab-size", type=int, default=8192, help="vocabulary when the recipe takes it from a tokenizer")
+    p.add_argument("--compare-transformers", action="store_true",
+                   help="also time transformers.GPT2LMHeadModel with a plain AdamW loop (gpt2 flavor only)")
+    p.add_argument("--json", action="store_true", help="print results as JSON")
+    p.set_defaults(func=_cmd_bench)
+
+
+def _cmd_bench(args) -> int:
+    from lmforge.bench import run_bench
+
+    results = run_bench(args.recipe, args.overrides, steps=args.steps, warmup=args.warmup,
+                        vocab_size=args.vocab_size, compare_transformers=args.compare_transformers)
+    if args.json:
+        print(json.dumps(results, indent=2))
+    return 0
+
+
+# ---- quickstart ---------------------------------------------------------------------------------
+def _add_quickstart(sub) -> None:
+    p = sub.add_parser("quickstart", help="the whole job on real code found on this machine",
+                       formatter_class=_formatter,
+                       description="Find real code (the Go standard library of a local Go toolchain, else "
+                                   "the Python standard library), train a tokenizer, prepare data, train "
+                                   "go_coder_tiny, evaluate against a unigram baseline, plot, and sample.")
+    p.add_argument("--data", default=None, help="use this source directory instead of the one found")
+    p.add_argument("--include", action="append", default=[], help="glob for --data files (default by language)")
+    p.add_argument("--out", default="lmforge_quickstart", help="working directory for every artifact")
+    p.add_argument("--minutes", type=float, default=5.0, help="training time budget")
+    p.add_argument("--max-bytes", type=int, default=24_000_000, help="cap on source text used (bytes)")
+    p.add_argument("--vocab-size", type=int, default=4096, help="tokenizer vocabulary size")
+    p.add_argument("overrides", nargs="*", help="overrides for the go_coder_tiny recipe, " + OVERRIDES_HELP)
+    p.set_defaults(func=_cmd_quickstart)
+
+
+def _cmd_quickstart(args) -> int:
+    from lmforge.quickstart import quickstart
+
+    quickstart(data=args.data, include=tuple(args.include), out=args.out, minutes=args.minutes,
+               max_bytes=args.max_bytes, vocab_size=args.vocab_size, overrides=args.overrides)
+    return 0
+
+
+# ---- entry point --------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    from lmforge import __version__
+    from lmforge.cli_data import register as register_data
+
+    parser = argparse.ArgumentParser(prog="lmforge", formatter_class=_formatter,
+                                     description="Train small language and reasoning models from scratch.")
+    parser.add_argument("--version", action="version", version=f"lmforge {__version__}")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    sub.required = True
+    _add_quickstart(sub)
+    register_data(sub)
+    _add_train(sub)
+    _add_eval(sub)
+    _add_generate(sub)
+    _add_plot(sub)
+    _add_bench(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "func"):
+        parser.parse_args([*(argv if argv is not None else sys.argv[1:]), "--help"])
+    try:
+        return int(args.func(args) or 0)
+    except LMForgeError as e:
+        print(f"lmforge: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("lmforge: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

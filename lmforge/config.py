@@ -1,0 +1,313 @@
+"""Typed run configuration: dataclasses, YAML recipes and dotted command-line overrides.
+
+A run config is built in three layers: the dataclass defaults, a recipe (``configs/NAME.yaml`` or
+any YAML path), then ``key.sub=value`` overrides. Unknown or mistyped keys are errors that name the
+closest valid key. ``model.family`` picks the model's config dataclass (see ``lmforge.models``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lmforge.errors import LMForgeError
+
+RECIPE_DIR = Path(__file__).parent / "configs"
+
+
+@dataclass
+class DataConfig:
+    path: str = ""  # a directory written by `lmforge data prepare` (meta.json + shards)
+    seq_len: int = 256  # tokens per training window
+    tokenizer: str = ""  # tokenizer.json or its directory; "" = the one saved with the data
+
+
+@dataclass
+class TrainingConfig:
+    max_steps: int = 1000  # optimizer steps
+    max_time_minutes: float = 0.0  # stop (and checkpoint) after this wall time; 0 = no limit
+    micro_batch_size: int = 8  # sequences per forward pass, per process
+    grad_accum_steps: int = 1  # micro-batches per optimizer step
+    lr: float = 3e-4
+    schedule: str = "cosine"  # cosine | constant | wsd (warmup-stable-decay)
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1  # floor of cosine / end of wsd decay, as a fraction of lr
+    decay_ratio: float = 0.2  # wsd: share of max_steps spent decaying at the end
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global gradient norm; 0 = off
+    precision: str = "auto"  # auto | fp32 | bf16 | fp16 (fp16 uses a grad scaler)
+    compile: bool = False  # torch.compile the model (slow start; helps on GPUs)
+    activation_checkpointing: bool = False
+    device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
+    eval_interval: int = 200  # steps between evaluations; 0 = only at the end
+    eval_batches: int = 20  # micro-batches per evaluation
+    save_interval: int = 500  # steps between checkpoints; 0 = only at the end
+    keep_last: int = 3  # checkpoints kept besides `best`
+    log_interval: int = 10  # steps between metric log lines
+    peak_flops: float = 0.0  # device peak FLOP/s for MFU; 0 = look up / measure
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = True
+    wandb_project: str = ""  # set to log to Weights & Biases (WANDB_MODE=offline works)
+    wandb_run_name: str = ""
+    progress_bar: bool = True
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    out_dir: str = "runs"  # the run directory is out_dir/name
+    seed: int = 1337
+    model: Any = None  # a model family's config dataclass, chosen by model.family
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.out_dir) / self.name
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        if self.model is not None:
+            from lmforge.models import model_class
+
+            family = next(
+                (cls.family for cls in _model_classes() if isinstance(self.model, cls.config_class)), None
+            )
+            out["model"] = {"family": family, **dataclasses.asdict(self.model)}
+            model_class(family)
+        return out
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        tmp.replace(path)
+
+
+def _model_classes():
+    from lmforge.models import _registry_items
+
+    return [cls for _, cls in _registry_items()]
+
+
+# ---------------------------------------------------------------------------------------------
+# Recipes and overrides
+# ---------------------------------------------------------------------------------------------
+def list_recipes() -> list[str]:
+    return sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
+
+
+def read_recipe(name_or_path: str) -> dict[str, Any]:
+    """Read a recipe by name (``go_coder_tiny``) or by path to a YAML file."""
+    path = Path(name_or_path)
+    if not (path.suffix in (".yaml", ".yml") and path.is_file()):
+        candidate = RECIPE_DIR / f"{name_or_path}.yaml"
+        if not candidate.is_file():
+            if path.suffix in (".yaml", ".yml"):
+                raise LMForgeError(f"recipe file {path} does not exist")
+            close = difflib.get_close_matches(name_or_path, list_recipes(), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise LMForgeError(
+                f"unknown recipe {name_or_path!r}.{hint} Known recipes: {', '.join(list_recipes())}; "
+                "or pass the path of a YAML file."
+            )
+        path = candidate
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise LMForgeError(f"{path} is not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise LMForgeError(f"{path} must hold a mapping of config sections, not {type(data).__name__}")
+    return data
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """``["training.lr=1e-3", "model.n_layer=4"]`` -> nested dict. Values are parsed as YAML."""
+    nested: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise LMForgeError(
+                f"override {item!r} has no '='; write overrides as key=value, e.g. training.max_steps=200"
+            )
+        key, raw = item.split("=", 1)
+        key = key.strip().lstrip("+")
+        if not key:
+            raise LMForgeError(f"override {item!r} has an empty key")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        if isinstance(value, str) and _looks_like_float(value):
+            value = float(value)  # YAML 1.1 reads "5e-4" as a string
+        node = nested
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise LMForgeError(f"override {item!r} conflicts with an earlier override of {part!r}")
+        node[parts[-1]] = value
+    return nested
+
+
+def _looks_like_float(s: str) -> bool:
+    try:
+        float(s)
+        return any(c in s.lower() for c in "e.") and not s.lower().startswith(("n", "i", "+i", "-i"))
+    except ValueError:
+        return False
+
+
+def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def load_config(recipe: str | None = None, overrides: list[str] | None = None,
+                values: dict[str, Any] | None = None) -> RunConfig:
+    """Defaults <- recipe <- ``values`` <- ``overrides``; returns a validated ``RunConfig``."""
+    merged: dict[str, Any] = read_recipe(recipe) if recipe else {}
+    if values:
+        merged = deep_merge(merged, values)
+    if overrides:
+        merged = deep_merge(merged, parse_overrides(overrides))
+    return config_from_dict(merged)
+
+
+def config_from_dict(values: dict[str, Any]) -> RunConfig:
+    from lmforge.models import config_class
+
+    values = dict(values)
+    model_values = dict(values.pop("model", None) or {})
+    family = model_values.pop("family", "gpt")
+    cfg = dataclass_from_dict(RunConfig, values, prefix="")
+    cfg.model = dataclass_from_dict(config_class(family), model_values, prefix="model")
+    validate_run_config(cfg)
+    return cfg
+
+
+def validate_run_config(cfg: RunConfig) -> None:
+    t = cfg.training
+    checks = [
+        (t.max_steps > 0, "training.max_steps must be > 0"),
+        (t.micro_batch_size > 0, "training.micro_batch_size must be > 0"),
+        (t.grad_accum_steps > 0, "training.grad_accum_steps must be > 0"),
+        (t.lr > 0, "training.lr must be > 0"),
+        (t.warmup_steps >= 0, "training.warmup_steps must be >= 0"),
+        (0.0 <= t.min_lr_ratio <= 1.0, "training.min_lr_ratio must be in [0, 1]"),
+        (0.0 < t.decay_ratio <= 1.0, "training.decay_ratio must be in (0, 1]"),
+        (t.schedule in ("cosine", "constant", "wsd"), "training.schedule must be cosine, constant or wsd"),
+        (t.precision in ("auto", "fp32", "bf16", "fp16"), "training.precision must be auto, fp32, bf16 or fp16"),
+        (t.keep_last >= 1, "training.keep_last must be >= 1"),
+        (t.log_interval >= 1, "training.log_interval must be >= 1"),
+        (t.eval_interval >= 0 and t.save_interval >= 0, "training.eval_interval/save_interval must be >= 0"),
+        (cfg.data.seq_len > 0, "data.seq_len must be > 0"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise LMForgeError(message)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dataclass <- dict with type checks and "did you mean" for unknown keys
+# ---------------------------------------------------------------------------------------------
+def dataclass_from_dict(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        raise LMForgeError(f"config section {prefix or '<root>'!r} must be a mapping, got {values!r}")
+    resolve = getattr(cls, "resolve_dict", None)
+    if resolve is not None:
+        values = resolve(dict(values))
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in values.items():
+        dotted = f"{prefix}.{key}" if prefix else key
+        if key not in fields:
+            raise LMForgeError(_unknown_key_message(dotted, key, cls, prefix))
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+            kwargs[key] = dataclass_from_dict(hint, value, prefix=dotted)
+        elif key == "model" and cls is RunConfig:
+            continue  # built separately by family
+        else:
+            kwargs[key] = _coerce(value, hint, dotted)
+    try:
+        obj = cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise LMForgeError(f"invalid config section {prefix or '<root>'!r}: {e}") from e
+    return obj
+
+
+def _unknown_key_message(dotted: str, key: str, cls: type, prefix: str) -> str:
+    names = [f.name for f in dataclasses.fields(cls)]
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
+    where = f"{prefix}." if prefix else ""
+    hint = f" Did you mean '{where}{close[0]}'?" if close else ""
+    return f"unknown config key '{dotted}'.{hint} Valid keys here: {', '.join(where + n for n in names)}"
+
+
+def _coerce(value: Any, hint: Any, dotted: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if hint is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, dotted)
+            except LMForgeError as e:
+                errors.append(str(e))
+        raise LMForgeError(errors[0] if errors else f"bad value for {dotted}: {value!r}")
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise LMForgeError(f"config key '{dotted}' expects a list, got {value!r}")
+        inner = args[0] if args else Any
+        items = [_coerce(v, inner, f"{dotted}[{i}]") for i, v in enumerate(value)]
+        return items if origin is list else tuple(items)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise LMForgeError(f"config key '{dotted}' expects a mapping, got {value!r}")
+        return dict(value)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise LMForgeError(f"config key '{dotted}' expects true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+            raise LMForgeError(f"config key '{dotted}' expects an integer, got {value!r}")
+        return int(value)
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise LMForgeError(f"config key '{dotted}' expects a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if isinstance(value, (dict, list)):
+            raise LMForgeError(f"config key '{dotted}' expects a string, got {value!r}")
+        return "" if value is None else str(value)
+    return value

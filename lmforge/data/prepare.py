@@ -1,0 +1,303 @@
+"""Turn sources into training artifacts: a tokenizer trained on a sample, and packed token shards.
+
+Both work in two passes over the sources so that no corpus-sized state is held in memory: the first
+pass reads and filters every document, keeping only a digest, a size and a split key per document;
+the second reads them again and streams the chosen ones onward (into the BPE trainer, or tokenized
+into the shard files). Sources are read in a fixed order, and the second pass checks every digest,
+so the passes always agree.
+
+Splits are by document (by file for code trees): a hash of ``seed`` and the document's source_id
+decides, so a file stays in the same split across runs and never leaks into both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import shutil
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from lmforge.data.dedup import ExactDeduper, NearDeduper, text_digest
+from lmforge.data.loader import DTYPES, FORMAT, META_FILE, VERSION
+from lmforge.data.sources import DEFAULT_INCLUDE, FilterStats, iter_documents, source_kind
+from lmforge.errors import LMForgeError
+from lmforge.tokenizer import EOS, Tokenizer, train_tokenizer
+
+SPLITS = ("train", "val")
+ENCODE_BATCH_BYTES = 4 << 20  # text handed to one parallel encode_batch call
+HELDOUT_MAX_BYTES = 10_000_000  # held-out text measured for the tokenizer's bytes per token
+
+
+def split_key(source_id: str, seed: int) -> float:
+    """A deterministic number in [0, 1) for a document; small keys go to validation."""
+    digest = hashlib.blake2b(f"{seed}\0{source_id}".encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64
+
+
+def assign_heldout(keys: np.ndarray, fraction: float) -> np.ndarray:
+    """Mask of held-out documents: keys below ``fraction``, but with >= 2 documents both sides get one."""
+    heldout = keys < fraction
+    if fraction > 0 and len(keys) >= 2:
+        if not heldout.any():
+            heldout[np.argmin(keys)] = True
+        if heldout.all():
+            heldout[np.argmax(keys)] = False
+    return heldout
+
+
+@dataclass
+class _Survey:
+    """What the first pass learned, one entry per document that passed the filters."""
+
+    stats: FilterStats
+    digests: list[bytes]
+    keys: np.ndarray  # split keys
+    sizes: np.ndarray  # UTF-8 bytes
+    keep: np.ndarray  # False for duplicates
+
+
+def _survey(sources: Sequence[str | Path], read_opts: dict, near_dedup: bool, seed: int,
+            show_progress: bool) -> _Survey:
+    stats = FilterStats()
+    exact = ExactDeduper()
+    near = NearDeduper(seed=seed) if near_dedup else None
+    digests, keys, sizes, keep = [], [], [], []
+    docs = iter_documents(sources, stats=stats, **read_opts)
+    for doc in tqdm(docs, desc="reading", unit=" docs", disable=not show_progress):
+        digest = text_digest(doc.text)
+        digests.append(digest)
+        keys.append(split_key(doc.source_id, seed))
+        sizes.append(len(doc.text.encode("utf-8")))
+        if not exact.is_new(digest):
+            stats.discard("duplicate")
+            keep.append(False)
+        elif near is not None and not near.is_new(doc.text):
+            stats.discard("near_duplicate")
+            keep.append(False)
+        else:
+            keep.append(True)
+    return _Survey(stats, digests, np.array(keys, dtype=np.float64), np.array(sizes, dtype=np.int64),
+                   np.array(keep, dtype=bool))
+
+
+def _reread(sources: Sequence[str | Path], read_opts: dict, survey: _Survey) -> Iterator[tuple[int, str]]:
+    """(index, text) of every filtered document again, checked against the first pass."""
+    changed = LMForgeError(
+        f"the sources {list(map(str, sources))} changed while they were being read. Re-run once "
+        "nothing is writing to them.")
+    count = 0
+    for i, doc in enumerate(iter_documents(sources, **read_opts)):
+        if i >= len(survey.digests) or text_digest(doc.text) != survey.digests[i]:
+            raise changed
+        count += 1
+        yield i, doc.text
+    if count != len(survey.digests):
+        raise changed
+
+
+class ShardWriter:
+    """Appends token arrays to ``{split}_000000.bin``, ``{split}_000001.bin``, ... of fixed size."""
+
+    def __init__(self, directory: Path, split: str, dtype: np.dtype, shard_tokens: int):
+        self.directory, self.split, self.dtype, self.shard_tokens = directory, split, dtype, shard_tokens
+        self.shards: list[dict] = []
+        self._file = None
+
+    def write(self, tokens: np.ndarray) -> None:
+        tokens = tokens.astype(self.dtype, copy=False)
+        while len(tokens):
+            if self._file is None:
+                name = f"{self.split}_{len(self.shards):06d}.bin"
+                self._file = open(self.directory / name, "wb")
+                self.shards.append({"file": name, "tokens": 0})
+            part = tokens[:self.shard_tokens - self.shards[-1]["tokens"]]
+            part.tofile(self._file)
+            self.shards[-1]["tokens"] += len(part)
+            tokens = tokens[len(part):]
+            if self.shards[-1]["tokens"] == self.shard_tokens:
+                self._close_file()
+
+    def _close_file(self) -> None:
+        self._file.flush()
+        os.fsync(self._file.fileno())  # on disk before the directory is renamed into place
+        self._file.close()
+        self._file = None
+
+    def close(self) -> list[dict]:
+        if self._file is not None:
+            self._close_file()
+        return self.shards
+
+
+def _with_eos(ids: list[list[int]], eos_id: int, dtype: np.dtype) -> np.ndarray:
+    """Concatenate the documents' ids, each followed by ``eos_id``, without a Python loop per token."""
+    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=int(lengths.sum()))
+    return np.insert(flat, np.cumsum(lengths), eos_id)
+
+
+def _check_out_dir(out: Path, overwrite: bool, sources: Sequence[str | Path]) -> None:
+    if out.exists() and not out.is_dir():
+        raise LMForgeError(f"--out {out} is a file, not a directory. Choose a directory path.")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise LMForgeError(
+            f"--out {out} already exists and is not empty; refusing to overwrite it. Pass --overwrite "
+            "(overwrite=True) to replace it, or choose another --out directory.")
+    for src in map(Path, sources):
+        if src.is_dir() and out.resolve().is_relative_to(src.resolve()):
+            raise LMForgeError(f"--out {out} lies inside the input {src}; choose an output outside the inputs.")
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    """Replace ``out`` by the complete ``tmp``; the old data is deleted only after the swap."""
+    if not out.exists():
+        os.rename(tmp, out)
+        return
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    os.rename(out, old)
+    os.rename(tmp, out)
+    shutil.rmtree(old)
+
+
+def _write_splits(tmp: Path, sources: Sequence[str | Path], read_opts: dict, survey: _Survey,
+                  is_val: np.ndarray, tok: Tokenizer, dtype: np.dtype, shard_tokens: int,
+                  show_progress: bool) -> dict[str, list[dict]]:
+    writers = {split: ShardWriter(tmp, split, dtype, shard_tokens) for split in SPLITS}
+    pending: dict[str, list[str]] = {split: [] for split in SPLITS}
+    pending_bytes = dict.fromkeys(SPLITS, 0)
+    bar = tqdm(total=int(survey.sizes[survey.keep].sum()), desc="tokenizing", unit="B", unit_scale=True,
+               disable=not show_progress)
+
+    def flush(split: str) -> None:
+        if pending[split]:
+            writers[split].write(_with_eos(tok.encode_batch(pending[split]), tok.eos_id, dtype))
+            bar.update(pending_bytes[split])
+        pending[split], pending_bytes[split] = [], 0
+
+    for i, text in _reread(sources, read_opts, survey):
+        if not survey.keep[i]:
+            continue
+        split = "val" if is_val[i] else "train"
+        pending[split].append(text)
+        pending_bytes[split] += int(survey.sizes[i])
+        if pending_bytes[split] >= ENCODE_BATCH_BYTES:
+            flush(split)
+    for split in SPLITS:
+        flush(split)
+    bar.close()
+    return {split: writer.close() for split, writer in writers.items()}
+
+
+def prepare_data(sources: Sequence[str | Path], out_dir: str | Path, tokenizer: Tokenizer | str | Path,
+                 include: Sequence[str] = DEFAULT_INCLUDE, text_field: str = "text",
+                 exclude_tests: bool = False, near_dedup: bool = False, val_fraction: float = 0.05,
+                 seed: int = 1337, shard_tokens: int = 100_000_000, overwrite: bool = False,
+                 show_progress: bool = True) -> dict:
+    """Filter, deduplicate, split and tokenize ``sources`` into ``out_dir``; returns its meta.json.
+
+    ``out_dir`` appears only once complete (it is built in a hidden sibling and renamed), so an
+    interrupted run never leaves a directory that looks valid. It holds a copy of the tokenizer.
+    """
+    if not sources:
+        raise LMForgeError("no input paths given: pass one or more directories or files to read.")
+    if not 0 < val_fraction < 1:
+        raise LMForgeError(f"--val-fraction {val_fraction} must be between 0 and 1 (0.05 is typical).")
+    if shard_tokens < 1:
+        raise LMForgeError(f"--shard-tokens {shard_tokens} must be at least 1.")
+    tok = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer.load(tokenizer)
+    out = Path(out_dir).resolve()  # resolved so that "." still has a name for the temporary sibling
+    _check_out_dir(out, overwrite, sources)
+    read_opts = {"include": tuple(include), "text_field": text_field, "exclude_tests": exclude_tests}
+    survey = _survey(sources, read_opts, near_dedup, seed, show_progress)
+    if survey.stats.kept == 0:
+        raise LMForgeError(
+            f"no documents left to prepare from {list(map(str, sources))} (filters: "
+            f"{survey.stats.as_dict()}). Check the inputs and --include / --text-field.")
+    is_val = np.zeros(len(survey.keep), dtype=bool)
+    is_val[survey.keep] = assign_heldout(survey.keys[survey.keep], val_fraction)
+    dtype_name = "uint16" if tok.vocab_size <= 2**16 else "uint32"
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        shards = _write_splits(tmp, sources, read_opts, survey, is_val, tok, DTYPES[dtype_name],
+                               shard_tokens, show_progress)
+        splits = {}
+        for split, members in (("train", survey.keep & ~is_val), ("val", is_val)):
+            splits[split] = {"shards": shards[split], "tokens": sum(s["tokens"] for s in shards[split]),
+                             "documents": int(members.sum()), "bytes": int(survey.sizes[members].sum())}
+        meta = {
+            "format": FORMAT, "version": VERSION, "dtype": dtype_name, "vocab_size": tok.vocab_size,
+            "tokenizer_sha256": tok.sha256, "eos_id": tok.eos_id, "document_separator": EOS,
+            "splits": splits, "filters": survey.stats.as_dict(),
+            "sources": [{"path": str(Path(s).resolve()), "kind": source_kind(Path(s))} for s in sources],
+            "settings": {"include": list(include), "text_field": text_field, "exclude_tests": exclude_tests,
+                         "near_dedup": near_dedup, "val_fraction": val_fraction, "seed": seed,
+                         "shard_tokens": shard_tokens},
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        }
+        tok.save(tmp)
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        _move_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return meta
+
+
+def train_tokenizer_from_sources(
+        sources: Sequence[str | Path], out_dir: str | Path, vocab_size: int = 8192,
+        include: Sequence[str] = DEFAULT_INCLUDE, text_field: str = "text", exclude_tests: bool = False,
+        min_frequency: int = 2, max_bytes: int = 50_000_000, heldout_fraction: float = 0.01,
+        seed: int = 1337, show_progress: bool = True) -> dict:
+    """Train a tokenizer on a sample of ``sources`` and measure it on held-out documents.
+
+    Documents are filtered and exactly deduplicated as in ``prepare_data``. ``heldout_fraction`` of
+    them (by the same hash split, at least one when there are >= 2) are held out; the training sample
+    is a uniform random subset (by split key) of the rest, capped at ``max_bytes`` of UTF-8. Bytes per
+    token is measured on up to ``HELDOUT_MAX_BYTES`` of held-out text. Returns a report dict.
+    """
+    if max_bytes < 1:
+        raise LMForgeError(f"--max-bytes {max_bytes} must be positive (e.g. 50000000 for 50 MB).")
+    if not 0 <= heldout_fraction < 1:
+        raise LMForgeError(f"--heldout-fraction {heldout_fraction} must be in [0, 1) (0.01 is typical).")
+    read_opts = {"include": tuple(include), "text_field": text_field, "exclude_tests": exclude_tests}
+    survey = _survey(sources, read_opts, near_dedup=False, seed=seed, show_progress=show_progress)
+    heldout = np.zeros(len(survey.keep), dtype=bool)
+    heldout[survey.keep] = assign_heldout(survey.keys[survey.keep], heldout_fraction)
+    # Lowest split keys first until the byte budget is spent: a uniform sample, the same every run.
+    candidates = np.flatnonzero(survey.keep & ~heldout)
+    order = candidates[np.argsort(survey.keys[candidates], kind="stable")]
+    spent_before = np.cumsum(survey.sizes[order]) - survey.sizes[order]
+    sample = np.zeros(len(survey.keep), dtype=bool)
+    sample[order[spent_before < max_bytes]] = True
+    heldout_texts: list[str] = []
+
+    def training_texts() -> Iterator[str]:
+        heldout_bytes = 0
+        for i, text in _reread(sources, read_opts, survey):
+            if sample[i]:
+                yield text
+            elif heldout[i] and heldout_bytes < HELDOUT_MAX_BYTES:
+                heldout_texts.append(text)
+                heldout_bytes += int(survey.sizes[i])
+
+    path = train_tokenizer(training_texts(), vocab_size, out_dir, min_frequency, show_progress)
+    tok = Tokenizer.load(path)
+    return {
+        "tokenizer": str(path), "vocab_size": tok.vocab_size, "filters": survey.stats.as_dict(),
+        "train_documents": int(sample.sum()), "train_bytes": int(survey.sizes[sample].sum()),
+        "heldout_documents": len(heldout_texts),
+        "heldout_bytes": sum(len(t.encode("utf-8")) for t in heldout_texts),
+        "heldout_bytes_per_token": tok.bytes_per_token(heldout_texts) if heldout_texts else None,
+    }

@@ -1,0 +1,1 @@
+"""Evaluation: language-model loss, perplexity and bits per byte."""

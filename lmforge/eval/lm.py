@@ -1,0 +1,119 @@
+"""Loss, perplexity and bits per byte of a checkpoint on token shards or on raw files."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from lmforge.errors import LMForgeError
+
+
+def iter_windows(tokens: np.ndarray, seq_len: int, batch_size: int) -> Iterator[torch.Tensor]:
+    """Non-overlapping windows of ``seq_len + 1`` tokens (stride ``seq_len``) covering every token once
+    as a prediction target; the shorter tail comes last as its own batch."""
+    n = len(tokens)
+    full = (n - 1) // seq_len
+    if full > 0:
+        view = np.lib.stride_tricks.sliding_window_view(tokens[: full * seq_len + 1], seq_len + 1)[::seq_len]
+        for i in range(0, full, batch_size):
+            yield torch.from_numpy(np.ascontiguousarray(view[i:i + batch_size], dtype=np.int64))
+    tail = tokens[full * seq_len:]
+    if len(tail) > 1:
+        yield torch.from_numpy(np.asarray(tail, dtype=np.int64))[None, :]
+
+
+@torch.no_grad()
+def nll_of_tokens(model, tokens: np.ndarray, seq_len: int, batch_size: int, device: torch.device,
+                  max_tokens: int | None = None, progress: bool = True) -> tuple[float, int]:
+    """Summed negative log-likelihood (nats) and the number of predicted tokens."""
+    if max_tokens is not None:
+        tokens = tokens[: max_tokens + 1]
+    if len(tokens) < 2:
+        raise LMForgeError("the evaluation data has fewer than 2 tokens; give it more text")
+    model.eval()
+    total_nll, total = 0.0, 0
+    n_batches = max(1, math.ceil((len(tokens) - 1) / (seq_len * batch_size)))
+    for window in tqdm(iter_windows(tokens, seq_len, batch_size), total=n_batches, desc="eval",
+                       unit="batch", disable=not progress):
+        window = window.to(device)
+        batch = {"input_ids": window[:, :-1], "labels": window[:, 1:]}
+        loss, _ = model(batch)
+        count = batch["labels"].numel()
+        total_nll += float(loss) * count
+        total += count
+    return total_nll, total
+
+
+def metrics_from_nll(nll: float, tokens: int, bytes_per_token: float) -> dict[str, float]:
+    loss = nll / tokens
+    out = {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": float(tokens)}
+    if bytes_per_token > 0:
+        out["bpb"] = loss / math.log(2) / bytes_per_token
+    return out
+
+
+def load_eval_tokens(data: str | Path, tokenizer, split: str = "val", include: tuple[str, ...] = (),
+                     text_field: str = "text") -> tuple[np.ndarray, float, str]:
+    """Tokens to evaluate on, their bytes per token, and a description.
+
+    ``data`` is a directory made by `lmforge data prepare` (its ``split`` is read from the shards),
+    or raw sources (a tree of code files, JSONL, text, parquet ...) tokenized here with the model's
+    tokenizer, each document followed by the end-of-document token as in training.
+    """
+    from lmforge.data.loader import TokenDataset
+    from lmforge.data.sources import iter_documents
+
+    path = Path(data)
+    if not path.exists():
+        raise LMForgeError(f"--data {path} does not exist")
+    if (path / "meta.json").is_file():
+        ds = TokenDataset(path, split)
+        if ds.tokenizer_sha256 and ds.tokenizer_sha256 != tokenizer.sha256:
+            raise LMForgeError(f"{path} was tokenized with a different tokenizer than the checkpoint's; "
+                               "evaluate on raw files instead, or re-prepare the data with this tokenizer")
+        tokens = ds.read(0, ds.num_tokens)
+        return tokens, (ds.bytes / ds.num_tokens if ds.num_tokens else 0.0), f"{path} [{split}]"
+    docs = list(iter_documents(path, include=include or None, text_field=text_field))
+    if not docs:
+        raise LMForgeError(f"no documents found in {path} (include={list(include) or 'default'})")
+    ids = tokenizer.encode_batch([d.text for d in docs])
+    eos = tokenizer.eos_id
+    tokens = np.concatenate([np.asarray([*seq, eos], dtype=np.int64) for seq in ids])
+    n_bytes = sum(len(d.text.encode("utf-8")) for d in docs)
+    return tokens, n_bytes / len(tokens), f"{path} ({len(docs)} documents)"
+
+
+def evaluate(checkpoint: str | Path, data: str | Path, split: str = "val", seq_len: int = 0,
+             batch_size: int = 8, max_tokens: int | None = None, device: str = "auto",
+             include: tuple[str, ...] = (), text_field: str = "text", progress: bool = True) -> dict[str, float]:
+    """`lmforge eval`: loss, perplexity and bits per byte of a checkpoint on ``data``."""
+    from lmforge.infer.loading import load_for_inference
+
+    model, tokenizer, device_ = load_for_inference(checkpoint, device)
+    seq_len = seq_len or model.config.n_positions
+    if seq_len > model.config.n_positions:
+        raise LMForgeError(f"--seq-len {seq_len} exceeds the model's context of {model.config.n_positions}")
+    tokens, bytes_per_token, description = load_eval_tokens(data, tokenizer, split, include, text_field)
+    if tokens.max(initial=0) >= model.config.vocab_size:
+        raise LMForgeError(f"{description} has token id {int(tokens.max())} but the model's vocabulary has "
+                           f"{model.config.vocab_size} entries: the data was made with another tokenizer")
+    nll, count = nll_of_tokens(model, tokens, seq_len, batch_size, device_, max_tokens, progress)
+    # bytes_per_token is for the whole set; a max_tokens prefix is assumed to share it
+    out = metrics_from_nll(nll, count, bytes_per_token)
+    out["data"] = description  # type: ignore[assignment]
+    return out
+
+
+def unigram_bpb(train_tokens: np.ndarray, eval_tokens: np.ndarray, vocab_size: int, bytes_per_token: float) -> float:
+    """Bits per byte of an add-one-smoothed unigram model fitted on the training tokens: the floor any
+    trained language model must clearly beat."""
+    counts = np.bincount(np.asarray(train_tokens, dtype=np.int64), minlength=vocab_size).astype(np.float64) + 1.0
+    logp = np.log(counts / counts.sum())
+    targets = np.asarray(eval_tokens[1:], dtype=np.int64)
+    nll = -logp[targets].mean()
+    return float(nll / math.log(2) * (1.0 / bytes_per_token))

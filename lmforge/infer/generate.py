@@ -1,0 +1,157 @@
+"""Autoregressive sampling with a KV cache, and streaming detokenisation.
+
+``generate_tokens`` works with any model that has ``config`` (``n_positions``, ``bos_token_id``,
+``eos_token_id``), ``logits(input_ids, kv_cache=)`` and ``new_kv_cache(batch_size)``, like
+``lmforge.models.gpt.GPT``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from lmforge.errors import LMForgeError
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """Pick one token per row of ``[B, V]`` logits -> ``[B]`` ids.
+
+    ``temperature`` 0 = greedy (argmax); ``top_k`` 0 = off; ``top_p`` 1.0 = off (nucleus sampling:
+    keep the most likely tokens until their probability reaches ``top_p``).
+    """
+    if temperature < 0:
+        raise LMForgeError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if top_k < 0:
+        raise LMForgeError(f"top_k must be >= 0 (0 = off), got {top_k}")
+    if not 0.0 < top_p <= 1.0:
+        raise LMForgeError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k > 0:
+        kth = logits.topk(min(top_k, logits.size(-1)), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the tokens ranked above it already hold top_p; the top one always stays.
+        drop = probs.cumsum(dim=-1) - probs >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+
+
+def generate_tokens(model: Any, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.8,
+                    top_k: int = 0, top_p: float = 1.0, seed: int | None = None, eos_id: int | None = None,
+                    stop_at_eos: bool = True) -> Iterator[int]:
+    """Yield new token ids one at a time: one prefill of the prompt, then one cached step per token.
+
+    An empty prompt starts from the document separator (eos), as packed training data does. With ``stop_at_eos`` generation ends at
+    ``eos_id`` (default: the model's) without yielding it. Prompt plus output never exceed
+    ``n_positions``: a longer prompt keeps its last ``n_positions - 1`` tokens, and generation stops
+    when the context is full; both with a ``UserWarning``. With ``seed`` the output is reproducible.
+    """
+    config = model.config
+    n_ctx = config.n_positions
+    eos = config.eos_token_id if eos_id is None else eos_id
+    ids = list(prompt_ids) or [config.eos_token_id]  # a document starts after the separator
+    if max_new_tokens <= 0:
+        return
+    if len(ids) >= n_ctx:
+        keep = max(n_ctx - 1, 1)
+        warnings.warn(f"prompt of {len(ids)} tokens does not fit model.n_positions={n_ctx}; "
+                      f"keeping its last {keep} tokens", stacklevel=2)
+        ids = ids[len(ids) - keep:]
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    cache = model.new_kv_cache(1)
+
+    # Eval mode and inference mode only around model calls: a generator is suspended between
+    # tokens, and the caller's code then must see its own grad and train/eval state.
+    @torch.inference_mode()
+    def step(new_ids: list[int]) -> torch.Tensor:
+        was_training = model.training
+        model.eval()
+        try:
+            logits = model.logits(torch.tensor([new_ids], device=device), kv_cache=cache)
+        finally:
+            model.train(was_training)
+        return logits[:, -1]
+
+    logits = step(ids)
+    length = len(ids)
+    for i in range(max_new_tokens):
+        if i:
+            if length >= n_ctx:
+                warnings.warn(f"stopped after {i} new tokens: the context is full "
+                              f"(model.n_positions={n_ctx})", stacklevel=2)
+                return
+            logits = step([token])
+        token = int(sample_next(logits, temperature, top_k, top_p, generator)[0])
+        if stop_at_eos and token == eos:
+            return
+        yield token
+        length += 1
+
+
+class StreamingDecoder:
+    """Turn a stream of token ids into a stream of text, emitting only complete characters.
+
+    Byte-level tokens can end in the middle of a UTF-8 character; such text decodes with a trailing
+    U+FFFD, so ``push`` holds it back until a later token completes the character. Text is decoded
+    in a short window that starts one emitted chunk back, so decoders that treat the first token
+    specially (e.g. strip a leading space) see the same context as a full decode would.
+    """
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._window_start = 0  # first id of the decode window
+        self._emitted_end = 0  # ids before this are emitted
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text it completes ("" while a character is still partial)."""
+        self._ids.append(int(token_id))
+        return self._emit(force=False)
+
+    def flush(self) -> str:
+        """Return whatever is pending, partial characters included (as U+FFFD)."""
+        return self._emit(force=True)
+
+    def _emit(self, force: bool) -> str:
+        emitted = self.tokenizer.decode(self._ids[self._window_start:self._emitted_end])
+        text = self.tokenizer.decode(self._ids[self._window_start:])
+        if len(text) <= len(emitted) or (text.endswith("\ufffd") and not force):
+            return ""
+        self._window_start, self._emitted_end = self._emitted_end, len(self._ids)
+        return text[len(emitted):]
+
+
+def generate_text(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int = 256, temperature: float = 0.8,
+                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True,
+                  stream: Callable[[str], Any] | None = None) -> str:
+    """Generate a continuation of ``prompt`` and return it (without the prompt).
+
+    The prompt is encoded and prefixed with the document separator ``tokenizer.eos_id``: in packed
+    training data every document follows one, so this is how a model trained by lmforge has seen
+    documents begin. Generation stops at the next ``eos_id``. ``stream`` gets each new piece of text.
+    """
+    ids = [tokenizer.eos_id, *tokenizer.encode(prompt)]
+    decoder = StreamingDecoder(tokenizer)
+    pieces: list[str] = []
+
+    def emit(piece: str) -> None:
+        if piece:
+            pieces.append(piece)
+            if stream is not None:
+                stream(piece)
+
+    for token in generate_tokens(model, ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                 seed=seed, eos_id=tokenizer.eos_id, stop_at_eos=stop_at_eos):
+        emit(decoder.push(token))
+    emit(decoder.flush())
+    return "".join(pieces)

@@ -1,0 +1,151 @@
+"""The small interface every model family implements, and its on-disk format.
+
+A model is an ``nn.Module`` built from a config dataclass. In training it takes a batch dict and
+returns ``(loss, metrics)``; ``metrics`` is a flat dict of scalars (floats or 0-d tensors) that the
+loop logs as they are. It saves itself as a directory with ``config.yaml`` + ``model.safetensors``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from lmforge.errors import LMForgeError
+
+CONFIG_FILE = "config.yaml"
+WEIGHTS_FILE = "model.safetensors"
+
+
+class LMForgeModel(nn.Module):
+    """Base class: subclasses set ``family`` and ``config_class`` and implement ``forward``."""
+
+    family: ClassVar[str] = ""
+    config_class: ClassVar[type] = object
+
+    def __init__(self, config: Any):
+        super().__init__()
+        self.config = config
+
+    # ---- training interface -------------------------------------------------------------
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
+        raise NotImplementedError  # every family overrides this
+
+    def param_groups(self, weight_decay: float, lr: float) -> list[dict[str, Any]]:
+        """Optimizer groups. Default: decay matrices (dim >= 2), not biases/norms/scalars.
+
+        Families with per-module learning rates return groups with their own ``lr`` (the loop
+        scales every group's lr by the schedule multiplier, keeping each group's base lr).
+        """
+        decay, no_decay = [], []
+        for p in self.parameters():
+            if not p.requires_grad:
+                continue
+            (decay if p.dim() >= 2 else no_decay).append(p)
+        return [
+            {"params": decay, "weight_decay": weight_decay, "lr": lr, "name": "decay"},
+            {"params": no_decay, "weight_decay": 0.0, "lr": lr, "name": "no_decay"},
+        ]
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs (forward + backward) per token, for MFU. Default: 6 x parameters."""
+        return 6.0 * self.num_parameters()
+
+    def set_activation_checkpointing(self, enabled: bool) -> None:
+        """Recompute activations in backward to save memory. Families override where supported."""
+        if enabled:
+            raise LMForgeError(f"model family {self.family!r} does not support activation checkpointing")
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        seen: set[int] = set()
+        total = 0
+        for name, p in self.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if exclude_embeddings and "embed" in name:
+                continue
+            total += p.numel()
+        return total
+
+    # ---- on-disk format -----------------------------------------------------------------
+    def save_pretrained(self, directory: str | os.PathLike) -> Path:
+        """Write ``config.yaml`` and ``model.safetensors`` into ``directory`` (created if needed)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        config = {"family": self.family, **dataclasses.asdict(self.config)}
+        with open(directory / CONFIG_FILE, "w") as f:
+            yaml.safe_dump(config, f, sort_keys=False)
+        # safetensors refuses tensors that share storage (tied weights): store each once. Dedupe
+        # before .cpu(), which copies each tensor of a GPU model separately and hides the sharing.
+        state = {k: v.detach().contiguous().cpu() for k, v in _dedupe_shared(self.state_dict()).items()}
+        save_file(state, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+        return directory
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike, map_location: str | torch.device = "cpu"):
+        """Load a model saved by ``save_pretrained``; works on the base class for any family."""
+        from lmforge.models import config_from_dict, model_class
+
+        directory = Path(directory)
+        config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+        if not config_path.is_file() or not weights_path.is_file():
+            raise LMForgeError(
+                f"{directory} is not a model directory: it needs {CONFIG_FILE} and {WEIGHTS_FILE}. "
+                "Pass a checkpoint directory (runs/NAME/checkpoints/step-NNNNNN) or a run directory."
+            )
+        try:
+            raw = yaml.safe_load(config_path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise LMForgeError(f"{config_path} is not valid YAML ({e}); the checkpoint is corrupt.") from e
+        family = raw.pop("family", None)
+        config = config_from_dict(family, raw, source=str(config_path))
+        klass = model_class(family)
+        if cls is not LMForgeModel and not issubclass(klass, cls):
+            raise LMForgeError(f"{directory} holds a {family!r} model, not a {cls.family!r} model")
+        model = klass(config)
+        try:
+            state = load_file(str(weights_path), device=str(map_location))
+        except Exception as e:  # safetensors raises several types for truncated/corrupt files
+            raise LMForgeError(
+                f"cannot read {weights_path}: {e}. The file is corrupt or truncated; "
+                "use an earlier checkpoint (runs/NAME/checkpoints/) or retrain."
+            ) from e
+        try:
+            missing, unexpected = model.load_state_dict(state, strict=False)
+        except RuntimeError as e:  # tensors whose shapes differ from the config's
+            raise LMForgeError(
+                f"{weights_path} does not match its {CONFIG_FILE}: {e}. The checkpoint is corrupt or was edited."
+            ) from e
+        missing = [k for k in missing if not model.is_tied_key(k)]
+        if missing or unexpected:
+            raise LMForgeError(
+                f"{weights_path} does not match its {CONFIG_FILE}: missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]}. The checkpoint is corrupt or was edited."
+            )
+        model.tie_weights()
+        return model.to(map_location)
+
+    # Families with tied weights override these two.
+    def is_tied_key(self, key: str) -> bool:
+        return False
+
+    def tie_weights(self) -> None:
+        return None
+
+
+def _dedupe_shared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out, seen = {}, set()
+    for k, v in state.items():
+        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        out[k] = v
+    return out

@@ -1,0 +1,384 @@
+"""Decoder-only transformer in two flavors: ``gpt2`` (GPT-2 layout) and ``llama`` (Llama layout).
+
+gpt2:  token + learned position embeddings, pre-LN blocks with LayerNorm (with bias), GELU MLP,
+       biases everywhere, final LayerNorm, LM head. Converts 1:1 to ``transformers.GPT2LMHeadModel``
+       (see ``lmforge.models.hf_compat``).
+llama: RMSNorm with learned scale, rotary position embeddings, SwiGLU MLP, no biases, optional
+       grouped-query attention (``n_kv_head < n_head``).
+
+RoPE convention: "rotate half", exactly as HF ``LlamaForCausalLM`` computes it: the head dimension
+is split into two halves (not interleaved pairs), ``inv_freq[i] = rope_theta ** (-2i / head_dim)``,
+``cos``/``sin`` are ``cat(freqs, freqs)`` and ``q' = q * cos + rotate_half(q) * sin`` with
+``rotate_half([x1, x2]) = [-x2, x1]``. Our q/k projection rows are therefore in HF's order and an
+export to HF Llama needs no permutation (Meta's original checkpoints use interleaved pairs instead).
+
+Presets (``model.preset``) fill the sizes a config does not set explicitly; parameter counts:
+
+=======  ======================  =============  =================  =================  ==================
+preset   layers / width / heads  non-embedding  gpt2, vocab 50257  gpt2, vocab 32000  llama, vocab 32000
+=======  ======================  =============  =================  =================  ==================
+tiny     6 / 384 / 6             10,647,552     30,339,456         23,328,768         22,909,824
+small    12 / 768 / 12           85,056,000     124,439,808        110,418,432        109,529,856
+medium   24 / 1024 / 16          302,311,424    354,823,168        336,128,000        336,380,928
+large    24 / 2048 / 16          1,208,602,624  1,313,626,112      1,276,235,776      1,279,887,360
+=======  ======================  =============  =================  =================  ==================
+
+"non-embedding" is the gpt2 flavor's transformer blocks + final norm; totals are with the default
+n_positions=1024 and count the tied LM head once (llama SwiGLU widths: 1024, 2048, 2752, 5504). ``small``/``medium`` are GPT-2 124M/350M, ``large`` is GPT-3 XL (1.3B, head dim 128); ``tiny``
+is ~10M parameters in its blocks (the embeddings dominate at tiny sizes).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lmforge.errors import LMForgeError
+from lmforge.models import register
+from lmforge.models.base import LMForgeModel
+
+FLAVORS = ("gpt2", "llama")
+ACTIVATIONS = {"gelu": "none", "gelu_new": "tanh"}  # name -> F.gelu(approximate=...)
+PRESETS: dict[str, dict[str, int]] = {
+    "tiny": {"n_layer": 6, "n_embd": 384, "n_head": 6},
+    "small": {"n_layer": 12, "n_embd": 768, "n_head": 12},
+    "medium": {"n_layer": 24, "n_embd": 1024, "n_head": 16},
+    "large": {"n_layer": 24, "n_embd": 2048, "n_head": 16},
+}
+
+
+@dataclass
+class GPTConfig:
+    """Sizes and options of a GPT model; names follow HF ``GPT2Config``.
+
+    ``preset`` is applied by ``resolve_dict`` (config files, CLI overrides, checkpoints); when
+    building a ``GPTConfig`` directly in Python pass the sizes themselves.
+    """
+
+    flavor: str = "gpt2"  # gpt2 | llama
+    preset: str = ""  # "" | tiny | small | medium | large: fills sizes not set explicitly
+    vocab_size: int = 0  # 0 = taken from the tokenizer by the trainer; a model needs it > 0
+    n_positions: int = 1024  # context length
+    n_embd: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    n_kv_head: int = 0  # llama only: key/value heads for grouped-query attention; 0 = n_head
+    n_inner: int = 0  # MLP width; 0 = 4*n_embd (gpt2) or 8/3*n_embd rounded up to 64 (llama SwiGLU)
+    activation_function: str = "gelu"  # gpt2 only: gelu (exact erf) | gelu_new (tanh approx.)
+    embd_pdrop: float = 0.0
+    resid_pdrop: float = 0.0
+    attn_pdrop: float = 0.0
+    layer_norm_epsilon: float = 1e-5
+    rope_theta: float = 10000.0  # llama only
+    initializer_range: float = 0.02
+    tie_word_embeddings: bool = True  # LM head shares the token embedding (both flavors)
+    bos_token_id: int = 1
+    eos_token_id: int = 2
+    pad_token_id: int = 3
+
+    @classmethod
+    def resolve_dict(cls, values: dict[str, Any]) -> dict[str, Any]:
+        """Fill the preset's sizes into ``values`` wherever the user did not set them."""
+        preset = values.get("preset") or ""
+        if not preset:
+            return values
+        if not isinstance(preset, str) or preset not in PRESETS:
+            raise LMForgeError(f"unknown model.preset {preset!r}; use one of: {', '.join(PRESETS)} (or leave it empty)")
+        return {**PRESETS[preset], **values}
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                raise LMForgeError(message)
+
+        check(self.flavor in FLAVORS, f"unknown model.flavor {self.flavor!r}; use one of: {', '.join(FLAVORS)}")
+        check(self.preset in ("", *PRESETS),
+              f"unknown model.preset {self.preset!r}; use one of: {', '.join(PRESETS)} (or leave it empty)")
+        check(self.vocab_size >= 0, f"model.vocab_size must be >= 0 (0 = from the tokenizer), got {self.vocab_size}")
+        for key in ("n_positions", "n_embd", "n_layer", "n_head"):
+            check(getattr(self, key) > 0, f"model.{key} must be > 0, got {getattr(self, key)}")
+        check(self.n_embd % self.n_head == 0,
+              f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head}); "
+              "change one of them so every head gets n_embd / n_head dimensions")
+        check(self.n_kv_head >= 0, f"model.n_kv_head must be >= 0 (0 = n_head), got {self.n_kv_head}")
+        if self.flavor == "gpt2":
+            check(self.n_kv_head in (0, self.n_head),
+                  f"model.n_kv_head={self.n_kv_head} needs model.flavor=llama (gpt2 has no grouped-query "
+                  "attention); remove it or set it to 0")
+        check(self.n_head % self.kv_heads == 0,
+              f"model.n_head ({self.n_head}) must be divisible by model.n_kv_head ({self.n_kv_head})")
+        if self.flavor == "llama":
+            check(self.head_dim % 2 == 0,
+                  f"rotary embeddings need an even head size, but model.n_embd / model.n_head = {self.head_dim}")
+        check(self.n_inner >= 0, f"model.n_inner must be >= 0 (0 = default width), got {self.n_inner}")
+        check(self.activation_function in ACTIVATIONS,
+              f"unknown model.activation_function {self.activation_function!r}; use one of: {', '.join(ACTIVATIONS)}")
+        for key in ("embd_pdrop", "resid_pdrop", "attn_pdrop"):
+            check(0.0 <= getattr(self, key) < 1.0, f"model.{key} must be in [0, 1), got {getattr(self, key)}")
+        check(self.layer_norm_epsilon > 0, f"model.layer_norm_epsilon must be > 0, got {self.layer_norm_epsilon}")
+        check(self.rope_theta > 0, f"model.rope_theta must be > 0, got {self.rope_theta}")
+        check(self.initializer_range >= 0, f"model.initializer_range must be >= 0, got {self.initializer_range}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def inner_size(self) -> int:
+        if self.n_inner:
+            return self.n_inner
+        if self.flavor == "gpt2":
+            return 4 * self.n_embd
+        # SwiGLU has three matrices, so 2/3 of 4*n_embd keeps the MLP at ~8*n_embd^2 parameters;
+        # rounding up to a multiple of 64 keeps matmuls tile-friendly.
+        return -(-(8 * self.n_embd) // (3 * 64)) * 64
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 (bf16 mean-of-squares loses precision), scale in the input dtype.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def _norm(c: GPTConfig) -> nn.Module:
+    if c.flavor == "gpt2":
+        return nn.LayerNorm(c.n_embd, eps=c.layer_norm_epsilon)
+    return RMSNorm(c.n_embd, c.layer_norm_epsilon)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class KVCache:
+    """Keys and values of past positions for incremental decoding.
+
+    One preallocated ``[batch, n_kv_head, n_positions, head_dim]`` pair per layer; ``pos`` is the
+    number of positions filled. Layers write at ``pos``; the model advances ``pos`` after a forward.
+    """
+
+    def __init__(self, n_layer: int, batch_size: int, n_kv_head: int, max_len: int, head_dim: int,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+        shape = (batch_size, n_kv_head, max_len, head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
+        self.max_len = max_len
+        self.pos = 0
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this block's new k/v; return k/v of all positions so far."""
+        end = self.pos + k.size(2)
+        self.k[layer][:, :, self.pos:end] = k
+        self.v[layer][:, :, self.pos:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = c.n_head, c.kv_heads, c.head_dim
+        bias = c.flavor == "gpt2"
+        # q, k and v in one matmul: rows [q heads | k heads | v heads].
+        self.qkv = nn.Linear(c.n_embd, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=bias)
+        self.proj = nn.Linear(c.n_embd, c.n_embd, bias=bias)
+        self.attn_pdrop = c.attn_pdrop
+        self.resid_drop = nn.Dropout(c.resid_pdrop)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                cache: KVCache | None, layer: int) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).split(
+            [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=-1)
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            cos, sin = rope
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+        if cache is not None:
+            k, v = cache.update(layer, k, v)
+        if self.n_kv_head != self.n_head:
+            # Query head h reads kv head h // group, the grouping HF's repeat_kv uses.
+            group = self.n_head // self.n_kv_head
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        S = k.size(2)
+        mask = None
+        if T > 1 and S > T:
+            # A block of queries after cached positions: query i sees keys 0 .. (S - T) + i.
+            # (SDPA's is_causal aligns the triangle top-left, which is only right when S == T.)
+            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=T > 1 and S == T,
+            dropout_p=self.attn_pdrop if self.training else 0.0)
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, T, -1)))
+
+
+class MLP(nn.Module):
+    """GELU MLP (gpt2) or SwiGLU (llama); ``proj`` is the residual output projection in both."""
+
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.swiglu = c.flavor == "llama"
+        width = c.inner_size
+        if self.swiglu:
+            self.gate_up = nn.Linear(c.n_embd, 2 * width, bias=False)  # rows [gate | up]
+        else:
+            self.fc = nn.Linear(c.n_embd, width)
+            self.approximate = ACTIVATIONS[c.activation_function]
+        self.proj = nn.Linear(width, c.n_embd, bias=not self.swiglu)
+        self.drop = nn.Dropout(c.resid_pdrop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(self.fc(x), approximate=self.approximate)
+        return self.drop(self.proj(h))
+
+
+class Block(nn.Module):
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.norm_1 = _norm(c)
+        self.attn = Attention(c)
+        self.norm_2 = _norm(c)
+        self.mlp = MLP(c)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                cache: KVCache | None, layer: int) -> torch.Tensor:
+        x = x + self.attn(self.norm_1(x), rope, cache, layer)
+        return x + self.mlp(self.norm_2(x))
+
+
+@register
+class GPT(LMForgeModel):
+    family = "gpt"
+    config_class = GPTConfig
+
+    def __init__(self, config: GPTConfig):
+        super().__init__(config)
+        c = config
+        if c.vocab_size <= 0:
+            raise LMForgeError(
+                "model.vocab_size is 0, so the model cannot be built: set model.vocab_size to the "
+                "tokenizer's vocabulary size (the trainer does this from data.tokenizer)")
+        self.tok_embed = nn.Embedding(c.vocab_size, c.n_embd)  # registered before lm_head: see is_tied_key
+        self.pos_embed = nn.Embedding(c.n_positions, c.n_embd) if c.flavor == "gpt2" else None
+        self.drop = nn.Dropout(c.embd_pdrop)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layer))
+        self.norm_f = _norm(c)
+        self.lm_head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
+        self._init_weights()
+        self.tie_weights()
+        self._checkpointing = False
+
+    def _init_weights(self) -> None:
+        std = self.config.initializer_range
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, 0.0, std)
+            if isinstance(m, (nn.LayerNorm, RMSNorm)):
+                nn.init.ones_(m.weight)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+        # Each block adds two outputs to the residual stream; scaling their projections keeps the
+        # stream's variance roughly independent of depth (GPT-2 paper, section 2.3).
+        for block in self.blocks:
+            for proj in (block.attn.proj, block.mlp.proj):
+                nn.init.normal_(proj.weight, 0.0, std / math.sqrt(2 * self.config.n_layer))
+
+    # ---- training interface -------------------------------------------------------------
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
+        logits = self.logits(batch["input_ids"])
+        labels = batch["labels"]
+        # Sum / count rather than reduction="mean": a batch with no valid labels gives 0, not NaN.
+        loss_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+        return loss_sum / (labels != -100).sum().clamp(min=1), {}
+
+    def logits(self, input_ids: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+        """``[B, T]`` token ids -> ``[B, T, vocab]`` logits; with ``kv_cache`` the ids continue the cached ones."""
+        c = self.config
+        T = input_ids.size(1)
+        start = kv_cache.pos if kv_cache is not None else 0
+        if start + T > c.n_positions:
+            raise LMForgeError(
+                f"sequence of {start + T} tokens is longer than model.n_positions={c.n_positions}; "
+                "use a shorter data.seq_len / prompt or a model with a longer context")
+        positions = torch.arange(start, start + T, device=input_ids.device)
+        x = self.tok_embed(input_ids)
+        rope = None
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(positions)
+        else:
+            rope = self._rope(positions, x.dtype)
+        x = self.drop(x)
+        use_checkpoint = self._checkpointing and self.training and torch.is_grad_enabled() and kv_cache is None
+        for i, block in enumerate(self.blocks):
+            if use_checkpoint:
+                x = checkpoint(block, x, rope, None, i, use_reentrant=False)
+            else:
+                x = block(x, rope, kv_cache, i)
+        if kv_cache is not None:
+            kv_cache.pos += T
+        return self.lm_head(self.norm_f(x))
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # Computed per call in fp32 (cheap) instead of cached in a buffer that model.to(bf16) would round.
+        hd = self.config.head_dim
+        inv_freq = 1.0 / self.config.rope_theta ** (
+            torch.arange(0, hd, 2, device=positions.device, dtype=torch.float32) / hd)
+        freqs = positions.float()[:, None] * inv_freq[None, :]  # elementwise: autocast leaves it in fp32
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def new_kv_cache(self, batch_size: int, device: torch.device | str | None = None,
+                     dtype: torch.dtype | None = None) -> KVCache:
+        """An empty cache for ``logits(..., kv_cache=)``; device/dtype default to the model's."""
+        c = self.config
+        p = self.tok_embed.weight
+        return KVCache(c.n_layer, batch_size, c.kv_heads, c.n_positions, c.head_dim,
+                       device=device or p.device, dtype=dtype or p.dtype)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward), PaLM appendix B style::
+
+            6 * N + 12 * n_layer * n_embd * seq_len + 6 * n_embd * vocab_size
+
+        N = parameters of the blocks and final norm (each weight: 2 FLOPs forward, 4 backward per
+        token); the middle term is the attention score and value matmuls (no causal discount);
+        the last is the LM head (counted once, tied or not). Embedding lookups cost nothing.
+        """
+        c = self.config
+        n_body = sum(p.numel() for p in self.blocks.parameters()) + sum(p.numel() for p in self.norm_f.parameters())
+        return 6.0 * n_body + 12.0 * c.n_layer * c.n_embd * seq_len + 6.0 * c.n_embd * c.vocab_size
+
+    def set_activation_checkpointing(self, enabled: bool) -> None:
+        self._checkpointing = bool(enabled)
+
+    # ---- tied weights -------------------------------------------------------------------
+    def is_tied_key(self, key: str) -> bool:
+        return self.config.tie_word_embeddings and key == "lm_head.weight"
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.tok_embed.weight

@@ -1,0 +1,176 @@
+"""`lmforge quickstart`: the whole job, end to end, on real code found on this machine.
+
+corpus -> tokenizer -> token shards -> train go_coder_tiny -> evaluate (vs a unigram baseline) ->
+plot -> sample. Everything lands in one working directory; a second run reuses its tokenizer and data.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from lmforge.errors import LMForgeError
+
+PROMPTS = {
+    "go": "// readLines reads a whole file and returns its lines.\nfunc readLines(path string) ([]string, error) {\n",
+    "python": "def read_lines(path):\n    \"\"\"Return the lines of a text file.\"\"\"\n",
+    "text": "The ",
+}
+
+
+@dataclass
+class Corpus:
+    path: Path
+    include: tuple[str, ...]
+    language: str
+    origin: str
+
+
+def find_corpus(data: str | None = None, include: tuple[str, ...] = ()) -> Corpus:
+    """The Go standard library of a local Go toolchain, else the running Python's standard library."""
+    if data:
+        path = Path(data)
+        if not path.exists():
+            raise LMForgeError(f"--data {path} does not exist")
+        lang = "go" if (not include or any(g.endswith(".go") for g in include)) else "text"
+        if include and any(g.endswith(".py") for g in include):
+            lang = "python"
+        return Corpus(path, include or ("**/*.go",), lang, "--data")
+    go = shutil.which("go")
+    if go:
+        try:
+            root = subprocess.run([go, "env", "GOROOT"], capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            root = ""
+        if root and (Path(root) / "src").is_dir():
+            return Corpus(Path(root) / "src", ("**/*.go",), "go", "the Go standard library (`go env GOROOT`)")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return Corpus(stdlib, ("**/*.py",), "python", "the Python standard library (no Go toolchain found)")
+
+
+def _stage(i: int, text: str) -> None:
+    print(f"\n[{i}/6] {text}", flush=True)
+
+
+def quickstart(data: str | None = None, include: tuple[str, ...] = (), out: str = "lmforge_quickstart",
+               minutes: float = 5.0, max_bytes: int = 24_000_000, vocab_size: int = 4096,
+               overrides: list[str] | None = None) -> dict:
+    from lmforge.config import load_config
+    from lmforge.data import prepare_data
+    from lmforge.data.loader import TokenDataset
+    from lmforge.data.sources import iter_documents
+    from lmforge.eval.lm import metrics_from_nll, nll_of_tokens, unigram_bpb
+    from lmforge.infer.generate import generate_text
+    from lmforge.models import load_model
+    from lmforge.plot import plot_run
+    from lmforge.tokenizer import Tokenizer, train_tokenizer
+    from lmforge.train import train
+
+    if minutes <= 0:
+        raise LMForgeError("--minutes must be > 0")
+    t_start = time.perf_counter()
+    work = Path(out)
+    work.mkdir(parents=True, exist_ok=True)
+
+    corpus = find_corpus(data, include)
+    _stage(1, f"corpus: {corpus.path} — {corpus.origin}, files {', '.join(corpus.include)}")
+
+    tok_dir = work / "tokenizer"
+    if (tok_dir / "tokenizer.json").is_file():
+        print(f"reusing tokenizer {tok_dir}")
+    else:
+        _stage(2, f"training a byte-level BPE tokenizer (vocab {vocab_size}) on up to {max_bytes / 1e6:.0f} MB")
+        docs = iter_documents(corpus.path, include=list(corpus.include))
+        train_tokenizer(_capped_texts(docs, max_bytes // 2), vocab_size=vocab_size, out_dir=tok_dir)
+    tokenizer = Tokenizer.load(tok_dir)
+
+    data_dir = work / "data"
+    if (data_dir / "meta.json").is_file() and TokenDataset(data_dir, "train").tokenizer_sha256 == tokenizer.sha256:
+        print(f"reusing prepared data {data_dir}")
+    else:
+        _stage(3, "preparing token shards (filters, dedup, split by file, packing)")
+        prepare_data([str(corpus.path)], data_dir, tokenizer, include=list(corpus.include), overwrite=True,
+                     max_bytes=max_bytes)
+    train_ds, val_ds = TokenDataset(data_dir, "train"), TokenDataset(data_dir, "val")
+    print(f"data: {train_ds.num_tokens:,} train tokens, {val_ds.num_tokens:,} val tokens "
+          f"({val_ds.bytes / max(val_ds.num_tokens, 1):.2f} bytes/token on val)")
+
+    _stage(4, f"training go_coder_tiny for about {minutes:g} minutes")
+    run_name = time.strftime("quickstart-%Y%m%d-%H%M%S")
+    values = {"name": run_name, "out_dir": str(work / "runs"), "data": {"path": str(data_dir)}}
+    cfg = load_config("go_coder_tiny", overrides, values=values)
+    cfg.training.max_steps = _steps_for_budget(cfg, minutes)
+    cfg.training.max_time_minutes = minutes * 1.1  # a guard; the step count is sized to fit the budget
+    cfg.training.eval_interval = max(1, cfg.training.max_steps // 4)
+    cfg.training.save_interval = cfg.training.eval_interval
+    result = train(cfg)
+
+    _stage(5, "held-out evaluation")
+    model = load_model(result.best_checkpoint or result.last_checkpoint)
+    model.eval()
+    eval_tokens = val_ds.read(0, min(val_ds.num_tokens, 200_000))
+    bytes_per_token = val_ds.bytes / val_ds.num_tokens
+    import torch
+
+    with torch.no_grad():
+        nll, count = nll_of_tokens(model, eval_tokens, cfg.data.seq_len, 16, torch.device("cpu"))
+    model_metrics = metrics_from_nll(nll, count, bytes_per_token)
+    train_sample = train_ds.read(0, min(train_ds.num_tokens, 20_000_000))
+    base = unigram_bpb(train_sample, eval_tokens, tokenizer.vocab_size, bytes_per_token)
+    print(f"held-out bits per byte: model {model_metrics['bpb']:.3f}  vs  unigram baseline {base:.3f} "
+          f"({100 * (1 - model_metrics['bpb'] / base):.0f}% lower); perplexity {model_metrics['ppl']:.2f} "
+          f"on {count:,} tokens")
+
+    _stage(6, "plot and sample")
+    png = plot_run(result.run_dir)
+    print(f"loss curve: {png}")
+    prompt = PROMPTS.get(corpus.language, PROMPTS["text"])
+    print("sample (temperature 0.7):\n" + "-" * 60)
+    print(prompt, end="", flush=True)
+    generate_text(model, tokenizer, prompt, max_new_tokens=120, temperature=0.7, top_p=0.95, seed=0,
+                  stream=lambda s: print(s, end="", flush=True))
+    print("\n" + "-" * 60)
+    elapsed = time.perf_counter() - t_start
+    ckpt = result.best_checkpoint or result.last_checkpoint
+    print(f"done in {elapsed / 60:.1f} min. Next: lmforge generate {ckpt} --prompt '...'  |  "
+          f"lmforge eval {ckpt} --data {data_dir}")
+    return {"bpb": model_metrics["bpb"], "unigram_bpb": base, "run_dir": str(result.run_dir),
+            "checkpoint": str(ckpt), "seconds": elapsed, "png": str(png)}
+
+
+def _capped_texts(docs, max_bytes: int):
+    total = 0
+    for doc in docs:
+        yield doc.text
+        total += len(doc.text.encode("utf-8"))
+        if total >= max_bytes:
+            return
+
+
+def _steps_for_budget(cfg, minutes: float) -> int:
+    """Size max_steps so the cosine schedule completes inside the time budget (measured, not guessed)."""
+    from lmforge.bench import bench_lmforge
+    from lmforge.train.device import setup_device
+
+    probe = load_probe_config(cfg)
+    devinfo = setup_device(probe.training.device, probe.training.precision, probe.training.peak_flops)
+    r = bench_lmforge(probe, steps=3, warmup=1, devinfo=devinfo)
+    seconds_per_step = r["step_ms"] / 1000 * 1.12  # evaluation, logging and checkpoints on top
+    steps = int(minutes * 60 / seconds_per_step)
+    print(f"measured {r['step_ms']:.0f} ms/step ({r['tokens_per_s']:,.0f} tokens/s): {steps} steps fit")
+    return max(20, steps)
+
+
+def load_probe_config(cfg):
+    import copy
+
+    from lmforge.tokenizer import Tokenizer
+
+    probe = copy.deepcopy(cfg)
+    if probe.model.vocab_size == 0:
+        probe.model.vocab_size = Tokenizer.load(Path(cfg.data.path)).vocab_size
+    return probe

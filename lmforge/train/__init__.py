@@ -1,0 +1,138 @@
+"""``train(config)``: everything `lmforge train` does, as one function call."""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lmforge.config import RunConfig
+from lmforge.errors import LMForgeError
+from lmforge.models import build_model
+from lmforge.train import checkpoint as ckpt
+from lmforge.train.data import build_token_data
+from lmforge.train.device import setup_device
+from lmforge.train.distributed import DistInfo, barrier, init_distributed, shutdown
+from lmforge.train.loop import DataBundle, Trainer, TrainResult
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def train(cfg: RunConfig, resume: bool | str = False) -> TrainResult:
+    """Train ``cfg``. ``resume=True`` continues from the run's latest checkpoint (or starts fresh when
+    there is none); a path resumes from that checkpoint. Returns a ``TrainResult``."""
+    distinfo = init_distributed(cfg.training.device)
+    try:
+        return _train(cfg, resume, distinfo)
+    finally:
+        shutdown(distinfo)
+
+
+def _train(cfg: RunConfig, resume: bool | str, distinfo: DistInfo) -> TrainResult:
+    devinfo = setup_device(cfg.training.device, cfg.training.precision, cfg.training.peak_flops,
+                           distinfo.local_rank)
+    run_dir = cfg.run_dir
+    resume_from = _resume_point(run_dir, resume)
+
+    tokenizer_path = _tokenizer_path(cfg)
+    data = build_token_data(cfg, distinfo)
+    _check_vocab(cfg, tokenizer_path, data)
+
+    seed_everything(cfg.seed)  # same initial weights on every rank
+    model = build_model(cfg.model)
+    if cfg.training.activation_checkpointing:
+        model.set_activation_checkpointing(True)
+    model.to(devinfo.device)
+    seed_everything(cfg.seed + distinfo.rank)  # dropout differs per rank
+
+    if distinfo.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        ckpt.clean_partial(run_dir / "checkpoints")
+        cfg.save(run_dir / "config.yaml")
+        _copy_tokenizer(tokenizer_path, run_dir / "tokenizer")
+    barrier(distinfo)
+
+    trainer = Trainer(cfg, model, data, devinfo, distinfo, run_dir,
+                      extra_files=lambda d: _copy_tokenizer(tokenizer_path, d))
+    if resume_from is not None:
+        trainer.load_checkpoint(resume_from)
+    if distinfo.is_main:
+        n = model.num_parameters()
+        where = f"resuming from {resume_from} (step {trainer.step})" if resume_from else "from scratch"
+        print(f"lmforge train: {cfg.name} | {type(model).__name__} {n / 1e6:.2f}M params | "
+              f"{devinfo.device} {devinfo.precision} x{distinfo.world_size} | {data.description}")
+        print(f"run dir {run_dir} | {where} | MFU against {devinfo.peak_flops / 1e12:.2f} TFLOP/s "
+              f"({devinfo.peak_source})")
+    return trainer.fit()
+
+
+def _resume_point(run_dir: Path, resume: bool | str) -> Path | None:
+    ckpt_root = run_dir / "checkpoints"
+    if isinstance(resume, str) and resume not in ("", "latest"):
+        path = Path(resume)
+        if not (path / ckpt.STATE_FILE).is_file():
+            raise LMForgeError(f"--resume {path}: not a training checkpoint (no {ckpt.STATE_FILE}); "
+                               f"pass a runs/NAME/checkpoints/step-NNNNNN directory or plain --resume")
+        return path
+    existing = ckpt.latest_checkpoint(ckpt_root)
+    if resume:
+        if existing is None:
+            print(f"note: --resume given but {ckpt_root} has no checkpoint yet; starting from scratch")
+        return existing
+    if existing is not None:
+        raise LMForgeError(
+            f"{run_dir} already has checkpoints (latest {existing.name}). Pass --resume to continue it, "
+            f"or choose another run name (name=NEW) — nothing was overwritten."
+        )
+    return None
+
+
+def _tokenizer_path(cfg: RunConfig) -> Path:
+    path = Path(cfg.data.tokenizer) if cfg.data.tokenizer else Path(cfg.data.path)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise LMForgeError(f"tokenizer {path} not found: set data.tokenizer=PATH/tokenizer.json, or prepare the "
+                           "data with `lmforge data prepare`, which stores the tokenizer beside the shards")
+    return path
+
+
+def _check_vocab(cfg: RunConfig, tokenizer_path: Path, data: DataBundle) -> None:
+    from lmforge.data.loader import TokenDataset
+    from lmforge.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(tokenizer_path)
+    meta = TokenDataset(Path(cfg.data.path), "train")
+    if meta.tokenizer_sha256 and meta.tokenizer_sha256 != tok.sha256:
+        raise LMForgeError(f"the data in {cfg.data.path} was tokenized with a different tokenizer than "
+                           f"{tokenizer_path}; re-run `lmforge data prepare` with this tokenizer or point "
+                           "data.tokenizer at the one the data was made with")
+    model_vocab = getattr(cfg.model, "vocab_size", None)
+    if model_vocab is None:
+        return
+    if model_vocab == 0:
+        cfg.model.vocab_size = tok.vocab_size
+    elif model_vocab < tok.vocab_size or model_vocab < meta.vocab_size:
+        raise LMForgeError(f"model.vocab_size={model_vocab} but the tokenizer {tokenizer_path} has "
+                           f"{tok.vocab_size} tokens: set model.vocab_size={tok.vocab_size} (or 0 to take it "
+                           "from the tokenizer)")
+
+
+def _copy_tokenizer(tokenizer_path: Path, directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        src = tokenizer_path.parent / name
+        if src.is_file():
+            shutil.copyfile(src, directory / name)
+
+
+__all__ = ["train", "TrainResult", "seed_everything"]

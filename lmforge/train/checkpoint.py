@@ -1,0 +1,155 @@
+"""Checkpoints: written atomically, kept to the last K plus the best, found again for resume.
+
+Layout of ``RUN_DIR/checkpoints/``::
+
+    step-000100/  model.safetensors config.yaml tokenizer.json ... optimizer.pt rng_state.pt trainer_state.json
+    best/         model.safetensors config.yaml tokenizer.json ...   (weights only, lowest eval loss)
+
+A checkpoint is first written into a hidden ``.tmp-*`` sibling and renamed into place when every file
+is on disk, so a crash (even ``kill -9``) mid-write leaves the previous checkpoints untouched.
+``trainer_state.json`` is written last inside the temporary directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmforge.errors import LMForgeError
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+STATE_FILE = "trainer_state.json"
+OPTIMIZER_FILE = "optimizer.pt"
+RNG_FILE = "rng_state.pt"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def list_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:
+    """Complete step checkpoints, oldest first."""
+    if not ckpt_root.is_dir():
+        return []
+    found = []
+    for p in ckpt_root.iterdir():
+        m = STEP_DIR.match(p.name)
+        if m and p.is_dir() and (p / STATE_FILE).is_file():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def latest_checkpoint(ckpt_root: Path) -> Path | None:
+    found = list_checkpoints(ckpt_root)
+    return found[-1][1] if found else None
+
+
+def _fsync_dir_tree(directory: Path) -> None:
+    for p in directory.iterdir():
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+
+
+def clean_partial(ckpt_root: Path) -> None:
+    """Remove temporary directories left by an interrupted write; restore `best` if a swap was cut."""
+    if not ckpt_root.is_dir():
+        return
+    for p in ckpt_root.glob(".tmp-*"):
+        shutil.rmtree(p, ignore_errors=True)
+    old_best, best = ckpt_root / ".old-best", ckpt_root / "best"
+    if old_best.is_dir():
+        if best.is_dir():
+            shutil.rmtree(old_best, ignore_errors=True)
+        else:
+            old_best.rename(best)
+
+
+def write_checkpoint(ckpt_root: Path, step: int, write_files, keep_last: int) -> Path:
+    """Call ``write_files(tmp_dir)`` then atomically publish it as ``step-NNNNNN``; prune old ones."""
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    final = ckpt_root / step_dir_name(step)
+    tmp = ckpt_root / f".tmp-{step_dir_name(step)}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    write_files(tmp)
+    _fsync_dir_tree(tmp)
+    if final.exists():  # re-saving the same step (e.g. after resume): replace it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    for _, old in list_checkpoints(ckpt_root)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def write_best(ckpt_root: Path, write_files) -> Path:
+    """Replace ``best/`` with new weights; the old one survives until the new one is complete."""
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    tmp = ckpt_root / f".tmp-best-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    write_files(tmp)
+    _fsync_dir_tree(tmp)
+    best, old = ckpt_root / "best", ckpt_root / ".old-best"
+    if best.exists():
+        os.rename(best, old)
+    os.rename(tmp, best)
+    shutil.rmtree(old, ignore_errors=True)
+    return best
+
+
+def save_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(path)
+
+
+def read_trainer_state(ckpt: Path) -> dict[str, Any]:
+    path = ckpt / STATE_FILE
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise LMForgeError(f"{ckpt} is not a training checkpoint: {STATE_FILE} is missing") from e
+    except json.JSONDecodeError as e:
+        raise LMForgeError(f"{path} is corrupt ({e}); resume from an earlier checkpoint in {ckpt.parent}") from e
+
+
+def load_torch_file(path: Path, what: str) -> Any:
+    if not path.is_file():
+        raise LMForgeError(f"{path} is missing: the checkpoint {path.parent.name} is incomplete; "
+                           f"resume from an earlier checkpoint in {path.parent.parent}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # torch raises several types for truncated zip archives
+        raise LMForgeError(f"cannot read the {what} in {path}: {e}. The checkpoint is corrupt; "
+                           f"resume from an earlier checkpoint in {path.parent.parent}") from e
+
+
+def resolve_model_dir(path: str | os.PathLike) -> Path:
+    """A checkpoint, `best`, a run directory or its `checkpoints/` folder -> a directory with weights.
+
+    For a run directory: `best` if it exists, else the latest step checkpoint.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise LMForgeError(f"checkpoint path {p} does not exist")
+    if (p / "model.safetensors").is_file():
+        return p
+    for root in (p / "checkpoints", p):
+        if (root / "best" / "model.safetensors").is_file():
+            return root / "best"
+        latest = latest_checkpoint(root)
+        if latest is not None:
+            return latest
+    raise LMForgeError(
+        f"{p} holds no model: expected model.safetensors, or a run directory with checkpoints/. "
+        "Train one with `lmforge train RECIPE` or pass runs/NAME/checkpoints/step-NNNNNN."
+    )

@@ -1,0 +1,135 @@
+"""Device, precision and peak-FLOP/s selection: pick what the hardware does well."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from lmforge.errors import LMForgeError
+
+# Dense (no sparsity) peak tensor-core FLOP/s for bf16/fp16, by substring of the device name.
+# Order matters: more specific names first.
+_GPU_PEAK_BF16 = [
+    ("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("GH200", 989e12),
+    ("B200", 2250e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12), ("L40", 181e12),
+    ("L4", 121e12), ("A10G", 125e12), ("A10", 125e12), ("RTX 4090", 165e12), ("RTX 4080", 97e12),
+    ("RTX 3090", 71e12), ("RTX 3080", 59e12), ("V100", 125e12), ("T4", 65e12),
+    ("MI300X", 1307e12), ("MI250", 362e12), ("RX 7900", 123e12), ("RX 6700", 26e12),
+]
+
+
+@dataclass
+class DeviceInfo:
+    device: torch.device
+    precision: str  # fp32 | bf16 | fp16
+    peak_flops: float  # FLOP/s the MFU is measured against
+    peak_source: str  # where peak_flops came from (table, measured, config)
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
+
+    def autocast(self):
+        dtype = self.autocast_dtype
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+
+def pick_device(requested: str = "auto", local_rank: int = 0) -> torch.device:
+    if requested == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        device = torch.device(requested)
+    except RuntimeError as e:
+        raise LMForgeError(f"training.device={requested!r} is not a device ({e}); use auto, cpu, cuda, cuda:N or mps") from e
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise LMForgeError("training.device=cuda but PyTorch sees no CUDA/ROCm GPU; use training.device=auto or cpu")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise LMForgeError("training.device=mps but MPS is not available; use training.device=auto or cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank)
+    return device
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True on CPUs with bf16 matrix units (AMX / AVX512-BF16); elsewhere bf16 is emulated and slow."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def pick_precision(requested: str, device: torch.device) -> str:
+    if requested != "auto":
+        if requested == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise LMForgeError("this GPU has no bf16 support; use training.precision=fp16 (with loss scaling) or fp32")
+        if requested == "fp16" and device.type == "cpu":
+            raise LMForgeError("training.precision=fp16 is for GPUs; on a CPU use fp32 (or bf16 on CPUs with AMX)")
+        return requested
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    if device.type == "cpu" and cpu_has_fast_bf16():
+        return "bf16"
+    return "fp32"  # MPS and plain CPUs: fp32 is the fast and safe choice
+
+
+def peak_flops(device: torch.device, precision: str, override: float = 0.0) -> tuple[float, str]:
+    if override > 0:
+        return override, "training.peak_flops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, flops in _GPU_PEAK_BF16:
+            if key in name:
+                if precision == "fp32":
+                    return flops / 2, f"{name} TF32 peak (table)"
+                return flops, f"{name} {precision} peak (table)"
+    return measure_matmul_flops(device, precision), "measured matmul peak"
+
+
+def measure_matmul_flops(device: torch.device, precision: str, seconds: float = 0.3) -> float:
+    """Best FLOP/s of a square matmul on this device: the honest ceiling where no spec table applies."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    n = 1024 if device.type == "cpu" else 4096
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    best = 0.0
+    deadline = time.perf_counter() + seconds
+    a @ b  # warm-up
+    while time.perf_counter() < deadline:
+        _sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        _sync(device)
+        best = max(best, 2 * n**3 / (time.perf_counter() - t0))
+    return best
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def setup_device(requested: str, precision: str, peak_override: float, local_rank: int = 0) -> DeviceInfo:
+    device = pick_device(requested, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    prec = pick_precision(precision, device)
+    flops, source = peak_flops(device, prec, peak_override)
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+    return DeviceInfo(device=device, precision=prec, peak_flops=flops, peak_source=source)

@@ -1,0 +1,396 @@
+"""The one training loop, for every model family.
+
+It knows nothing about what a model computes: a model takes a batch dict and returns
+``(loss, metrics)``; a data bundle hands out batches and can save/restore its position. Everything
+else — precision, accumulation, clipping, schedules, evaluation, checkpoints, resume, signals,
+NaN detection, logging, DDP — lives here once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from lmforge.config import RunConfig
+from lmforge.errors import LMForgeError
+from lmforge.models.base import LMForgeModel
+from lmforge.train import checkpoint as ckpt
+from lmforge.train.device import DeviceInfo
+from lmforge.train.distributed import DistInfo, barrier
+from lmforge.train.loggers import MetricsLogger
+from lmforge.train.schedule import lr_multiplier
+
+
+@dataclass
+class DataBundle:
+    """What the loop needs from a dataset, whatever the model family."""
+
+    train: Any  # .next_batch() -> dict of CPU tensors; .state_dict(); .load_state_dict(state)
+    val: Any | None  # .iter_eval_batches(max_batches) -> iterable of batch dicts; None = no eval
+    tokens_per_micro_batch: int  # per process, for throughput figures
+    seq_len: int
+    derive_eval_metrics: Callable[[dict[str, float]], dict[str, float]] = lambda m: m
+    description: str = ""
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    step: int
+    stopped: str  # completed | signal | time
+    last_checkpoint: Path | None
+    best_checkpoint: Path | None
+    eval_metrics: dict[str, float] = field(default_factory=dict)
+    train_loss: float = float("nan")
+    tokens_per_s: float = 0.0
+
+
+class _StopFlag:
+    """SIGTERM/SIGINT set a flag; the loop saves at the next step boundary. A second SIGINT aborts."""
+
+    def __init__(self):
+        self.reason: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. called from a worker): no handlers
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        if self.reason is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.reason = signal.Signals(signum).name
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        return False
+
+
+def capture_rng() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, model: LMForgeModel, data: DataBundle, devinfo: DeviceInfo,
+                 distinfo: DistInfo, run_dir: Path, extra_files: Callable[[Path], None] | None = None):
+        self.cfg, self.t = cfg, cfg.training
+        self.model = model  # the raw module: saved, evaluated and checkpointed
+        self.data, self.dev, self.dist = data, devinfo, distinfo
+        self.run_dir = run_dir
+        self.ckpt_root = run_dir / "checkpoints"
+        self.extra_files = extra_files  # writes tokenizer files etc. into a model directory
+        self.step = 0
+        self.tokens_seen = 0
+        self.best_eval_loss = math.inf
+        self.last_checkpoint: Path | None = None
+
+        groups = model.param_groups(self.t.weight_decay, self.t.lr)
+        for g in groups:
+            g.setdefault("lr", self.t.lr)
+            g["base_lr"] = g["lr"]
+        self.optimizer = torch.optim.AdamW(groups, lr=self.t.lr, betas=(self.t.beta1, self.t.beta2),
+                                           eps=self.t.eps, **_fused_kwargs(devinfo.device))
+        self.scaler = torch.amp.GradScaler(devinfo.device.type, enabled=devinfo.precision == "fp16")
+        self.params = [p for g in groups for p in g["params"]]
+
+        self.fwd_model: torch.nn.Module = model
+        if self.t.compile:
+            self.fwd_model = torch.compile(model)
+        if distinfo.enabled:
+            ids = [devinfo.device.index] if devinfo.device.type == "cuda" else None
+            self.fwd_model = torch.nn.parallel.DistributedDataParallel(self.fwd_model, device_ids=ids)
+
+    # ---- resume ---------------------------------------------------------------------------
+    def load_checkpoint(self, path: Path) -> None:
+        """Restore model, optimizer, scaler, schedule position, data position and RNG exactly."""
+        from safetensors.torch import load_file
+
+        state = ckpt.read_trainer_state(path)
+        try:
+            weights = load_file(str(path / "model.safetensors"), device=str(self.dev.device))
+        except Exception as e:
+            raise LMForgeError(f"cannot read {path / 'model.safetensors'}: {e}. The checkpoint is corrupt; "
+                               f"resume from an earlier one in {path.parent}") from e
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        missing = [k for k in missing if not self.model.is_tied_key(k)]
+        if missing or unexpected:
+            raise LMForgeError(f"{path} does not fit this model (missing {missing[:3]}, unexpected "
+                               f"{unexpected[:3]}): was the model config changed since it was written?")
+        self.model.tie_weights()
+        opt_state = ckpt.load_torch_file(path / ckpt.OPTIMIZER_FILE, "optimizer state")
+        self.optimizer.load_state_dict(opt_state["optimizer"])
+        self.scaler.load_state_dict(opt_state["scaler"])
+        self.data.train.load_state_dict(state["data"])
+        rng = ckpt.load_torch_file(path / ckpt.RNG_FILE, "random-number state")
+        saved_world = len(rng["per_rank"])
+        if saved_world == self.dist.world_size:
+            restore_rng(rng["per_rank"][self.dist.rank])
+        elif self.dist.is_main:
+            tqdm.write(f"note: checkpoint was written by {saved_world} process(es), resuming on "
+                       f"{self.dist.world_size}: data order is kept, dropout randomness is not")
+        self.step = int(state["step"])
+        self.tokens_seen = int(state["tokens_seen"])
+        self.best_eval_loss = float(state.get("best_eval_loss", math.inf))
+        self.last_checkpoint = path
+
+    # ---- saving ---------------------------------------------------------------------------
+    def _write_model_dir(self, directory: Path) -> None:
+        self.model.save_pretrained(directory)
+        if self.extra_files is not None:
+            self.extra_files(directory)
+
+    def save_checkpoint(self) -> Path | None:
+        rng = capture_rng()
+        if self.dist.enabled:
+            gathered: list[Any] = [None] * self.dist.world_size
+            dist.all_gather_object(gathered, rng)
+        else:
+            gathered = [rng]
+        path = None
+        if self.dist.is_main:
+            def write(tmp: Path) -> None:
+                self._write_model_dir(tmp)
+                torch.save({"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict()},
+                           tmp / ckpt.OPTIMIZER_FILE)
+                torch.save({"per_rank": gathered}, tmp / ckpt.RNG_FILE)
+                self.cfg.save(tmp / "run_config.yaml")
+                ckpt.save_json(tmp / ckpt.STATE_FILE, {
+                    "step": self.step, "tokens_seen": self.tokens_seen,
+                    "best_eval_loss": self.best_eval_loss if math.isfinite(self.best_eval_loss) else None,
+                    "data": self.data.train.state_dict(), "world_size": self.dist.world_size,
+                    "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                })
+
+            path = ckpt.write_checkpoint(self.ckpt_root, self.step, write, self.t.keep_last)
+        barrier(self.dist)
+        self.last_checkpoint = path or self.ckpt_root / ckpt.step_dir_name(self.step)
+        return path
+
+    # ---- evaluation -----------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        if self.data.val is None:
+            return {}
+        self.model.eval()
+        sums = {"loss": 0.0}
+        weight = 0.0
+        for batch in self.data.val.iter_eval_batches(self.t.eval_batches):
+            batch = _to_device(batch, self.dev.device)
+            with self.dev.autocast():
+                loss, metrics = self.model(batch)
+            w = float(_batch_weight(batch))
+            sums["loss"] += float(loss) * w
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v) * w
+            weight += w
+        self.model.train()
+        keys = sorted(sums)
+        totals = torch.tensor([sums[k] for k in keys] + [weight], dtype=torch.float64, device=self.dev.device)
+        if self.dist.enabled:
+            dist.all_reduce(totals)
+        if totals[-1] <= 0:
+            return {}
+        means = {k: (totals[i] / totals[-1]).item() for i, k in enumerate(keys)}
+        return {f"eval/{k}": v for k, v in self.data.derive_eval_metrics(means).items()}
+
+    # ---- training -------------------------------------------------------------------------
+    def _set_lr(self) -> float:
+        mult = lr_multiplier(self.step, schedule=self.t.schedule, max_steps=self.t.max_steps,
+                             warmup_steps=self.t.warmup_steps, min_lr_ratio=self.t.min_lr_ratio,
+                             decay_ratio=self.t.decay_ratio)
+        for g in self.optimizer.param_groups:
+            g["lr"] = g["base_lr"] * mult
+        return self.t.lr * mult
+
+    def _train_step(self) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        accum = self.t.grad_accum_steps
+        loss_sum = torch.zeros((), device=self.dev.device)
+        metric_sums: dict[str, torch.Tensor] = {}
+        for micro in range(accum):
+            batch = _to_device(self.data.train.next_batch(), self.dev.device)
+            sync = (self.fwd_model.no_sync() if self.dist.enabled and micro < accum - 1
+                    else contextlib.nullcontext())
+            with sync:
+                with self.dev.autocast():
+                    loss, metrics = self.fwd_model(batch)
+                self.scaler.scale(loss / accum).backward()
+            loss_sum += loss.detach().float()
+            for k, v in metrics.items():
+                metric_sums[k] = metric_sums.get(k, 0.0) + torch.as_tensor(v, dtype=torch.float32).detach()
+        if self.t.grad_clip > 0:
+            self.scaler.unscale_(self.optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.t.grad_clip)
+        else:
+            grad_norm = torch.zeros(())
+        return loss_sum / accum, grad_norm, {k: v / accum for k, v in metric_sums.items()}
+
+    def apply_update(self) -> None:
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step_once(self) -> float:
+        """One optimizer step without logging or checks (used by `lmforge bench`)."""
+        self._set_lr()
+        loss, _, _ = self._train_step()
+        self.apply_update()
+        self.step += 1
+        return float(loss)
+
+    def fit(self) -> TrainResult:
+        t, is_main = self.t, self.dist.is_main
+        logger = None
+        if is_main:
+            logger = MetricsLogger(self.run_dir, self.cfg.logging.tensorboard,
+                                   self.cfg.logging.wandb_project, self.cfg.logging.wandb_run_name,
+                                   config=self.cfg.to_dict(), resume=self.step > 0)
+        tokens_per_step = self.data.tokens_per_micro_batch * t.grad_accum_steps * self.dist.world_size
+        flops_per_token = self.model.flops_per_token(self.data.seq_len)
+        bar = tqdm(total=t.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
+                   disable=not (is_main and self.cfg.logging.progress_bar), smoothing=0.1)
+        start = time.perf_counter()
+        window_t0, window_tokens, window_losses = time.perf_counter(), 0, []
+        stopped, eval_metrics, train_loss, tok_s = "completed", {}, float("nan"), 0.0
+        self.model.train()
+        try:
+            with _StopFlag() as stop:
+                while self.step < t.max_steps:
+                    lr = self._set_lr()
+                    loss, grad_norm, metrics = self._train_step()
+                    loss_value = float(loss)
+                    out_of_time = t.max_time_minutes > 0 and time.perf_counter() - start > 60 * t.max_time_minutes
+                    flags = torch.tensor([float(not math.isfinite(loss_value)), float(stop.reason is not None),
+                                          float(out_of_time)], device=self.dev.device)
+                    if self.dist.enabled:
+                        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+                    if flags[0] > 0:
+                        raise LMForgeError(self._nan_message(loss_value))
+                    self.apply_update()
+                    self.step += 1
+                    self.tokens_seen += tokens_per_step
+                    window_tokens += tokens_per_step
+                    window_losses.append(loss_value)
+                    bar.update(1)
+
+                    if self.step % t.log_interval == 0 or self.step == t.max_steps:
+                        elapsed = max(time.perf_counter() - window_t0, 1e-9)
+                        tok_s = window_tokens / elapsed
+                        train_loss = _mean_across_ranks(sum(window_losses) / len(window_losses), self.dist,
+                                                        self.dev.device)
+                        mfu = tok_s * flops_per_token / (self.dev.peak_flops * self.dist.world_size)
+                        row = {"train/loss": train_loss, "train/lr": lr, "train/grad_norm": float(grad_norm),
+                               "train/tokens_per_s": tok_s, "train/mfu": mfu, "train/tokens": self.tokens_seen}
+                        row.update({f"train/{k}": float(v) for k, v in metrics.items()})
+                        if logger:
+                            logger.log(self.step, row)
+                        bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}",
+                                        mfu=f"{100 * mfu:.1f}%", refresh=False)
+                        window_t0, window_tokens, window_losses = time.perf_counter(), 0, []
+
+                    if flags[1] > 0 or flags[2] > 0:
+                        stopped = "signal" if flags[1] > 0 else "time"
+                        break
+                    last = self.step == t.max_steps
+                    if (t.eval_interval and self.step % t.eval_interval == 0) or last:
+                        eval_metrics = self._eval_and_keep_best(logger, bar)
+                    if (t.save_interval and self.step % t.save_interval == 0) or last:
+                        self.save_checkpoint()
+                if stopped != "completed":
+                    if is_main:
+                        reason = stop.reason or f"the {t.max_time_minutes:g}-minute time limit"
+                        tqdm.write(f"stopping at step {self.step} ({reason}): saving a checkpoint")
+                    if stopped == "time":
+                        eval_metrics = self._eval_and_keep_best(logger, bar)
+                    self.save_checkpoint()
+        finally:
+            bar.close()
+            if logger:
+                logger.close()
+        best = self.ckpt_root / "best"
+        return TrainResult(run_dir=self.run_dir, step=self.step, stopped=stopped,
+                           last_checkpoint=self.last_checkpoint, best_checkpoint=best if best.is_dir() else None,
+                           eval_metrics=eval_metrics, train_loss=train_loss, tokens_per_s=tok_s)
+
+    def _eval_and_keep_best(self, logger: MetricsLogger | None, bar) -> dict[str, float]:
+        metrics = self.evaluate()
+        if not metrics:
+            return metrics
+        if logger:
+            logger.log(self.step, metrics)
+        if self.dist.is_main:
+            shown = ", ".join(f"{k.split('/')[-1]} {v:.4f}" for k, v in metrics.items())
+            tqdm.write(f"step {self.step}: eval {shown}")
+        loss = metrics.get("eval/loss", math.inf)
+        if loss < self.best_eval_loss:
+            self.best_eval_loss = loss
+            if self.dist.is_main:
+                ckpt.write_best(self.ckpt_root, self._write_model_dir)
+            barrier(self.dist)
+        return metrics
+
+    def _nan_message(self, loss_value: float) -> str:
+        last = self.last_checkpoint or ckpt.latest_checkpoint(self.ckpt_root)
+        where = (f"The last good checkpoint is {last}; resume from it with --resume"
+                 if last else "No checkpoint was written before it")
+        return (f"training loss is {loss_value} at step {self.step + 1}: training stopped before applying "
+                f"that update. {where}. Try a lower training.lr, a longer training.warmup_steps, "
+                f"training.grad_clip=1.0, or training.precision=fp32/bf16 instead of fp16.")
+
+
+def _fused_kwargs(device: torch.device) -> dict[str, Any]:
+    # The fused AdamW kernel exists for CUDA (and recent MPS/CPU builds); foreach is the fast fallback.
+    if device.type == "cuda":
+        return {"fused": True}
+    return {"foreach": True}
+
+
+def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    non_blocking = device.type == "cuda"
+    return {k: (v.to(device, non_blocking=non_blocking) if torch.is_tensor(v) else v) for k, v in batch.items()}
+
+
+def _batch_weight(batch: dict[str, Any]) -> float:
+    """Eval averages are weighted by predicted tokens where there are labels, else by rows."""
+    labels = batch.get("labels")
+    if torch.is_tensor(labels):
+        return float((labels != -100).sum())
+    first = next(v for v in batch.values() if torch.is_tensor(v))
+    return float(first.shape[0])
+
+
+def _mean_across_ranks(value: float, info: DistInfo, device: torch.device) -> float:
+    if not info.enabled:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return float(t.item() / info.world_size)
+
+
+__all__ = ["Trainer", "DataBundle", "TrainResult"]

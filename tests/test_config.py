@@ -1,0 +1,56 @@
+import pytest
+import yaml
+
+from lmforge.config import list_recipes, load_config, parse_overrides
+from lmforge.errors import LMForgeError
+
+
+def test_recipes_load_with_seed_settings():
+    assert {"go_coder_tiny", "go_coder_125m"} <= set(list_recipes())
+    cfg = load_config("go_coder_125m")
+    m, t = cfg.model, cfg.training
+    assert (m.n_layer, m.n_embd, m.n_head, m.n_positions, m.flavor) == (12, 768, 12, 1024, "gpt2")
+    assert (t.beta1, t.beta2, t.lr, t.weight_decay, t.warmup_steps) == (0.9, 0.95, 5e-4, 0.1, 2000)
+    assert (t.schedule, t.grad_clip, t.micro_batch_size, t.grad_accum_steps) == ("cosine", 1.0, 2, 8)
+    assert (t.eval_interval, t.save_interval, t.keep_last) == (500, 1000, 3)
+
+
+def test_dotted_overrides_are_typed_and_applied():
+    cfg = load_config("go_coder_tiny", ["training.max_steps=200", "model.n_layer=3", "training.lr=5e-4",
+                                        "training.compile=true", "name=x"])
+    assert cfg.training.max_steps == 200 and cfg.model.n_layer == 3 and cfg.name == "x"
+    assert cfg.training.lr == 5e-4 and cfg.training.compile is True
+
+
+@pytest.mark.parametrize("override, suggestion", [
+    ("training.max_step=5", "training.max_steps"),
+    ("model.n_layers=4", "model.n_layer"),
+    ("trainig.lr=1", None),
+])
+def test_unknown_key_names_closest_valid_key(override, suggestion):
+    with pytest.raises(LMForgeError) as e:
+        load_config("go_coder_tiny", [override])
+    msg = str(e.value)
+    assert "unknown config key" in msg
+    if suggestion:
+        assert f"Did you mean '{suggestion}'" in msg
+
+
+def test_wrong_types_and_values_are_rejected():
+    with pytest.raises(LMForgeError, match="expects an integer"):
+        load_config("go_coder_tiny", ["training.max_steps=ten"])
+    with pytest.raises(LMForgeError, match="schedule"):
+        load_config("go_coder_tiny", ["training.schedule=linearish"])
+    with pytest.raises(LMForgeError, match="no '='"):
+        parse_overrides(["training.max_steps"])
+    with pytest.raises(LMForgeError, match="unknown recipe 'go_coder_tiyn'.*go_coder_tiny"):
+        load_config("go_coder_tiyn")
+
+
+def test_resolved_config_round_trips_through_yaml(tmp_path):
+    cfg = load_config("go_coder_tiny", ["model.n_embd=64"])
+    cfg.save(tmp_path / "config.yaml")
+    raw = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert raw["model"]["family"] == "gpt" and raw["model"]["n_embd"] == 64
+    again = load_config(str(tmp_path / "config.yaml"))
+    assert again.to_dict() == cfg.to_dict()

@@ -1,0 +1,175 @@
+"""Sampling, KV-cached generation and streaming detokenisation."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from lmforge.errors import LMForgeError
+from lmforge.infer import StreamingDecoder, generate_text, generate_tokens, sample_next
+from lmforge.models.gpt import GPT, GPTConfig
+
+VOCAB = 260  # ByteTokenizer: 4 special ids + 256 bytes
+FLAVORS = {"gpt2": {"flavor": "gpt2"}, "llama_gqa": {"flavor": "llama", "n_kv_head": 2}}
+
+
+def tiny(flavor: str = "gpt2", **overrides) -> GPT:
+    values = {**FLAVORS[flavor], "vocab_size": VOCAB, "n_positions": 48, "n_embd": 32, "n_layer": 2, "n_head": 4}
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**{**values, **overrides})).eval()
+    with torch.no_grad():  # larger weights than the init: peaked, position-dependent greedy choices
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    return model
+
+
+class ByteTokenizer:
+    """Stand-in tokenizer: one token per UTF-8 byte, so every non-ASCII character spans tokens."""
+
+    bos_id, eos_id = 1, 2
+
+    def encode(self, text: str) -> list[int]:
+        return [b + 4 for b in text.encode("utf-8")]
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i - 4 for i in ids if i >= 4).decode("utf-8", errors="replace")
+
+
+def greedy_by_full_recompute(model: GPT, prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model.logits(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+# ---- sample_next ------------------------------------------------------------------------
+def test_sample_next_greedy_top_k_and_top_p():
+    logits = torch.log(torch.tensor([[0.1, 0.4, 0.2, 0.3]])).repeat(2000, 1)
+    gen = torch.Generator().manual_seed(0)
+    assert sample_next(logits, temperature=0.0).tolist() == [1] * 2000
+    assert set(sample_next(logits, 1.0, top_k=2, generator=gen).tolist()) == {1, 3}
+    # Nucleus 0.5: 0.4 alone is short of 0.5, so 0.3 joins; 0.2 is not needed.
+    assert set(sample_next(logits, 1.0, top_p=0.5, generator=gen).tolist()) == {1, 3}
+    assert set(sample_next(logits, 1.0, top_p=0.4, generator=gen).tolist()) == {1}
+    assert set(sample_next(logits, 1.0, generator=gen).tolist()) == {0, 1, 2, 3}
+
+
+def test_sample_next_is_vectorised_per_row():
+    logits = torch.full((3, 5), -10.0)
+    logits[0, 4] = logits[1, 0] = logits[2, 2] = 10.0
+    assert sample_next(logits, 1.0, top_k=1).tolist() == [4, 0, 2]
+
+
+@pytest.mark.parametrize("kwargs", [{"temperature": -1.0}, {"top_k": -1}, {"top_p": 0.0}, {"top_p": 1.5}])
+def test_sample_next_rejects_bad_settings(kwargs):
+    with pytest.raises(LMForgeError):
+        sample_next(torch.zeros(1, 4), **{"temperature": 1.0, **kwargs})
+
+
+# ---- generate_tokens --------------------------------------------------------------------
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_cached_greedy_generation_equals_full_recompute(flavor):
+    model = tiny(flavor)
+    prompt = [1, 40, 41, 42, 43, 44]  # multi-token prefill, then one cached token per step
+    got = list(generate_tokens(model, prompt, 30, temperature=0.0, stop_at_eos=False))
+    assert got == greedy_by_full_recompute(model, prompt, 30)
+    assert len(set(got)) > 1  # a constant output would make this comparison weak
+
+
+def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy():
+    model = tiny()
+    run = lambda **kw: list(generate_tokens(model, [1, 50], 25, stop_at_eos=False, **kw))  # noqa: E731
+    assert run(temperature=1.0, seed=7) == run(temperature=1.0, seed=7)
+    assert run(temperature=1.0, seed=7) != run(temperature=1.0, seed=8)
+    assert run(temperature=1.0, top_k=1, seed=3) == run(temperature=0.0)
+
+
+def test_empty_prompt_starts_from_the_document_separator():
+    model = tiny()
+    assert list(generate_tokens(model, [], 10, temperature=0.0)) == list(
+        generate_tokens(model, [model.config.eos_token_id], 10, temperature=0.0))
+
+
+def test_stops_at_eos_without_yielding_it():
+    model = tiny()
+    first = next(generate_tokens(model, [1, 60], 5, temperature=0.0, stop_at_eos=False))
+    assert list(generate_tokens(model, [1, 60], 5, temperature=0.0, eos_id=first)) == []
+    assert list(generate_tokens(model, [1, 60], 5, temperature=0.0, eos_id=first, stop_at_eos=False))[0] == first
+
+
+def test_generation_stops_at_n_positions_with_a_warning():
+    model = tiny(n_positions=16)
+    with pytest.warns(UserWarning, match="n_positions=16"):
+        out = list(generate_tokens(model, list(range(10, 20)), 50, temperature=0.0, stop_at_eos=False))
+    assert len(out) == 6  # prompt + output fill the context exactly
+    assert out == greedy_by_full_recompute(model, list(range(10, 20)), 6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        long_prompt = list(generate_tokens(model, list(range(10, 40)), 50, temperature=0.0, stop_at_eos=False))
+    assert len(long_prompt) == 1  # the prompt keeps its last 15 tokens
+    messages = " | ".join(str(w.message) for w in caught)
+    assert "does not fit" in messages and "context is full" in messages
+
+
+def test_generation_runs_in_eval_mode_but_leaves_callers_modes_alone():
+    model = tiny(embd_pdrop=0.5, resid_pdrop=0.5).train()
+    out = []
+    for token in generate_tokens(model, [1, 70], 12, temperature=0.0, stop_at_eos=False):
+        assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+        assert model.training
+        out.append(token)
+    assert out == greedy_by_full_recompute(model.eval(), [1, 70], 12)  # no dropout while generating
+
+
+# ---- streaming decode -------------------------------------------------------------------
+TEXT = "naïve café — 世界 🎉 ok, Ωmega ∑ done"
+
+
+def bpe_tokenizer():
+    from tokenizers import ByteLevelBPETokenizer
+
+    bpe = ByteLevelBPETokenizer()
+    # A vocabulary barely above the 256 bytes: multi-byte characters stay split across tokens.
+    bpe.train_from_iterator(["hello world", "café naïve", "ok done done"], vocab_size=270, min_frequency=1,
+                            special_tokens=["<pad>", "<bos>", "<eos>"], show_progress=False)
+
+    class Wrapper:
+        bos_id, eos_id = bpe.token_to_id("<bos>"), bpe.token_to_id("<eos>")
+        encode = staticmethod(lambda text: bpe.encode(text).ids)
+        decode = staticmethod(lambda ids: bpe.decode(list(ids)))
+
+    return Wrapper()
+
+
+@pytest.mark.parametrize("make_tokenizer", [ByteTokenizer, bpe_tokenizer])
+def test_streaming_decoder_reassembles_multibyte_text(make_tokenizer):
+    tok = make_tokenizer()
+    ids = tok.encode(TEXT)
+    assert tok.decode(ids) == TEXT
+    assert any("\ufffd" in tok.decode([i]) for i in ids)  # some tokens hold part of a character
+    decoder = StreamingDecoder(tok)
+    pieces = [decoder.push(i) for i in ids] + [decoder.flush()]
+    assert "".join(pieces) == TEXT
+    assert not any("\ufffd" in p for p in pieces)
+    # Text appears as soon as its characters are complete, not only at the end.
+    assert sum(1 for p in pieces if p) > len(TEXT) // 2
+
+
+def test_streaming_decoder_flush_emits_a_dangling_partial_character():
+    decoder = StreamingDecoder(ByteTokenizer())
+    assert decoder.push(ord("a") + 4) == "a"
+    assert decoder.push(0xE4 + 4) == ""  # first byte of a three-byte character
+    assert decoder.flush() == "\ufffd"
+
+
+def test_generate_text_streams_what_it_returns():
+    model, tok = tiny(), ByteTokenizer()
+    chunks: list[str] = []
+    text = generate_text(model, tok, "héllo", max_new_tokens=30, temperature=1.0, seed=5, stream=chunks.append)
+    assert text == "".join(chunks) and chunks
+    ids = list(generate_tokens(model, [tok.eos_id, *tok.encode("héllo")], 30, temperature=1.0, seed=5,
+                               eos_id=tok.eos_id))
+    assert text == tok.decode(ids)

@@ -1,0 +1,255 @@
+"""GPT model: masking, HF parity, checkpoints, presets, config validation, training behaviour."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+import lmforge.models.gpt as gpt_module
+from lmforge.config import dataclass_from_dict
+from lmforge.errors import LMForgeError
+from lmforge.models import LMForgeModel, build_model
+from lmforge.models.gpt import GPT, GPTConfig
+from lmforge.models.hf_compat import gpt2_state_dict_for_hf, llama_state_dict_for_hf
+
+VOCAB = 97
+FLAVORS = {
+    "gpt2": {"flavor": "gpt2"},
+    "llama_gqa": {"flavor": "llama", "n_kv_head": 2},
+}
+
+
+def tiny(flavor: str = "gpt2", **overrides) -> GPT:
+    values = {**FLAVORS[flavor], "vocab_size": VOCAB, "n_positions": 64, "n_embd": 32, "n_layer": 2, "n_head": 4}
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**{**values, **overrides}))
+
+
+def randomize(model: GPT) -> GPT:
+    """Non-trivial values everywhere (biases and norm scales too), so layout mistakes show up."""
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    return model
+
+
+def random_ids(batch: int = 2, length: int = 24, seed: int = 2) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_future_tokens_never_change_past_logits(flavor):
+    model = tiny(flavor).eval()
+    ids = random_ids()
+    changed = ids.clone()
+    changed[:, 12:] = (changed[:, 12:] + 1) % VOCAB
+    with torch.no_grad():
+        a, b = model.logits(ids), model.logits(changed)
+    torch.testing.assert_close(a[:, :12], b[:, :12], rtol=0, atol=1e-6)
+    assert not torch.allclose(a[:, 12:], b[:, 12:])  # the change is visible where it is allowed
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_new"])
+def test_gpt2_flavor_matches_transformers(activation):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = randomize(tiny("gpt2", activation_function=activation)).eval()
+    c = model.config
+    hf = GPT2LMHeadModel(GPT2Config(
+        vocab_size=c.vocab_size, n_positions=c.n_positions, n_embd=c.n_embd, n_layer=c.n_layer, n_head=c.n_head,
+        activation_function=activation, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        layer_norm_epsilon=c.layer_norm_epsilon, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+    )).eval()
+    hf.load_state_dict(gpt2_state_dict_for_hf(model), strict=True)
+    ids = random_ids(length=c.n_positions)
+    with torch.no_grad():
+        torch.testing.assert_close(model.logits(ids), hf(ids).logits, rtol=0, atol=1e-4)
+
+
+def test_llama_flavor_matches_transformers_rope_convention():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = randomize(tiny("llama_gqa", tie_word_embeddings=False, rope_theta=500.0)).eval()
+    c = model.config
+    hf = LlamaForCausalLM(LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.inner_size,
+        num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.kv_heads,
+        max_position_embeddings=c.n_positions, rms_norm_eps=c.layer_norm_epsilon,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=3,
+    )).eval()
+    hf.load_state_dict(llama_state_dict_for_hf(model), strict=True)
+    ids = random_ids(length=c.n_positions)
+    with torch.no_grad():
+        torch.testing.assert_close(model.logits(ids), hf(ids).logits, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_chunked_kv_cache_logits_equal_full_forward(flavor):
+    model = randomize(tiny(flavor)).eval()
+    ids = random_ids(batch=2, length=20)
+    cache = model.new_kv_cache(2)
+    with torch.no_grad():
+        full = model.logits(ids)
+        chunks, start = [], 0
+        for size in (5, 1, 4, 7, 3):  # multi-token blocks after cached positions need the offset mask
+            chunks.append(model.logits(ids[:, start:start + size], kv_cache=cache))
+            start += size
+    assert cache.pos == 20
+    torch.testing.assert_close(torch.cat(chunks, dim=1), full, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_save_and_load_give_identical_logits(tmp_path, flavor, tied):
+    model = randomize(tiny(flavor, tie_word_embeddings=tied)).eval()
+    model.save_pretrained(tmp_path)
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    assert ("lm_head.weight" in stored) == (not tied)
+    loaded = LMForgeModel.from_pretrained(tmp_path).eval()
+    assert isinstance(loaded, GPT) and loaded.config == model.config
+    assert (loaded.lm_head.weight is loaded.tok_embed.weight) == tied
+    ids = random_ids()
+    with torch.no_grad():
+        assert torch.equal(loaded.logits(ids), model.logits(ids))
+
+
+def test_corrupt_or_truncated_weights_raise_lmforge_error(tmp_path):
+    tiny().save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(LMForgeError, match="corrupt or truncated"):
+        LMForgeModel.from_pretrained(tmp_path)
+    weights.write_bytes(b"\x00" * 64)
+    with pytest.raises(LMForgeError, match="model.safetensors"):
+        LMForgeModel.from_pretrained(tmp_path)
+
+
+def test_weights_that_do_not_match_the_config_raise_lmforge_error(tmp_path):
+    tiny().save_pretrained(tmp_path)
+    config = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    config["n_embd"] = 64
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(LMForgeError, match="does not match"):
+        LMForgeModel.from_pretrained(tmp_path)
+
+
+# Totals with the default n_positions=1024; the same numbers are in the gpt.py docstring.
+PRESET_COUNTS = {
+    "tiny": (10_647_552, 30_339_456, 22_909_824),
+    "small": (85_056_000, 124_439_808, 109_529_856),
+    "medium": (302_311_424, 354_823_168, 336_380_928),
+    "large": (1_208_602_624, 1_313_626_112, 1_279_887_360),
+}
+
+
+@pytest.mark.parametrize("preset", PRESET_COUNTS)
+def test_presets_have_the_documented_parameter_counts(preset):
+    non_embedding, gpt2_total, llama_total = PRESET_COUNTS[preset]
+    with torch.device("meta"):
+        gpt2 = GPT(dataclass_from_dict(GPTConfig, {"preset": preset, "vocab_size": 50257}, prefix="model"))
+        llama = GPT(dataclass_from_dict(GPTConfig, {"preset": preset, "flavor": "llama", "vocab_size": 32000},
+                                        prefix="model"))
+    assert gpt2.num_parameters() == gpt2_total
+    assert gpt2.num_parameters() - gpt2.num_parameters(exclude_embeddings=True) == 50257 * gpt2.config.n_embd + 1024 * gpt2.config.n_embd
+    assert gpt2.num_parameters(exclude_embeddings=True) == non_embedding
+    assert llama.num_parameters() == llama_total
+    assert gpt2.tok_embed.weight.is_meta
+
+
+def test_preset_fills_only_keys_not_set():
+    config = dataclass_from_dict(GPTConfig, {"preset": "medium", "n_layer": 4, "vocab_size": 10}, prefix="model")
+    assert (config.n_layer, config.n_embd, config.n_head) == (4, 1024, 16)
+
+
+def test_flops_per_token_formula():
+    with torch.device("meta"):
+        model = GPT(dataclass_from_dict(GPTConfig, {"preset": "small", "vocab_size": 50257}, prefix="model"))
+    expected = 6 * 85_056_000 + 12 * 12 * 768 * 1024 + 6 * 768 * 50257
+    assert model.flops_per_token(1024) == expected
+
+
+@pytest.mark.parametrize("values, key", [
+    ({"n_embd": 30, "n_head": 4}, "model.n_embd"),
+    ({"flavor": "gpt3"}, "model.flavor"),
+    ({"preset": "huge"}, "model.preset"),
+    ({"n_kv_head": 2, "n_head": 4, "n_embd": 32}, "model.n_kv_head"),
+    ({"flavor": "llama", "n_kv_head": 3, "n_head": 4, "n_embd": 32}, "model.n_kv_head"),
+    ({"n_layer": 0}, "model.n_layer"),
+    ({"activation_function": "relu"}, "model.activation_function"),
+])
+def test_bad_config_raises_error_naming_the_key(values, key):
+    with pytest.raises(LMForgeError, match=key.replace(".", r"\.")):
+        dataclass_from_dict(GPTConfig, {"vocab_size": 10, **values}, prefix="model")
+
+
+def test_vocab_size_zero_cannot_be_built():
+    config = GPTConfig(n_embd=32, n_layer=1, n_head=4)  # valid as a config: the trainer fills vocab_size
+    with pytest.raises(LMForgeError, match=r"model\.vocab_size"):
+        build_model(config)
+
+
+def test_sequence_longer_than_context_raises():
+    model = tiny(n_positions=8)
+    with pytest.raises(LMForgeError, match="n_positions"):
+        model.logits(random_ids(length=9))
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_activation_checkpointing_gives_same_loss_and_grads(flavor, monkeypatch):
+    ids = random_ids(batch=2, length=16)
+    batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+
+    def loss_and_grads(model):
+        torch.manual_seed(3)  # same dropout masks: checkpoint replays the RNG state on recompute
+        loss, _ = model(batch)
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    calls = []
+
+    def counting_checkpoint(*args, **kwargs):
+        calls.append(kwargs.get("use_reentrant"))
+        return torch.utils.checkpoint.checkpoint(*args, **kwargs)
+
+    monkeypatch.setattr(gpt_module, "checkpoint", counting_checkpoint)
+    model = tiny(flavor, resid_pdrop=0.1, attn_pdrop=0.1).train()
+    plain_loss, plain_grads = loss_and_grads(model)
+    assert calls == []
+    model.zero_grad(set_to_none=True)
+    model.set_activation_checkpointing(True)
+    ckpt_loss, ckpt_grads = loss_and_grads(model)
+    assert calls == [False] * model.config.n_layer
+    torch.testing.assert_close(ckpt_loss, plain_loss, rtol=0, atol=1e-6)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(ckpt_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_loss_ignores_masked_labels():
+    model = tiny().eval()
+    ids = random_ids(batch=1, length=10)
+    labels = ids.clone()
+    labels[:, 5:] = -100
+    with torch.no_grad():
+        loss, metrics = model({"input_ids": ids, "labels": labels})
+        expected = torch.nn.functional.cross_entropy(model.logits(ids)[0, :5], ids[0, :5])
+    assert metrics == {}
+    torch.testing.assert_close(loss, expected)
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_overfits_a_single_batch(flavor):
+    model = tiny(flavor, n_embd=64).train()
+    ids = random_ids(batch=4, length=17)
+    batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(100):
+        loss, _ = model(batch)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert loss.item() < 0.05

@@ -1,0 +1,155 @@
+"""Tokenizer: training, exact round trips, special ids, Hugging Face compatibility, CLI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from lmforge.cli_data import register
+from lmforge.data.prepare import train_tokenizer_from_sources
+from lmforge.errors import LMForgeError
+from lmforge.tokenizer import SPECIAL_TOKENS, Tokenizer, train_tokenizer
+from tests.conftest import GO_KEPT
+
+ENGLISH = ("The tokenizer is trained on source code and a little prose. It should compress both, "
+           "and it must never lose a single byte of either.\n")
+TRAINING_TEXTS = list(GO_KEPT.values()) * 3 + [ENGLISH] * 5
+
+ROUND_TRIP = {
+    "go": GO_KEPT["server/handler.go"],
+    "english": ENGLISH,
+    "unicode": "naïve café — 日本語のテキスト, emoji 🧪🚀, Ελληνικά, עברית, \u200b zero-width, é (e + combining)",
+    "whitespace": "\t\tx := 1  \r\n\n\n    \t  y\t=\t2   \n\u00a0\u3000 trailing   \t",
+    "specials_in_text": "<PR_TITLE> fix bug <PR_BODY> body</s><s><pad><unk>",
+    "empty": "",
+}
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tok")
+    train_tokenizer(TRAINING_TEXTS, vocab_size=500, out_dir=out, show_progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tok(tok_dir) -> Tokenizer:
+    return Tokenizer.load(tok_dir)
+
+
+def test_train_writes_hf_files_and_returns_tokenizer_json(tmp_path):
+    path = train_tokenizer(TRAINING_TEXTS, vocab_size=400, out_dir=tmp_path / "t", show_progress=False)
+    assert path == tmp_path / "t" / "tokenizer.json"
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        assert (tmp_path / "t" / name).is_file()
+    assert Tokenizer.load(path).vocab_size <= 400
+
+
+def test_special_token_ids(tok):
+    assert SPECIAL_TOKENS == ["<unk>", "<s>", "</s>", "<pad>", "<PR_TITLE>", "<PR_BODY>"]
+    for i, token in enumerate(SPECIAL_TOKENS):
+        assert tok.encode(token) == [i]
+    assert (tok.unk_id, tok.bos_id, tok.eos_id, tok.pad_id) == (0, 1, 2, 3)
+
+
+@pytest.mark.parametrize("name", sorted(ROUND_TRIP))
+def test_round_trip_is_exact(tok, name):
+    text = ROUND_TRIP[name]
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert tok.unk_id not in ids or "<unk>" in text  # byte-level: nothing is ever unknown
+
+
+def test_training_learned_merges(tok):
+    code = GO_KEPT["server/handler.go"]
+    assert len(tok.encode(code)) < len(code.encode("utf-8")) / 2
+
+
+def test_encode_adds_no_bos_eos_and_batch_matches(tok):
+    texts = list(ROUND_TRIP.values())
+    assert tok.encode_batch(texts) == [tok.encode(t) for t in texts]
+    assert tok.encode("x")[0] != tok.bos_id and tok.encode("x")[-1] != tok.eos_id
+
+
+def test_decode_can_skip_specials(tok):
+    assert tok.decode(tok.encode("<s>hi</s>"), skip_special_tokens=True) == "hi"
+
+
+def test_bytes_per_token(tok):
+    texts = [GO_KEPT["main.go"], ENGLISH]
+    expected = sum(len(t.encode("utf-8")) for t in texts) / sum(len(tok.encode(t)) for t in texts)
+    assert tok.bytes_per_token(texts) == pytest.approx(expected)
+    assert tok.bytes_per_token(texts) > 1.5  # merges compress below one token per byte
+
+
+def test_transformers_load_saved_files_and_encode_identically(tok, tok_dir):
+    transformers = pytest.importorskip("transformers")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tok_dir / "tokenizer.json"))
+    auto = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
+    for text in ROUND_TRIP.values():
+        ids = tok.encode(text)
+        assert fast.encode(text, add_special_tokens=False) == ids
+        assert auto.encode(text, add_special_tokens=False) == ids
+        assert auto.encode(text) == ids  # no bos/eos template either
+        assert auto.decode(ids) == tok.decode(ids)
+    assert (auto.unk_token_id, auto.bos_token_id, auto.eos_token_id, auto.pad_token_id) == (0, 1, 2, 3)
+
+
+def test_sha256_is_stable_across_save_and_load(tok, tmp_path):
+    saved = tok.save(tmp_path / "copy")
+    assert Tokenizer.load(saved).sha256 == tok.sha256
+    other = train_tokenizer(TRAINING_TEXTS, vocab_size=300, out_dir=tmp_path / "other", show_progress=False)
+    assert Tokenizer.load(other).sha256 != tok.sha256
+
+
+def test_vocab_too_small_and_empty_corpus_are_clear_errors(tmp_path):
+    with pytest.raises(LMForgeError, match="vocab_size=100 is too small.*262"):
+        train_tokenizer(TRAINING_TEXTS, vocab_size=100, out_dir=tmp_path, show_progress=False)
+    with pytest.raises(LMForgeError, match="corpus is empty"):
+        train_tokenizer(["", ""], vocab_size=300, out_dir=tmp_path, show_progress=False)
+    assert not (tmp_path / "tokenizer.json").exists()
+
+
+def test_load_missing_or_invalid_file(tmp_path):
+    with pytest.raises(LMForgeError, match="tokenizer not found.*nope"):
+        Tokenizer.load(tmp_path / "nope")
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text("{not json", encoding="utf-8")
+    with pytest.raises(LMForgeError, match="not a valid tokenizer file"):
+        Tokenizer.load(tmp_path)
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers.models import BPE
+
+    RustTokenizer(BPE()).save(str(bad))  # valid file, but not an lmforge tokenizer
+    with pytest.raises(LMForgeError, match="special token '<unk>' must have id 0"):
+        Tokenizer.load(bad)
+
+
+def test_train_from_sources_samples_and_holds_out(go_corpus, tmp_path):
+    report = train_tokenizer_from_sources([go_corpus], tmp_path / "tok", vocab_size=300,
+                                          heldout_fraction=0.2, show_progress=False)
+    assert report["filters"]["skipped"] == {"empty": 1, "generated": 1, "testdata": 1, "vendor": 1}
+    kept = report["filters"]["kept"]
+    assert report["heldout_documents"] >= 1
+    assert report["train_documents"] + report["heldout_documents"] == kept
+    assert report["heldout_bytes_per_token"] > 1.0
+    capped = train_tokenizer_from_sources([go_corpus], tmp_path / "tok2", vocab_size=300, max_bytes=1,
+                                          heldout_fraction=0.0, show_progress=False)
+    assert capped["train_documents"] == 1 and capped["heldout_bytes_per_token"] is None
+
+
+def test_cli_tokenizer_train(go_corpus, tmp_path, capsys):
+    parser = argparse.ArgumentParser(prog="lmforge")
+    actions = register(parser.add_subparsers(dest="verb"))
+    assert set(actions) == {"tokenizer", "data"}
+    out = tmp_path / "tok"
+    args = parser.parse_args(["tokenizer", "train", str(go_corpus), "--out", str(out), "--vocab-size", "300",
+                              "--exclude-tests", "--heldout-fraction", "0.3", "--no-progress"])
+    assert args.func(args) == 0
+    printed = capsys.readouterr().out
+    assert "held-out bytes/token:" in printed and "go_test_file 1" in printed and str(out) in printed
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    assert (config["bos_token"], config["eos_token"], config["pad_token"]) == ("<s>", "</s>", "<pad>")

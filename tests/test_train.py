@@ -1,0 +1,227 @@
+"""The training loop: run directory, resume, signals, crash safety, NaN, DDP and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lmforge.cli import main
+from lmforge.config import load_config
+from lmforge.errors import LMForgeError
+from lmforge.train import train
+from tests.train_helpers import (REPO, lmforge_cmd, make_prepared_data, run, subprocess_env, write_recipe)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return make_prepared_data(tmp_path_factory.mktemp("corpus"))
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+
+
+def test_train_writes_run_dir_and_tensorboard(tmp_path, data_dir):
+    recipe = write_recipe(tmp_path / "r.yaml", data_dir, tmp_path / "runs", logging={"tensorboard": True})
+    result = train(load_config(str(recipe)))
+    run_dir = tmp_path / "runs" / "t"
+    assert result.step == 20 and result.stopped == "completed"
+    saved = load_config(str(run_dir / "config.yaml"))
+    assert saved.model.vocab_size > 0  # resolved from the tokenizer and written down
+    steps = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert steps == ["best", "step-000010", "step-000020"]
+    ckpt = run_dir / "checkpoints" / "step-000020"
+    for name in ("model.safetensors", "config.yaml", "optimizer.pt", "trainer_state.json", "tokenizer.json"):
+        assert (ckpt / name).is_file(), name
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval/loss" in r]
+    assert [r["step"] for r in evals] == [10, 20]
+    assert all(r["eval/bpb"] > 0 and r["eval/ppl"] > 1 for r in evals)
+    assert losses(run_dir)[20] < losses(run_dir)[1]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tb"))
+    acc.Reload()
+    assert {"train/loss", "train/lr", "eval/loss", "train/mfu"} <= set(acc.Tags()["scalars"])
+    assert len(acc.Scalars("train/loss")) == 20
+
+
+def test_keep_last_prunes_old_checkpoints(tmp_path, data_dir):
+    recipe = write_recipe(tmp_path / "r.yaml", data_dir, tmp_path / "runs",
+                          training={"max_steps": 8, "save_interval": 2, "keep_last": 2, "eval_interval": 4})
+    train(load_config(str(recipe)))
+    names = sorted(p.name for p in (tmp_path / "runs" / "t" / "checkpoints").iterdir())
+    assert names == ["best", "step-000006", "step-000008"]
+
+
+def test_resume_is_exact(tmp_path, data_dir):
+    """20 steps straight vs 10 + resume + 10: identical losses and weights (dropout on)."""
+    recipe = write_recipe(tmp_path / "r.yaml", data_dir, tmp_path / "runs")
+    train(load_config(str(recipe), ["name=straight"]))
+    straight = tmp_path / "runs" / "straight"
+    resumed = tmp_path / "runs" / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(straight / "checkpoints" / "step-000010", resumed / "checkpoints" / "step-000010")
+    result = train(load_config(str(recipe), ["name=resumed"]), resume=True)
+    assert result.step == 20
+    a, b = losses(straight), losses(resumed)
+    assert sorted(b) == list(range(11, 21))
+    assert [a[s] for s in range(11, 21)] == [b[s] for s in range(11, 21)]
+    wa = load_file(str(straight / "checkpoints" / "step-000020" / "model.safetensors"))
+    wb = load_file(str(resumed / "checkpoints" / "step-000020" / "model.safetensors"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_refuses_to_clobber_existing_run_without_resume(tmp_path, data_dir):
+    recipe = write_recipe(tmp_path / "r.yaml", data_dir, tmp_path / "runs", training={"max_steps": 2})
+    train(load_config(str(recipe)))
+    before = sorted(p.name for p in (tmp_path / "runs" / "t" / "checkpoints").iterdir())
+    with pytest.raises(LMForgeError, match="already has checkpoints.*--resume"):
+        train(load_config(str(recipe)))
+    assert sorted(p.name for p in (tmp_path / "runs" / "t" / "checkpoints").iterdir()) == before
+
+
+def test_nan_loss_stops_naming_step_and_last_checkpoint(tmp_path, data_dir):
+    recipe = write_recipe(tmp_path / "r.yaml", data_dir, tmp_path / "runs",
+                          training={"lr": 1e25, "warmup_steps": 0, "grad_clip": 0.0, "save_interval": 1,
+                                    "eval_interval": 0, "max_steps": 30})
+    with pytest.raises(LMForgeError) as e:
+        train(load_config(str(recipe)))
+    msg = str(e.value)
+    assert "at step" in msg and "last good checkpoint" in msg and "step-0000" in msg
+    step = int(msg.split("at step ")[1].split(":")[0])
+    ckpts = sorted((tmp_path / "runs" / "t" / "checkpoints").glob("step-*"))
+    assert ckpts and int(ckpts[-1].name.split("-")[1]) == step - 1  # the bad update was never applied
+
+
+def test_bad_inputs_give_clear_errors(tmp_path, data_dir, capsys):
+    recipe = write_recipe(tmp_path / "r.yaml", data_dir, tmp_path / "runs")
+    assert main(["train", str(recipe), "data.path=/nonexistent/data"]) == 2
+    assert "data.path=/nonexistent/data does not exist" in capsys.readouterr().err
+    assert main(["train", str(recipe), "training.lr_max=3"]) == 2
+    assert "unknown config key 'training.lr_max'" in capsys.readouterr().err
+    assert main(["train", str(recipe), "model.vocab_size=100"]) == 2
+    err = capsys.readouterr().err
+    assert "model.vocab_size=100" in err and "tokens" in err
+    assert main(["eval", str(tmp_path / "missing_ckpt"), "--data", str(data_dir)]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_corrupt_checkpoint_is_reported_and_earlier_one_survives(tmp_path, data_dir, capsys):
+    recipe = write_recipe(tmp_path / "r.yaml", data_dir, tmp_path / "runs", training={"max_steps": 4,
+                                                                                     "save_interval": 2})
+    train(load_config(str(recipe)))
+    ck = tmp_path / "runs" / "t" / "checkpoints"
+    weights = ck / "step-000004" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    assert main(["eval", str(ck / "step-000004"), "--data", str(data_dir)]) == 2
+    assert "corrupt" in capsys.readouterr().err
+    assert main(["train", str(recipe), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "model.safetensors" in err and "corrupt" in err
+    (ck / "step-000004" / "optimizer.pt").write_bytes(b"not a torch file")
+    assert main(["train", str(recipe), f"--resume={ck / 'step-000002'}"]) == 0  # the earlier one still works
+
+
+def test_sigterm_saves_a_resumable_checkpoint(tmp_path, data_dir):
+    recipe = write_recipe(tmp_path / "r.yaml", data_dir, tmp_path / "runs",
+                          training={"max_steps": 100000, "save_interval": 0, "eval_interval": 0})
+    proc = subprocess.Popen(lmforge_cmd("train", str(recipe)), env=subprocess_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    metrics = tmp_path / "runs" / "t" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 5):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert "SIGTERM" in out and "--resume" in out
+    ckpts = sorted((tmp_path / "runs" / "t" / "checkpoints").glob("step-*"))
+    assert len(ckpts) == 1
+    step = json.loads((ckpts[0] / "trainer_state.json").read_text())["step"]
+    assert step >= 5
+    result = run(lmforge_cmd("train", str(recipe), f"training.max_steps={step + 3}", "--resume"), cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert f"resuming from {ckpts[0]} (step {step})" in result.stdout
+    assert (tmp_path / "runs" / "t" / "checkpoints" / f"step-{step + 3:06d}").is_dir()
+
+
+KILL_DURING_WRITE = textwrap.dedent("""
+    import sys, time
+    import lmforge.train.checkpoint as ck
+    real = ck._fsync_dir_tree
+    def slow(directory):
+        real(directory)
+        if "step-000004" in str(directory):
+            print("WRITING", flush=True)
+            time.sleep(600)
+    ck._fsync_dir_tree = slow
+    from lmforge.cli import main
+    sys.exit(main(["train", sys.argv[1]]))
+""")
+
+
+def test_kill_9_during_checkpoint_write_keeps_previous_checkpoint(tmp_path, data_dir):
+    recipe = write_recipe(tmp_path / "r.yaml", data_dir, tmp_path / "runs",
+                          training={"max_steps": 6, "save_interval": 2, "eval_interval": 0})
+    script = tmp_path / "kill_me.py"
+    script.write_text(KILL_DURING_WRITE)
+    proc = subprocess.Popen([sys.executable, str(script), str(recipe)], env=subprocess_env(), cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        if "WRITING" in line:
+            break
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    ck = tmp_path / "runs" / "t" / "checkpoints"
+    assert [p.name for p in sorted(ck.glob("step-*"))] == ["step-000002"]  # the half-written one is not visible
+    assert any(p.name.startswith(".tmp-") for p in ck.iterdir())
+    result = run(lmforge_cmd("train", str(recipe), "--resume"), cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert "(step 2)" in result.stdout
+    assert not any(p.name.startswith(".tmp-") for p in ck.iterdir())
+    assert (ck / "step-000006" / "trainer_state.json").is_file()
+
+
+def test_ddp_two_processes_match_one_at_same_global_batch(tmp_path, data_dir):
+    common = {"model": {"embd_pdrop": 0.0, "resid_pdrop": 0.0, "attn_pdrop": 0.0},
+              "training": {"max_steps": 6, "save_interval": 0, "eval_interval": 3}}
+    single = write_recipe(tmp_path / "one.yaml", data_dir, tmp_path / "runs", name="one",
+                          model=common["model"], training={**common["training"], "micro_batch_size": 4})
+    double = write_recipe(tmp_path / "two.yaml", data_dir, tmp_path / "runs", name="two",
+                          model=common["model"], training={**common["training"], "micro_batch_size": 2})
+    r1 = run(lmforge_cmd("train", str(single)), cwd=REPO)
+    assert r1.returncode == 0, r1.stderr
+    r2 = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "lmforge",
+              "train", str(double)], cwd=REPO)
+    assert r2.returncode == 0, r2.stderr + r2.stdout
+    a, b = losses(tmp_path / "runs" / "one"), losses(tmp_path / "runs" / "two")
+    assert sorted(a) == sorted(b) == list(range(1, 7))
+    for s in a:
+        assert a[s] == pytest.approx(b[s], rel=1e-5, abs=1e-6)
+    wa = load_file(str(tmp_path / "runs" / "one" / "checkpoints" / "step-000006" / "model.safetensors"))
+    wb = load_file(str(tmp_path / "runs" / "two" / "checkpoints" / "step-000006" / "model.safetensors"))
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
+
+
+def test_wandb_offline_logging(tmp_path, data_dir, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    recipe = write_recipe(tmp_path / "r.yaml", data_dir, tmp_path / "runs", training={"max_steps": 3},
+                          logging={"wandb_project": "lmforge-test", "progress_bar": False, "tensorboard": False})
+    train(load_config(str(recipe)))
+    runs = list((tmp_path / "runs" / "t" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(p.suffix == ".wandb" for p in runs[0].iterdir())

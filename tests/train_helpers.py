@@ -1,0 +1,90 @@
+"""Shared helpers for the training tests: a small real corpus, tokenizer and prepared data."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+_NOUNS = ["file", "buffer", "request", "config", "token", "record", "entry", "client", "server", "cache"]
+_VERBS = ["read", "write", "parse", "open", "close", "flush", "load", "store", "check", "build"]
+
+
+def write_go_corpus(root: Path, n_files: int = 40) -> Path:
+    """Go-like source files with real structure (package, imports, funcs), varied per file."""
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(n_files):
+        pkg = f"pkg{i % 6}"
+        (root / pkg).mkdir(exist_ok=True)
+        funcs = []
+        for j in range(6):
+            verb, noun = _VERBS[(i + j) % len(_VERBS)], _NOUNS[(i * 3 + j) % len(_NOUNS)]
+            name = f"{verb}{noun.capitalize()}{j}"
+            funcs.append(
+                f"// {name} will {verb} the {noun} number {i * 10 + j}.\n"
+                f"func {name}(path string, n int) (int, error) {{\n"
+                f"\tif n < {j} {{\n\t\treturn 0, fmt.Errorf(\"{noun}: bad size %d\", n)\n\t}}\n"
+                f"\tf, err := os.Open(path)\n\tif err != nil {{\n\t\treturn 0, err\n\t}}\n"
+                f"\tdefer f.Close()\n\ttotal := 0\n\tfor k := 0; k < n; k++ {{\n\t\ttotal += k * {j + 1}\n\t}}\n"
+                f"\treturn total, nil\n}}\n"
+            )
+        text = f"package {pkg}\n\nimport (\n\t\"fmt\"\n\t\"os\"\n)\n\n" + "\n".join(funcs)
+        (root / pkg / f"file{i}.go").write_text(text)
+    return root
+
+
+def make_prepared_data(base: Path, vocab_size: int = 384) -> Path:
+    from lmforge.data import prepare_data
+    from lmforge.data.sources import iter_documents
+    from lmforge.tokenizer import Tokenizer, train_tokenizer
+
+    corpus = write_go_corpus(base / "corpus")
+    tok_dir = base / "tokenizer"
+    train_tokenizer((d.text for d in iter_documents(corpus, include=["**/*.go"])), vocab_size=vocab_size,
+                    out_dir=tok_dir, show_progress=False)
+    data_dir = base / "data"
+    prepare_data([str(corpus)], data_dir, Tokenizer.load(tok_dir), include=["**/*.go"], val_fraction=0.2,
+                 show_progress=False)
+    return data_dir
+
+
+def write_recipe(path: Path, data_dir: Path, out_dir: Path, **sections) -> Path:
+    recipe = {
+        "name": "t",
+        "out_dir": str(out_dir),
+        "seed": 7,
+        "model": {"family": "gpt", "flavor": "gpt2", "vocab_size": 0, "n_positions": 32, "n_embd": 32,
+                  "n_layer": 2, "n_head": 2, "embd_pdrop": 0.1, "resid_pdrop": 0.1, "attn_pdrop": 0.1},
+        "data": {"path": str(data_dir), "seq_len": 32},
+        "training": {"max_steps": 20, "micro_batch_size": 4, "lr": 3e-3, "warmup_steps": 2, "eval_interval": 10,
+                     "eval_batches": 2, "save_interval": 10, "keep_last": 2, "log_interval": 1, "device": "cpu"},
+        "logging": {"tensorboard": False, "progress_bar": False},
+    }
+    for section, values in sections.items():
+        if isinstance(values, dict):
+            recipe[section] = {**recipe.get(section, {}), **values}
+        else:
+            recipe[section] = values
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def lmforge_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "lmforge", *args]
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)})
+    env.update(extra)
+    return env
+
+
+def run(cmd: list[str], timeout: float = 300, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=kw.pop("env", subprocess_env()),
+                          **kw)
