@@ -60,14 +60,13 @@ def quickstart(data: str | None = None, include: tuple[str, ...] = (), out: str 
                minutes: float = 5.0, max_bytes: int = 24_000_000, vocab_size: int = 4096,
                overrides: list[str] | None = None) -> dict:
     from lmforge.config import load_config
-    from lmforge.data import prepare_data
+    from lmforge.data import prepare_data, train_tokenizer_from_sources
     from lmforge.data.loader import TokenDataset
-    from lmforge.data.sources import iter_documents
     from lmforge.eval.lm import metrics_from_nll, nll_of_tokens, unigram_bpb
     from lmforge.infer.generate import generate_text
     from lmforge.models import load_model
     from lmforge.plot import plot_run
-    from lmforge.tokenizer import Tokenizer, train_tokenizer
+    from lmforge.tokenizer import Tokenizer
     from lmforge.train import train
 
     if minutes <= 0:
@@ -84,8 +83,11 @@ def quickstart(data: str | None = None, include: tuple[str, ...] = (), out: str 
         print(f"reusing tokenizer {tok_dir}")
     else:
         _stage(2, f"training a byte-level BPE tokenizer (vocab {vocab_size}) on up to {max_bytes / 1e6:.0f} MB")
-        docs = iter_documents(corpus.path, include=list(corpus.include))
-        train_tokenizer(_capped_texts(docs, max_bytes // 2), vocab_size=vocab_size, out_dir=tok_dir)
+        report = train_tokenizer_from_sources([corpus.path], tok_dir, vocab_size=vocab_size,
+                                              include=corpus.include, max_bytes=max_bytes)
+        bpt = report["heldout_bytes_per_token"]
+        print(f"tokenizer: trained on {report['train_bytes'] / 1e6:.1f} MB ({report['train_documents']} files)"
+              + (f"; {bpt:.2f} bytes/token on {report['heldout_documents']} held-out files" if bpt else ""))
     tokenizer = Tokenizer.load(tok_dir)
 
     data_dir = work / "data"
@@ -93,8 +95,7 @@ def quickstart(data: str | None = None, include: tuple[str, ...] = (), out: str 
         print(f"reusing prepared data {data_dir}")
     else:
         _stage(3, "preparing token shards (filters, dedup, split by file, packing)")
-        prepare_data([str(corpus.path)], data_dir, tokenizer, include=list(corpus.include), overwrite=True,
-                     max_bytes=max_bytes)
+        prepare_data([str(corpus.path)], data_dir, tokenizer, include=list(corpus.include), overwrite=True)
     train_ds, val_ds = TokenDataset(data_dir, "train"), TokenDataset(data_dir, "val")
     print(f"data: {train_ds.num_tokens:,} train tokens, {val_ds.num_tokens:,} val tokens "
           f"({val_ds.bytes / max(val_ds.num_tokens, 1):.2f} bytes/token on val)")
@@ -140,15 +141,6 @@ def quickstart(data: str | None = None, include: tuple[str, ...] = (), out: str 
           f"lmforge eval {ckpt} --data {data_dir}")
     return {"bpb": model_metrics["bpb"], "unigram_bpb": base, "run_dir": str(result.run_dir),
             "checkpoint": str(ckpt), "seconds": elapsed, "png": str(png)}
-
-
-def _capped_texts(docs, max_bytes: int):
-    total = 0
-    for doc in docs:
-        yield doc.text
-        total += len(doc.text.encode("utf-8"))
-        if total >= max_bytes:
-            return
 
 
 def _steps_for_budget(cfg, minutes: float) -> int:

@@ -45,7 +45,7 @@ def make_prepared_data(base: Path, vocab_size: int = 384) -> Path:
 
     corpus = write_go_corpus(base / "corpus")
     tok_dir = base / "tokenizer"
-    train_tokenizer((d.text for d in iter_documents(corpus, include=["**/*.go"])), vocab_size=vocab_size,
+    train_tokenizer((d.text for d in iter_documents([corpus], include=["**/*.go"])), vocab_size=vocab_size,
                     out_dir=tok_dir, show_progress=False)
     data_dir = base / "data"
     prepare_data([str(corpus)], data_dir, Tokenizer.load(tok_dir), include=["**/*.go"], val_fraction=0.2,

@@ -75,12 +75,16 @@ class NearDeduper:
     def signature(self, text: str) -> np.ndarray:
         """MinHash signature (uint32[num_perm]) of the text's shingle set."""
         shingles = self._shingles(text)
-        sig = np.full(len(self._a), np.iinfo(np.uint32).max, dtype=np.uint64)
+        sig = np.full(len(self._a), np.iinfo(np.uint64).max, dtype=np.uint64)
+        buffer = np.empty((len(self._a), min(_CHUNK, len(shingles))), dtype=np.uint64)
         for start in range(0, len(shingles), _CHUNK):
             x = shingles[start:start + _CHUNK]
-            hashed = (self._a[:, None] * x[None, :] + self._b[:, None]) >> np.uint64(32)
+            hashed = buffer[:, :len(x)]
+            np.multiply(self._a[:, None], x[None, :], out=hashed)
+            hashed += self._b[:, None]
             np.minimum(sig, hashed.min(axis=1), out=sig)
-        return sig.astype(np.uint32)
+        # Keeping the top 32 bits after the min is the same as before it (the shift is monotonic).
+        return (sig >> np.uint64(32)).astype(np.uint32)
 
     def is_new(self, text: str) -> bool:
         """False when an earlier kept document is a near duplicate; otherwise index this one."""

@@ -32,7 +32,7 @@ from lmforge.errors import LMForgeError
 from lmforge.tokenizer import EOS, Tokenizer, train_tokenizer
 
 SPLITS = ("train", "val")
-ENCODE_BATCH_BYTES = 4 << 20  # text handed to one parallel encode_batch call
+ENCODE_BATCH_BYTES = 1 << 20  # text per encode_batch call: its Encodings are far larger than the text
 HELDOUT_MAX_BYTES = 10_000_000  # held-out text measured for the tokenizer's bytes per token
 
 

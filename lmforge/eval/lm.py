@@ -66,7 +66,7 @@ def load_eval_tokens(data: str | Path, tokenizer, split: str = "val", include: t
     tokenizer, each document followed by the end-of-document token as in training.
     """
     from lmforge.data.loader import TokenDataset
-    from lmforge.data.sources import iter_documents
+    from lmforge.data.sources import DEFAULT_INCLUDE, iter_documents
 
     path = Path(data)
     if not path.exists():
@@ -78,7 +78,7 @@ def load_eval_tokens(data: str | Path, tokenizer, split: str = "val", include: t
                                "evaluate on raw files instead, or re-prepare the data with this tokenizer")
         tokens = ds.read(0, ds.num_tokens)
         return tokens, (ds.bytes / ds.num_tokens if ds.num_tokens else 0.0), f"{path} [{split}]"
-    docs = list(iter_documents(path, include=include or None, text_field=text_field))
+    docs = list(iter_documents([path], include=include or DEFAULT_INCLUDE, text_field=text_field))
     if not docs:
         raise LMForgeError(f"no documents found in {path} (include={list(include) or 'default'})")
     ids = tokenizer.encode_batch([d.text for d in docs])

@@ -43,8 +43,8 @@ def _train(cfg: RunConfig, resume: bool | str, distinfo: DistInfo) -> TrainResul
     run_dir = cfg.run_dir
     resume_from = _resume_point(run_dir, resume)
 
-    tokenizer_path = _tokenizer_path(cfg)
     data = build_token_data(cfg, distinfo)
+    tokenizer_path = _tokenizer_path(cfg)
     _check_vocab(cfg, tokenizer_path, data)
 
     seed_everything(cfg.seed)  # same initial weights on every rank

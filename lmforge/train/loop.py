@@ -157,7 +157,8 @@ class Trainer:
                        f"{self.dist.world_size}: data order is kept, dropout randomness is not")
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
-        self.best_eval_loss = float(state.get("best_eval_loss", math.inf))
+        best = state.get("best_eval_loss")
+        self.best_eval_loss = math.inf if best is None else float(best)
         self.last_checkpoint = path
 
     # ---- saving ---------------------------------------------------------------------------

@@ -1,0 +1,99 @@
+"""The CLI verbs end to end on a small real run: help, eval, generate, plot, bench, quickstart."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from lmforge.cli import build_parser, main
+from lmforge.config import load_config
+from lmforge.train import train
+from tests.train_helpers import make_prepared_data, write_go_corpus, write_recipe
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    base = tmp_path_factory.mktemp("cli")
+    data_dir = make_prepared_data(base)
+    recipe = write_recipe(base / "r.yaml", data_dir, base / "runs", training={"max_steps": 30, "eval_interval": 15})
+    result = train(load_config(str(recipe)))
+    return base, data_dir, result
+
+
+def _leaf_parsers(parser):
+    for action in parser._actions:
+        if action.__class__.__name__ == "_SubParsersAction":
+            for sub in action.choices.values():
+                yield from _leaf_parsers(sub)
+            return
+    yield parser
+
+
+def test_every_verb_documents_every_option():
+    leaves = list(_leaf_parsers(build_parser()))
+    names = {p.prog.split(" ", 1)[1] for p in leaves}
+    assert {"quickstart", "tokenizer train", "data prepare", "train", "eval", "generate", "plot", "bench"} <= names
+    for p in leaves:
+        for action in p._actions:
+            if action.dest != "help":
+                assert action.help, f"{p.prog}: option {action.dest} has no help text"
+
+
+def test_eval_on_shards_and_on_raw_files(trained, capsys):
+    base, data_dir, result = trained
+    assert main(["eval", str(result.run_dir), "--data", str(data_dir), "--json"]) == 0
+    shards = json.loads(capsys.readouterr().out)
+    assert shards["bpb"] > 0 and shards["ppl"] == pytest.approx(2.718281828 ** shards["loss"], rel=1e-6)
+    raw = write_go_corpus(base / "raw", n_files=3)
+    assert main(["eval", str(result.run_dir), "--data", str(raw), "--json"]) == 0
+    files = json.loads(capsys.readouterr().out)
+    assert files["tokens"] > 0 and files["bpb"] > 0 and "3 documents" in files["data"]
+
+
+def test_generate_streams_a_seeded_completion(trained, capsys):
+    _, _, result = trained
+    args = ["generate", str(result.best_checkpoint), "--prompt", "func read", "--max-new-tokens", "20",
+            "--seed", "3", "--temperature", "0.9"]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert main(args) == 0
+    assert capsys.readouterr().out == first and first.startswith("func read") and len(first) > len("func read\n")
+    assert main(["generate", str(result.best_checkpoint), "--max-new-tokens", "0"]) == 2
+    assert "--max-new-tokens" in capsys.readouterr().err
+
+
+def test_plot_writes_png(trained, capsys):
+    _, _, result = trained
+    assert main(["plot", str(result.run_dir)]) == 0
+    png = result.run_dir / "loss.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert main(["plot", str(result.run_dir / "nowhere")]) == 2
+    assert "metrics.jsonl does not exist" in capsys.readouterr().err
+
+
+def test_bench_prints_throughput_and_mfu(capsys):
+    assert main(["bench", "go_coder_tiny", "model.n_layer=1", "model.n_embd=32", "model.n_head=2",
+                 "data.seq_len=16", "training.micro_batch_size=2", "--steps", "2", "--warmup", "1",
+                 "--vocab-size", "300", "--compare-transformers", "--json"]) == 0
+    out = capsys.readouterr().out
+    results = json.loads(out[out.index("{"):])
+    systems = [r["system"] for r in results["runs"]]
+    assert systems == ["lmforge", "transformers"]
+    assert all(r["tokens_per_s"] > 0 for r in results["runs"]) and results["speedup"] > 0
+    assert 0 < results["runs"][0]["mfu"] < 1
+
+
+def test_quickstart_on_a_given_tree_beats_the_unigram_baseline(tmp_path, capsys):
+    corpus = write_go_corpus(tmp_path / "src", n_files=60)
+    assert main(["quickstart", "--data", str(corpus), "--out", str(tmp_path / "qs"), "--minutes", "0.4",
+                 "--vocab-size", "400", "training.micro_batch_size=8", "data.seq_len=64",
+                 "model.n_positions=64", "model.n_layer=2", "model.n_embd=64", "model.n_head=2"]) == 0
+    out = capsys.readouterr().out
+    m = re.search(r"held-out bits per byte: model ([\d.]+)\s+vs\s+unigram baseline ([\d.]+)", out)
+    assert m, out
+    assert float(m.group(1)) < 0.8 * float(m.group(2))
+    assert (tmp_path / "qs" / "tokenizer" / "tokenizer.json").is_file()
+    assert list((tmp_path / "qs" / "runs").glob("quickstart-*/loss.png"))
+    assert "func readLines" in out  # the sample prompt was printed and continued
