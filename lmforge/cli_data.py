@@ -18,11 +18,12 @@ def _add_source_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--include", action="append", metavar="GLOB",
                    help="glob for files inside directory inputs, relative to each directory; repeatable "
                         f"(default: {' '.join(DEFAULT_INCLUDE)})")
-    p.add_argument("--text-field", default="text",
-                   help="JSON field / column holding the text in .jsonl, .parquet and datasets (default: text)")
+    p.add_argument("--text-field", default="text", metavar="NAME",
+                   help="JSON field / column holding the text in .jsonl, .parquet and Hugging Face "
+                        "datasets (default: text)")
     p.add_argument("--exclude-tests", action="store_true",
                    help="also skip Go *_test.go files (default: keep them)")
-    p.add_argument("--seed", type=int, default=1337,
+    p.add_argument("--seed", type=int, default=1337, metavar="N",
                    help="seed of the per-document split hash (default: 1337)")
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="hide progress bars (default: shown)")
@@ -78,14 +79,14 @@ def register(subparsers: argparse._SubParsersAction) -> dict[str, argparse._SubP
     _add_source_options(train)
     train.add_argument("--out", required=True, metavar="DIR",
                        help="directory for tokenizer.json and its Hugging Face config files (required)")
-    train.add_argument("--vocab-size", type=int, default=8192,
+    train.add_argument("--vocab-size", type=int, default=8192, metavar="N",
                        help="vocabulary size including 256 byte tokens and 6 specials (default: 8192)")
-    train.add_argument("--min-frequency", type=int, default=2,
+    train.add_argument("--min-frequency", type=int, default=2, metavar="N",
                        help="minimum pair count for a BPE merge (default: 2)")
-    train.add_argument("--max-bytes", type=int, default=50_000_000,
+    train.add_argument("--max-bytes", type=int, default=50_000_000, metavar="N",
                        help="cap on the UTF-8 bytes of the training sample; BPE training time and memory "
                             "grow with it (default: 50000000 = 50 MB)")
-    train.add_argument("--heldout-fraction", type=float, default=0.01,
+    train.add_argument("--heldout-fraction", type=float, default=0.01, metavar="F",
                        help="share of documents held out of training to measure bytes per token "
                             "(at least one when there are 2+; 0 = none) (default: 0.01)")
     train.set_defaults(func=cmd_tokenizer_train)
@@ -103,9 +104,9 @@ def register(subparsers: argparse._SubParsersAction) -> dict[str, argparse._SubP
                          help="output data directory; must be new or empty unless --overwrite (required)")
     prepare.add_argument("--near-dedup", action="store_true",
                          help="also drop near-duplicates (MinHash, Jaccard >= 0.8) (default: off)")
-    prepare.add_argument("--val-fraction", type=float, default=0.05,
+    prepare.add_argument("--val-fraction", type=float, default=0.05, metavar="F",
                          help="share of documents in the val split, at least one (default: 0.05)")
-    prepare.add_argument("--shard-tokens", type=int, default=100_000_000,
+    prepare.add_argument("--shard-tokens", type=int, default=100_000_000, metavar="N",
                          help="tokens per shard file (default: 100000000)")
     prepare.add_argument("--overwrite", action="store_true",
                          help="replace a non-empty --out directory once the new data is complete "

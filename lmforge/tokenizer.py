@@ -42,11 +42,13 @@ class Tokenizer:
 
     def __init__(self, backend: _RustTokenizer, origin: str = "<in memory>"):
         for expected_id, token in enumerate(SPECIAL_TOKENS):
-            if backend.token_to_id(token) != expected_id:
+            found = backend.token_to_id(token)
+            if found != expected_id:
+                has = "is missing" if found is None else f"has id {found}"
                 raise LMForgeError(
-                    f"{origin}: special token {token!r} must have id {expected_id} but has "
-                    f"{backend.token_to_id(token)}; this tokenizer was not made by `lmforge tokenizer "
-                    "train`. Train one with that command (or lmforge.tokenizer.train_tokenizer).")
+                    f"{origin}: special token {token!r} must have id {expected_id} but {has}; this "
+                    "tokenizer was not made by `lmforge tokenizer train`. Train one with that command "
+                    "(or lmforge.tokenizer.train_tokenizer).")
         self._backend = backend
         self._canonical = backend.to_str()  # compact serialization: file formatting never changes the hash
 
@@ -66,10 +68,6 @@ class Tokenizer:
                 f"{file} is not a valid tokenizer file ({e}). Re-create it with `lmforge tokenizer train`."
             ) from e
         return cls(backend, origin=str(file))
-
-    @property
-    def backend(self) -> _RustTokenizer:
-        return self._backend
 
     @property
     def vocab_size(self) -> int:
@@ -157,7 +155,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path, 
     if vocab_size < MIN_VOCAB_SIZE:
         raise LMForgeError(
             f"vocab_size={vocab_size} is too small: a byte-level tokenizer needs 256 byte tokens plus "
-            f"{len(SPECIAL_TOKENS)} special tokens. Use --vocab-size {MIN_VOCAB_SIZE} or more (8192 is typical).")
+            f"{len(SPECIAL_TOKENS)} special tokens. Use --vocab-size {MIN_VOCAB_SIZE} or more "
+            "(8192 is typical).")
     if min_frequency < 1:
         raise LMForgeError(f"min_frequency={min_frequency} must be at least 1.")
     non_empty = (t for t in texts if t)

@@ -23,7 +23,8 @@ from tests.conftest import GO_KEPT, GO_SKIPPED, write_files
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tok")
-    texts = list(GO_KEPT.values()) * 2 + ["record number value of the data set, with words and digits 0123456789"] * 3
+    prose = "record number value of the data set, with words and digits 0123456789"
+    texts = list(GO_KEPT.values()) * 2 + [prose] * 3
     train_tokenizer(texts, vocab_size=400, out_dir=out, show_progress=False)
     return out
 
@@ -56,8 +57,8 @@ def split_documents(data_dir: Path, split: str, tok: Tokenizer) -> list[str]:
     assert ds.num_tokens == 0 or stream[-1] == tok.eos_id  # every document ends with EOS
     pieces = np.split(stream, np.flatnonzero(stream == tok.eos_id) + 1)[:-1]
     texts = [tok.decode(p[:-1]) for p in pieces]
-    for text, piece in zip(texts, pieces):
-        assert tok.encode(text) + [tok.eos_id] == piece.tolist()
+    for text, piece in zip(texts, pieces, strict=True):
+        assert [*tok.encode(text), tok.eos_id] == piece.tolist()
     return texts
 
 
@@ -68,7 +69,8 @@ def test_go_filters_skip_generated_vendor_testdata_empty_with_counts(go_corpus):
     docs = list(iter_documents([go_corpus], stats=stats))
     assert [d.source_id for d in docs] == sorted(GO_KEPT)
     assert all(d.text == GO_KEPT[d.source_id] for d in docs)
-    assert stats.as_dict() == {"kept": 5, "skipped": {"empty": 1, "generated": 1, "testdata": 1, "vendor": 1}}
+    assert stats.kept == len(GO_KEPT) == 5
+    assert stats.skipped == Counter(reason for reason, _ in GO_SKIPPED.values())  # one of each reason
 
     stats = FilterStats()
     docs = list(iter_documents([go_corpus], exclude_tests=True, stats=stats))
@@ -102,7 +104,8 @@ def test_custom_include_globs(tmp_path):
 
 def test_jsonl_custom_field_text_file_and_parquet(tmp_path):
     jsonl = tmp_path / "docs.jsonl"
-    jsonl.write_text('{"content": "first doc"}\n\n{"content": ""}\n{"content": "third doc"}\n', encoding="utf-8")
+    jsonl.write_text('{"content": "first doc"}\n\n{"content": ""}\n{"content": "third doc"}\n',
+                     encoding="utf-8")
     notes = tmp_path / "notes.md"
     notes.write_text("# Notes\n\nwhole file is one document\n", encoding="utf-8")
     pa = pytest.importorskip("pyarrow")
@@ -125,7 +128,8 @@ def test_jsonl_custom_field_text_file_and_parquet(tmp_path):
 
 def test_hf_dataset_on_disk_and_dataset_dict_train_split(tmp_path):
     datasets = pytest.importorskip("datasets")
-    datasets.Dataset.from_dict({"text": ["alpha", "beta"], "label": [0, 1]}).save_to_disk(str(tmp_path / "hf"))
+    plain = datasets.Dataset.from_dict({"text": ["alpha", "beta"], "label": [0, 1]})
+    plain.save_to_disk(str(tmp_path / "hf"))
     datasets.DatasetDict({
         "train": datasets.Dataset.from_dict({"text": ["train one", "train two"]}),
         "test": datasets.Dataset.from_dict({"text": ["held-out benchmark"]}),
@@ -141,13 +145,16 @@ def test_malformed_jsonl_names_file_and_line(tmp_path):
     with pytest.raises(LMForgeError, match=rf"{path}:2: not valid JSON.*fix or delete that line"):
         list(iter_documents([path]))
     path.write_text('{"text": "ok"}\n\n{"body": "x"}\n', encoding="utf-8")
-    with pytest.raises(LMForgeError, match=rf"{path}:3: no field 'text' \(fields: \['body'\]\).*--text-field"):
+    with pytest.raises(LMForgeError, match=rf"{path}:3: no field 'text' \(fields: \['body'\]\).*--text-fie"):
         list(iter_documents([path]))
 
 
-def test_missing_path_and_unmatched_globs_are_clear_errors(tmp_path):
+def test_missing_path_and_unmatched_globs_are_clear_errors(tmp_path, tok_dir):
     with pytest.raises(LMForgeError, match=rf"input path not found: {tmp_path / 'missing'}"):
         list(iter_documents([tmp_path / "missing"]))
+    with pytest.raises(LMForgeError, match=rf"input path not found: {tmp_path / 'missing'}"):
+        prepare([tmp_path / "missing"], tmp_path / "out", tok_dir)
+    assert not (tmp_path / "out").exists()
     (tmp_path / "src").mkdir()
     with pytest.raises(LMForgeError, match=r"no files under .*src match the include globs.*--include"):
         list(iter_documents([tmp_path / "src"]))
@@ -201,7 +208,8 @@ def test_prepare_shards_hold_every_kept_document_once(go_corpus, tmp_path, tok_d
         split = meta["splits"][name]
         assert split["documents"] == len(texts)
         assert split["bytes"] == sum(len(t.encode("utf-8")) for t in texts)
-        assert split["tokens"] == sum(len(tok.encode(t)) + 1 for t in texts) == TokenDataset(out, name).num_tokens
+        assert split["tokens"] == sum(len(tok.encode(t)) + 1 for t in texts)
+        assert split["tokens"] == TokenDataset(out, name).num_tokens
         sizes = [s["tokens"] for s in split["shards"]]
         assert sizes[:-1] == [64] * (len(sizes) - 1) and 0 < sizes[-1] <= 64
         on_disk = np.concatenate([np.fromfile(out / s["file"], dtype="<u2") for s in split["shards"]])
@@ -301,8 +309,8 @@ def test_cli_data_prepare(go_corpus, tmp_path, tok_dir, capsys):
     actions = register(parser.add_subparsers(dest="verb"))
     actions["data"].add_parser("sudoku")  # other verbs can join the same `data` parser
     out = tmp_path / "data"
-    args = parser.parse_args(["data", "prepare", str(go_corpus), "--tokenizer", str(tok_dir), "--out", str(out),
-                              "--exclude-tests", "--val-fraction", "0.3", "--no-progress"])
+    args = parser.parse_args(["data", "prepare", str(go_corpus), "--tokenizer", str(tok_dir),
+                              "--out", str(out), "--exclude-tests", "--val-fraction", "0.3", "--no-progress"])
     assert args.func(args) == 0
     printed = capsys.readouterr().out
     assert "documents kept 4" in printed and "go_test_file 1" in printed and "generated 1" in printed
@@ -356,7 +364,8 @@ def test_each_epoch_is_a_new_permutation_of_windows(data_dir):
     in_order = [tuple(b["input_ids"][0].tolist()) for b in loader.iter_eval_batches()]
     epochs = []
     for epoch in (0, 1):
-        epochs.append([tuple(loader.next_batch()["input_ids"][0].tolist()) for _ in range(loader.num_windows)])
+        batches = [loader.next_batch() for _ in range(loader.num_windows)]
+        epochs.append([tuple(b["input_ids"][0].tolist()) for b in batches])
         assert loader.epoch == epoch
         assert sorted(epochs[-1]) == sorted(in_order) and epochs[-1] != in_order
     assert epochs[0] != epochs[1]

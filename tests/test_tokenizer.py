@@ -21,7 +21,8 @@ TRAINING_TEXTS = list(GO_KEPT.values()) * 3 + [ENGLISH] * 5
 ROUND_TRIP = {
     "go": GO_KEPT["server/handler.go"],
     "english": ENGLISH,
-    "unicode": "naïve café — 日本語のテキスト, emoji 🧪🚀, Ελληνικά, עברית, \u200b zero-width, é (e + combining)",
+    "unicode": "naïve café — 日本語のテキスト, emoji 🧪🚀, Ελληνικά, עברית, \u200b zero-width, "
+               "e\u0301 (e + combining acute)",
     "whitespace": "\t\tx := 1  \r\n\n\n    \t  y\t=\t2   \n\u00a0\u3000 trailing   \t",
     "specials_in_text": "<PR_TITLE> fix bug <PR_BODY> body</s><s><pad><unk>",
     "empty": "",
@@ -124,7 +125,7 @@ def test_load_missing_or_invalid_file(tmp_path):
     from tokenizers.models import BPE
 
     RustTokenizer(BPE()).save(str(bad))  # valid file, but not an lmforge tokenizer
-    with pytest.raises(LMForgeError, match="special token '<unk>' must have id 0"):
+    with pytest.raises(LMForgeError, match="special token '<unk>' must have id 0 but is missing"):
         Tokenizer.load(bad)
 
 

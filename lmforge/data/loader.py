@@ -45,7 +45,8 @@ def read_meta(data_dir: str | Path) -> dict:
         raise LMForgeError(f"{path}: not an {FORMAT!r} meta file. {_REPREPARE}")
     if meta.get("version") != VERSION:
         raise LMForgeError(
-            f"{path}: format version {meta.get('version')} is not supported (expected {VERSION}). {_REPREPARE}")
+            f"{path}: format version {meta.get('version')} is not supported (expected {VERSION}). "
+            f"{_REPREPARE}")
     if meta.get("dtype") not in DTYPES:
         raise LMForgeError(f"{path}: unknown dtype {meta.get('dtype')!r}. {_REPREPARE}")
     return meta
@@ -75,7 +76,8 @@ class TokenDataset:
             size = path.stat().st_size if path.is_file() else None
             if size != expected:
                 found = "is missing" if size is None else f"has {size} bytes, expected {expected}"
-                raise LMForgeError(f"shard {path} {found}: the data directory is corrupt or truncated. {_REPREPARE}")
+                raise LMForgeError(
+                    f"shard {path} {found}: the data directory is corrupt or truncated. {_REPREPARE}")
             if shard["tokens"]:  # np.memmap cannot map an empty file
                 self._shards.append(np.memmap(path, dtype=dtype, mode="r"))
         # offsets[k] = global index of shard k's first token; offsets[-1] = total tokens
@@ -99,8 +101,15 @@ class TokenDataset:
         return out.reshape(positions.shape)
 
     def read(self, start: int, stop: int) -> np.ndarray:
-        """Tokens ``[start, stop)`` of the split's stream."""
-        return self.gather(np.arange(start, stop, dtype=np.int64))
+        """Tokens ``[start, stop)`` of the split's stream, as int64 (contiguous slices of each shard)."""
+        if not 0 <= start <= stop <= self.num_tokens:
+            raise IndexError(f"read({start}, {stop}) is outside [0, {self.num_tokens}]")
+        parts = [np.empty(0, dtype=np.int64)]
+        for shard, begin, end in zip(self._shards, self._offsets[:-1], self._offsets[1:], strict=True):
+            lo, hi = max(start, begin), min(stop, end)
+            if lo < hi:
+                parts.append(shard[lo - begin:hi - begin].astype(np.int64))
+        return np.concatenate(parts)
 
 
 class PackedLoader:
@@ -115,7 +124,8 @@ class PackedLoader:
     def __init__(self, dataset: TokenDataset, seq_len: int, micro_batch_size: int, rank: int = 0,
                  world_size: int = 1, seed: int = 1337, shuffle: bool = True):
         if seq_len < 1 or micro_batch_size < 1:
-            raise LMForgeError(f"seq_len ({seq_len}) and micro_batch_size ({micro_batch_size}) must be >= 1.")
+            raise LMForgeError(
+                f"seq_len ({seq_len}) and micro_batch_size ({micro_batch_size}) must be at least 1.")
         if not 0 <= rank < world_size:
             raise LMForgeError(f"rank {rank} is outside world_size {world_size}.")
         self.dataset = dataset
@@ -129,7 +139,8 @@ class PackedLoader:
         if self.num_windows < 1:
             raise LMForgeError(
                 f"split {dataset.split!r} of {dataset.data_dir} has {dataset.num_tokens} tokens, fewer "
-                f"than data.seq_len + 1 = {seq_len + 1}. Lower data.seq_len or add data (or a larger --val-fraction for the val split).")
+                f"than data.seq_len + 1 = {seq_len + 1}. Lower data.seq_len or add data (for the val "
+                "split, a larger --val-fraction also helps).")
         self._epoch = 0
         self._position = 0  # index into this epoch's permutation of the next step's first window
         self._order = self._epoch_order(0)
@@ -154,7 +165,7 @@ class PackedLoader:
         return {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
 
     def next_batch(self) -> dict[str, torch.Tensor]:
-        """``input_ids`` and ``labels`` (inputs shifted by one), both LongTensor[micro_batch_size, seq_len]."""
+        """``input_ids`` and ``labels`` (shifted by one), both LongTensor[micro_batch_size, seq_len]."""
         if self.num_windows < self._step_windows:  # checked here, not in __init__: eval needs no full step
             raise LMForgeError(
                 f"split {self.dataset.split!r} of {self.dataset.data_dir} has {self.num_windows} windows of "

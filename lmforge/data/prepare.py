@@ -38,7 +38,7 @@ HELDOUT_MAX_BYTES = 10_000_000  # held-out text measured for the tokenizer's byt
 
 def split_key(source_id: str, seed: int) -> float:
     """A deterministic number in [0, 1) for a document; small keys go to validation."""
-    digest = hashlib.blake2b(f"{seed}\0{source_id}".encode("utf-8"), digest_size=8).digest()
+    digest = hashlib.blake2b(f"{seed}\0{source_id}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") / 2**64
 
 
@@ -153,7 +153,8 @@ def _check_out_dir(out: Path, overwrite: bool, sources: Sequence[str | Path]) ->
             "(overwrite=True) to replace it, or choose another --out directory.")
     for src in map(Path, sources):
         if src.is_dir() and out.resolve().is_relative_to(src.resolve()):
-            raise LMForgeError(f"--out {out} lies inside the input {src}; choose an output outside the inputs.")
+            raise LMForgeError(
+                f"--out {out} lies inside the input {src}; choose an output directory outside the inputs.")
 
 
 def _move_into_place(tmp: Path, out: Path) -> None:
@@ -212,6 +213,7 @@ def prepare_data(sources: Sequence[str | Path], out_dir: str | Path, tokenizer: 
         raise LMForgeError(f"--val-fraction {val_fraction} must be between 0 and 1 (0.05 is typical).")
     if shard_tokens < 1:
         raise LMForgeError(f"--shard-tokens {shard_tokens} must be at least 1.")
+    kinds = [source_kind(Path(s)) for s in sources]  # fails fast on a missing path
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer.load(tokenizer)
     out = Path(out_dir).resolve()  # resolved so that "." still has a name for the temporary sibling
     _check_out_dir(out, overwrite, sources)
@@ -240,7 +242,8 @@ def prepare_data(sources: Sequence[str | Path], out_dir: str | Path, tokenizer: 
             "format": FORMAT, "version": VERSION, "dtype": dtype_name, "vocab_size": tok.vocab_size,
             "tokenizer_sha256": tok.sha256, "eos_id": tok.eos_id, "document_separator": EOS,
             "splits": splits, "filters": survey.stats.as_dict(),
-            "sources": [{"path": str(Path(s).resolve()), "kind": source_kind(Path(s))} for s in sources],
+            "sources": [{"path": str(Path(s).resolve()), "kind": kind}
+                        for s, kind in zip(sources, kinds, strict=True)],
             "settings": {"include": list(include), "text_field": text_field, "exclude_tests": exclude_tests,
                          "near_dedup": near_dedup, "val_fraction": val_fraction, "seed": seed,
                          "shard_tokens": shard_tokens},
@@ -271,6 +274,8 @@ def train_tokenizer_from_sources(
         raise LMForgeError(f"--max-bytes {max_bytes} must be positive (e.g. 50000000 for 50 MB).")
     if not 0 <= heldout_fraction < 1:
         raise LMForgeError(f"--heldout-fraction {heldout_fraction} must be in [0, 1) (0.01 is typical).")
+    for src in sources:
+        source_kind(Path(src))  # fails fast on a missing path
     read_opts = {"include": tuple(include), "text_field": text_field, "exclude_tests": exclude_tests}
     survey = _survey(sources, read_opts, near_dedup=False, seed=seed, show_progress=show_progress)
     heldout = np.zeros(len(survey.keep), dtype=bool)

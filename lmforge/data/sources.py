@@ -194,6 +194,7 @@ def _iter_jsonl(path: Path, text_field: str) -> Iterator[Document]:
 
 
 def _iter_parquet(path: Path, text_field: str) -> Iterator[Document]:
+    # Imported here: pyarrow is slow to import and most corpora are source trees.
     import pyarrow as pa
     import pyarrow.parquet as pq
 

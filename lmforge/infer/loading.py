@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from lmforge.errors import LMForgeError
 from lmforge.models import load_model
 from lmforge.train.checkpoint import resolve_model_dir
@@ -34,5 +32,4 @@ def load_for_inference(checkpoint: str | Path, device: str = "auto"):
     if vocab is not None and tokenizer.vocab_size > vocab:
         raise LMForgeError(f"the tokenizer beside {model_dir} has {tokenizer.vocab_size} tokens but the model "
                            f"only {vocab}: they do not belong together")
-    torch.set_grad_enabled(False)
     return model, tokenizer, dev
