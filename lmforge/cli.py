@@ -45,7 +45,7 @@ def _cmd_train(args) -> int:
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return 0
     result = train(cfg, resume=args.resume or False)
-    if _is_main_process():
+    if result.is_main:
         ev = ", ".join(f"{k.split('/')[-1]} {v:.4f}" for k, v in result.eval_metrics.items())
         print(f"done: step {result.step} ({result.stopped}); train loss {result.train_loss:.4f}"
               + (f"; eval {ev}" if ev else ""))
@@ -54,12 +54,6 @@ def _cmd_train(args) -> int:
         if result.stopped == "signal":
             print(f"resume with: lmforge train {args.recipe} {' '.join(args.overrides)} --resume".replace("  ", " "))
     return 0
-
-
-def _is_main_process() -> bool:
-    import os
-
-    return os.environ.get("RANK", "0") == "0"
 
 
 # ---- eval ---------------------------------------------------------------------------------------
@@ -122,13 +116,12 @@ def _cmd_generate(args) -> int:
         raise LMForgeError("--max-new-tokens must be >= 1")
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
         raise LMForgeError("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0")
-    prompt = args.prompt
+    prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")  # shells pass "\n" literally
     if args.prompt_file:
         try:
             prompt = Path(args.prompt_file).read_text()
-        except OSError as e:
-            raise LMForgeError(f"cannot read --prompt-file {args.prompt_file}: {e.strerror}") from e
-    prompt = prompt.replace("\\n", "\n").replace("\\t", "\t")  # shells pass "\n" literally
+        except (OSError, UnicodeDecodeError) as e:
+            raise LMForgeError(f"cannot read --prompt-file {args.prompt_file}: {e}") from e
     model, tokenizer, _ = load_for_inference(args.checkpoint, args.device)
     sys.stdout.write(prompt)
     sys.stdout.flush()
@@ -148,7 +141,7 @@ def _cmd_generate(args) -> int:
 def _add_plot(sub) -> None:
     p = sub.add_parser("plot", help="PNG of train/val loss and learning rate", formatter_class=_formatter)
     p.add_argument("run_dir", help="a run directory (holds metrics.jsonl)")
-    p.add_argument("--out", default=None, help="output PNG (default RUN_DIR/loss.png)")
+    p.add_argument("--out", default=None, help="output image: .png, .svg or .pdf (default RUN_DIR/loss.png)")
     p.set_defaults(func=_cmd_plot)
 
 
@@ -196,7 +189,7 @@ def _add_quickstart(sub) -> None:
     p.add_argument("--data", default=None, help="use this source directory instead of the one found")
     p.add_argument("--include", action="append", default=[], help="glob for --data files (default by language)")
     p.add_argument("--out", default="lmforge_quickstart", help="working directory for every artifact")
-    p.add_argument("--minutes", type=float, default=5.0, help="training time budget")
+    p.add_argument("--minutes", type=float, default=6.0, help="training time budget (the whole job adds ~1 min)")
     p.add_argument("--max-bytes", type=int, default=24_000_000, help="cap on source text used (bytes)")
     p.add_argument("--vocab-size", type=int, default=4096, help="tokenizer vocabulary size")
     p.add_argument("overrides", nargs="*", help="overrides for the go_coder_tiny recipe, " + OVERRIDES_HELP)

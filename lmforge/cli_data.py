@@ -40,7 +40,7 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
         args.inputs, args.out, vocab_size=args.vocab_size, include=args.include or DEFAULT_INCLUDE,
         text_field=args.text_field, exclude_tests=args.exclude_tests, min_frequency=args.min_frequency,
         max_bytes=args.max_bytes, heldout_fraction=args.heldout_fraction, seed=args.seed,
-        show_progress=args.progress)
+        show_progress=args.progress, overwrite=args.overwrite)
     print(f"tokenizer: {report['tokenizer']} (vocab size {report['vocab_size']})")
     _print_filters(report["filters"])
     print(f"  trained on {report['train_documents']} documents, {report['train_bytes']:,} bytes")
@@ -89,6 +89,8 @@ def register(subparsers: argparse._SubParsersAction) -> dict[str, argparse._SubP
     train.add_argument("--heldout-fraction", type=float, default=0.01, metavar="F",
                        help="share of documents held out of training to measure bytes per token "
                             "(at least one when there are 2+; 0 = none) (default: 0.01)")
+    train.add_argument("--overwrite", action="store_true",
+                       help="replace an existing tokenizer.json in --out (default: refuse)")
     train.set_defaults(func=cmd_tokenizer_train)
 
     data = subparsers.add_parser("data", help="prepare training data")

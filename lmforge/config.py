@@ -82,13 +82,10 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         if self.model is not None:
-            from lmforge.models import model_class
-
             family = next(
                 (cls.family for cls in _model_classes() if isinstance(self.model, cls.config_class)), None
             )
             out["model"] = {"family": family, **dataclasses.asdict(self.model)}
-            model_class(family)
         return out
 
     def save(self, path: str | Path) -> None:
@@ -197,7 +194,10 @@ def config_from_dict(values: dict[str, Any]) -> RunConfig:
     from lmforge.models import config_class
 
     values = dict(values)
-    model_values = dict(values.pop("model", None) or {})
+    model_values = values.pop("model", None) or {}
+    if not isinstance(model_values, dict):
+        raise LMForgeError(f"config section 'model' must be a mapping of model keys, got {model_values!r}")
+    model_values = dict(model_values)
     family = model_values.pop("family", "gpt")
     cfg = dataclass_from_dict(RunConfig, values, prefix="")
     cfg.model = dataclass_from_dict(config_class(family), model_values, prefix="model")
@@ -218,6 +218,12 @@ def validate_run_config(cfg: RunConfig) -> None:
         (t.schedule in ("cosine", "constant", "wsd"), "training.schedule must be cosine, constant or wsd"),
         (t.precision in ("auto", "fp32", "bf16", "fp16"), "training.precision must be auto, fp32, bf16 or fp16"),
         (t.keep_last >= 1, "training.keep_last must be >= 1"),
+        (0.0 <= t.beta1 < 1.0 and 0.0 <= t.beta2 < 1.0, "training.beta1 and training.beta2 must be in [0, 1)"),
+        (t.eps > 0, "training.eps must be > 0"),
+        (t.weight_decay >= 0, "training.weight_decay must be >= 0"),
+        (t.grad_clip >= 0, "training.grad_clip must be >= 0 (0 = off)"),
+        (t.eval_batches >= 1, "training.eval_batches must be >= 1"),
+        (t.max_time_minutes >= 0, "training.max_time_minutes must be >= 0 (0 = no limit)"),
         (t.log_interval >= 1, "training.log_interval must be >= 1"),
         (t.eval_interval >= 0 and t.save_interval >= 0, "training.eval_interval/save_interval must be >= 0"),
         (cfg.data.seq_len > 0, "data.seq_len must be > 0"),

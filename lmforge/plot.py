@@ -41,6 +41,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     ax.set_title(run_dir.name)
     fig.tight_layout()
     out = Path(out) if out else run_dir / "loss.png"
+    if out.suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise LMForgeError(f"--out {out}: the image name must end in .png, .svg or .pdf")
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)
     plt.close(fig)

@@ -6,6 +6,7 @@ plot -> sample. Everything lands in one working directory; a second run reuses i
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sysconfig
@@ -57,7 +58,7 @@ def _stage(i: int, text: str) -> None:
 
 
 def quickstart(data: str | None = None, include: tuple[str, ...] = (), out: str = "lmforge_quickstart",
-               minutes: float = 5.0, max_bytes: int = 24_000_000, vocab_size: int = 4096,
+               minutes: float = 6.0, max_bytes: int = 24_000_000, vocab_size: int = 4096,
                overrides: list[str] | None = None) -> dict:
     from lmforge.config import load_config
     from lmforge.data import prepare_data, train_tokenizer_from_sources
@@ -78,33 +79,43 @@ def quickstart(data: str | None = None, include: tuple[str, ...] = (), out: str 
     corpus = find_corpus(data, include)
     _stage(1, f"corpus: {corpus.path} — {corpus.origin}, files {', '.join(corpus.include)}")
 
-    tok_dir = work / "tokenizer"
-    if (tok_dir / "tokenizer.json").is_file():
-        print(f"reusing tokenizer {tok_dir}")
+    # Reuse the tokenizer and data of an earlier quickstart in the same --out, but only if they were
+    # made from the same corpus with the same settings (recorded in quickstart.json).
+    stamp_path = work / "quickstart.json"
+    stamp = {"corpus": str(corpus.path.resolve()), "include": list(corpus.include), "vocab_size": vocab_size,
+             "max_bytes": max_bytes}
+    tok_dir, data_dir = work / "tokenizer", work / "data"
+    previous = json.loads(stamp_path.read_text()) if stamp_path.is_file() else None
+    reuse = previous == stamp and (tok_dir / "tokenizer.json").is_file() and (data_dir / "meta.json").is_file()
+    if previous is None and (tok_dir.exists() or data_dir.exists()):
+        raise LMForgeError(f"{work} already holds tokenizer/ or data/ that lmforge quickstart did not make; "
+                           "pass another --out directory")
+    if reuse:
+        print(f"reusing the tokenizer and data in {work} (same corpus and settings)")
     else:
         _stage(2, f"training a byte-level BPE tokenizer (vocab {vocab_size}) on up to {max_bytes / 1e6:.0f} MB")
         report = train_tokenizer_from_sources([corpus.path], tok_dir, vocab_size=vocab_size,
-                                              include=corpus.include, max_bytes=max_bytes)
+                                              include=corpus.include, max_bytes=max_bytes, overwrite=True)
         bpt = report["heldout_bytes_per_token"]
         print(f"tokenizer: trained on {report['train_bytes'] / 1e6:.1f} MB ({report['train_documents']} files)"
               + (f"; {bpt:.2f} bytes/token on {report['heldout_documents']} held-out files" if bpt else ""))
-    tokenizer = Tokenizer.load(tok_dir)
-
-    data_dir = work / "data"
-    if (data_dir / "meta.json").is_file() and TokenDataset(data_dir, "train").tokenizer_sha256 == tokenizer.sha256:
-        print(f"reusing prepared data {data_dir}")
-    else:
         _stage(3, "preparing token shards (filters, dedup, split by file, packing)")
-        prepare_data([str(corpus.path)], data_dir, tokenizer, include=list(corpus.include), overwrite=True)
+        prepare_data([str(corpus.path)], data_dir, Tokenizer.load(tok_dir), include=list(corpus.include),
+                     overwrite=True)
+        stamp_path.write_text(json.dumps(stamp, indent=2))
+    tokenizer = Tokenizer.load(tok_dir)
     train_ds, val_ds = TokenDataset(data_dir, "train"), TokenDataset(data_dir, "val")
     print(f"data: {train_ds.num_tokens:,} train tokens, {val_ds.num_tokens:,} val tokens "
           f"({val_ds.bytes / max(val_ds.num_tokens, 1):.2f} bytes/token on val)")
+    if val_ds.num_tokens < 1000:
+        raise LMForgeError(f"the held-out split of {corpus.path} has only {val_ds.num_tokens} tokens: give the "
+                           "quickstart a larger corpus (many files) so it can measure bits per byte")
 
     _stage(4, f"training go_coder_tiny for about {minutes:g} minutes")
     run_name = time.strftime("quickstart-%Y%m%d-%H%M%S")
     values = {"name": run_name, "out_dir": str(work / "runs"), "data": {"path": str(data_dir)}}
     cfg = load_config("go_coder_tiny", overrides, values=values)
-    cfg.training.max_steps = _steps_for_budget(cfg, minutes)
+    cfg.training.max_steps = _steps_for_budget(cfg, tokenizer.vocab_size, minutes)
     cfg.training.max_time_minutes = minutes * 1.1  # a guard; the step count is sized to fit the budget
     cfg.training.eval_interval = max(1, cfg.training.max_steps // 4)
     cfg.training.save_interval = cfg.training.eval_interval
@@ -143,26 +154,18 @@ def quickstart(data: str | None = None, include: tuple[str, ...] = (), out: str 
             "checkpoint": str(ckpt), "seconds": elapsed, "png": str(png)}
 
 
-def _steps_for_budget(cfg, minutes: float) -> int:
+def _steps_for_budget(cfg, vocab_size: int, minutes: float) -> int:
     """Size max_steps so the cosine schedule completes inside the time budget (measured, not guessed)."""
+    import copy
+
     from lmforge.bench import bench_lmforge
     from lmforge.train.device import setup_device
 
-    probe = load_probe_config(cfg)
+    probe = copy.deepcopy(cfg)
+    probe.model.vocab_size = probe.model.vocab_size or vocab_size
     devinfo = setup_device(probe.training.device, probe.training.precision, probe.training.peak_flops)
     r = bench_lmforge(probe, steps=3, warmup=1, devinfo=devinfo)
     seconds_per_step = r["step_ms"] / 1000 * 1.12  # evaluation, logging and checkpoints on top
     steps = int(minutes * 60 / seconds_per_step)
     print(f"measured {r['step_ms']:.0f} ms/step ({r['tokens_per_s']:,.0f} tokens/s): {steps} steps fit")
     return max(20, steps)
-
-
-def load_probe_config(cfg):
-    import copy
-
-    from lmforge.tokenizer import Tokenizer
-
-    probe = copy.deepcopy(cfg)
-    if probe.model.vocab_size == 0:
-        probe.model.vocab_size = Tokenizer.load(Path(cfg.data.path)).vocab_size
-    return probe

@@ -50,6 +50,7 @@ class Tokenizer:
                     "tokenizer was not made by `lmforge tokenizer train`. Train one with that command "
                     "(or lmforge.tokenizer.train_tokenizer).")
         self._backend = backend
+        self.origin = origin  # the file it was loaded from, for messages and overlap checks
         self._canonical = backend.to_str()  # compact serialization: file formatting never changes the hash
 
     @classmethod
@@ -145,8 +146,18 @@ def _untrained_bpe() -> _RustTokenizer:
     return backend
 
 
+def check_out_dir(out_dir: Path, overwrite: bool) -> None:
+    """Refuse to write over a file, or over an existing tokenizer unless asked (data shards made with it
+    would no longer match)."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise LMForgeError(f"--out {out_dir} is a file; give a directory for the tokenizer files")
+    if (out_dir / TOKENIZER_FILE).exists() and not overwrite:
+        raise LMForgeError(f"{out_dir / TOKENIZER_FILE} already exists; pass --overwrite to replace it (data "
+                           "prepared with the old tokenizer will then refuse to train) or choose another --out")
+
+
 def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path, min_frequency: int = 2,
-                    show_progress: bool = True) -> Path:
+                    show_progress: bool = True, overwrite: bool = False) -> Path:
     """Train a byte-level BPE tokenizer on ``texts`` and save it in ``out_dir``.
 
     Returns the path of the written ``tokenizer.json``. ``vocab_size`` counts the 256 byte tokens and
@@ -159,6 +170,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path, 
             "(8192 is typical).")
     if min_frequency < 1:
         raise LMForgeError(f"min_frequency={min_frequency} must be at least 1.")
+    check_out_dir(Path(out_dir), overwrite)
     non_empty = (t for t in texts if t)
     first = next(non_empty, None)
     if first is None:

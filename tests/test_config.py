@@ -48,9 +48,9 @@ def test_wrong_types_and_values_are_rejected():
 
 
 def test_resolved_config_round_trips_through_yaml(tmp_path):
-    cfg = load_config("go_coder_tiny", ["model.n_embd=64"])
+    cfg = load_config("go_coder_tiny", ["model.n_embd=96"])
     cfg.save(tmp_path / "config.yaml")
     raw = yaml.safe_load((tmp_path / "config.yaml").read_text())
-    assert raw["model"]["family"] == "gpt" and raw["model"]["n_embd"] == 64
+    assert raw["model"]["family"] == "gpt" and raw["model"]["n_embd"] == 96
     again = load_config(str(tmp_path / "config.yaml"))
     assert again.to_dict() == cfg.to_dict()

@@ -282,9 +282,27 @@ def test_refuses_to_overwrite_non_empty_out_dir(tmp_path, tok_dir):
     assert [p.name for p in out.iterdir()] == ["precious.bin"]
     assert (out / "precious.bin").read_bytes() == b"keep me"
 
-    prepare([records], out, tok_dir, overwrite=True)
-    assert not (out / "precious.bin").exists() and (out / "meta.json").is_file()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "r.jsonl"]  # no temporary leftovers
+    # --overwrite replaces earlier lmforge data only, never a folder of other files
+    with pytest.raises(LMForgeError, match="not an lmforge data directory"):
+        prepare([records], out, tok_dir, overwrite=True)
+    assert (out / "precious.bin").read_bytes() == b"keep me"
+
+    data = tmp_path / "data"
+    prepare([records], data, tok_dir)
+    (data / "stale.bin").write_bytes(b"from an earlier prepare")
+    prepare([records], data, tok_dir, overwrite=True)
+    assert not (data / "stale.bin").exists() and (data / "meta.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "out", "r.jsonl"]  # no temporary leftovers
+
+
+def test_out_dir_that_contains_an_input_is_refused(tmp_path, tok_dir):
+    project = tmp_path / "project"
+    (project / "src").mkdir(parents=True)
+    records = write_jsonl(project / "src" / "r.jsonl", numbered_records(5))
+    (project / "meta.json").write_text("{}")  # even a directory that looks like lmforge data
+    with pytest.raises(LMForgeError, match="overlaps the input"):
+        prepare([records], project, tok_dir, overwrite=True)
+    assert records.is_file()
 
 
 def test_crash_mid_prepare_leaves_no_data_dir_and_old_data_intact(tmp_path, tok_dir, monkeypatch):

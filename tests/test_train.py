@@ -131,8 +131,12 @@ def test_corrupt_checkpoint_is_reported_and_earlier_one_survives(tmp_path, data_
     assert main(["train", str(recipe), "--resume"]) == 2
     err = capsys.readouterr().err
     assert "model.safetensors" in err and "corrupt" in err
-    (ck / "step-000004" / "optimizer.pt").write_bytes(b"not a torch file")
-    assert main(["train", str(recipe), f"--resume={ck / 'step-000002'}"]) == 0  # the earlier one still works
+    # resuming the same run from an older checkpoint would mix histories: refused, nothing deleted
+    assert main(["train", str(recipe), f"--resume={ck / 'step-000002'}"]) == 2
+    assert "newer than step-000002" in capsys.readouterr().err and weights.is_file()
+    # the earlier checkpoint still works, continued as a new run
+    assert main(["train", str(recipe), "name=t2", f"--resume={ck / 'step-000002'}"]) == 0
+    assert (tmp_path / "runs" / "t2" / "checkpoints" / "step-000004" / "trainer_state.json").is_file()
 
 
 def test_sigterm_saves_a_resumable_checkpoint(tmp_path, data_dir):
@@ -225,3 +229,24 @@ def test_wandb_offline_logging(tmp_path, data_dir, monkeypatch):
     train(load_config(str(recipe)))
     runs = list((tmp_path / "runs" / "t" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(p.suffix == ".wandb" for p in runs[0].iterdir())
+
+
+def test_bf16_autocast_and_activation_checkpointing_train_on_cpu(tmp_path, data_dir):
+    recipe = write_recipe(tmp_path / "r.yaml", data_dir, tmp_path / "runs",
+                          training={"max_steps": 4, "precision": "bf16", "activation_checkpointing": True,
+                                    "eval_interval": 2, "save_interval": 4})
+    result = train(load_config(str(recipe)))
+    assert result.step == 4 and result.eval_metrics["eval/loss"] < 7.0
+    first, last = losses(tmp_path / "runs" / "t")[1], losses(tmp_path / "runs" / "t")[4]
+    assert last < first
+
+
+def test_torch_compile_switch_gives_the_same_losses_as_eager(tmp_path, data_dir):
+    common = {"model": {"embd_pdrop": 0.0, "resid_pdrop": 0.0, "attn_pdrop": 0.0}}
+    recipe = write_recipe(tmp_path / "r.yaml", data_dir, tmp_path / "runs", model=common["model"],
+                          training={"max_steps": 3, "eval_interval": 0, "save_interval": 0})
+    train(load_config(str(recipe), ["name=eager"]))
+    train(load_config(str(recipe), ["name=compiled", "training.compile=true"]))
+    a, b = losses(tmp_path / "runs" / "eager"), losses(tmp_path / "runs" / "compiled")
+    for s in a:
+        assert a[s] == pytest.approx(b[s], rel=1e-4)

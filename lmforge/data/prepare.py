@@ -29,7 +29,7 @@ from lmforge.data.dedup import ExactDeduper, NearDeduper, text_digest
 from lmforge.data.loader import DTYPES, FORMAT, META_FILE, VERSION
 from lmforge.data.sources import DEFAULT_INCLUDE, FilterStats, iter_documents, source_kind
 from lmforge.errors import LMForgeError
-from lmforge.tokenizer import EOS, Tokenizer, train_tokenizer
+from lmforge.tokenizer import EOS, Tokenizer, check_out_dir, train_tokenizer
 
 SPLITS = ("train", "val")
 ENCODE_BATCH_BYTES = 1 << 20  # text per encode_batch call: its Encodings are far larger than the text
@@ -144,17 +144,23 @@ def _with_eos(ids: list[list[int]], eos_id: int, dtype: np.dtype) -> np.ndarray:
     return np.insert(flat, np.cumsum(lengths), eos_id)
 
 
-def _check_out_dir(out: Path, overwrite: bool, sources: Sequence[str | Path]) -> None:
+def _check_out_dir(out: Path, overwrite: bool, sources: Sequence[str | Path], tokenizer_path: Path | None) -> None:
     if out.exists() and not out.is_dir():
         raise LMForgeError(f"--out {out} is a file, not a directory. Choose a directory path.")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise LMForgeError(
-            f"--out {out} already exists and is not empty; refusing to overwrite it. Pass --overwrite "
-            "(overwrite=True) to replace it, or choose another --out directory.")
-    for src in map(Path, sources):
-        if src.is_dir() and out.resolve().is_relative_to(src.resolve()):
+    for src in [*map(Path, sources), *([tokenizer_path] if tokenizer_path else [])]:
+        src = src.resolve()
+        if out.is_relative_to(src) or src.is_relative_to(out):
+            raise LMForgeError(f"--out {out} overlaps the input {src}; choose an output directory that neither "
+                               "contains nor lies inside the inputs and the tokenizer.")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
             raise LMForgeError(
-                f"--out {out} lies inside the input {src}; choose an output directory outside the inputs.")
+                f"--out {out} already exists and is not empty; refusing to overwrite it. Pass --overwrite "
+                "(overwrite=True) to replace it, or choose another --out directory.")
+        if not (out / META_FILE).is_file():
+            raise LMForgeError(
+                f"--out {out} is not empty and is not an lmforge data directory (no {META_FILE}); --overwrite "
+                "only replaces earlier `lmforge data prepare` output. Choose another --out directory.")
 
 
 def _move_into_place(tmp: Path, out: Path) -> None:
@@ -164,7 +170,11 @@ def _move_into_place(tmp: Path, out: Path) -> None:
         return
     old = out.with_name(f".{out.name}.old-{os.getpid()}")
     os.rename(out, old)
-    os.rename(tmp, out)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        os.rename(old, out)  # put the previous data back where the user left it
+        raise
     shutil.rmtree(old)
 
 
@@ -216,7 +226,7 @@ def prepare_data(sources: Sequence[str | Path], out_dir: str | Path, tokenizer: 
     kinds = [source_kind(Path(s)) for s in sources]  # fails fast on a missing path
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer.load(tokenizer)
     out = Path(out_dir).resolve()  # resolved so that "." still has a name for the temporary sibling
-    _check_out_dir(out, overwrite, sources)
+    _check_out_dir(out, overwrite, sources, Path(tok.origin) if Path(tok.origin).exists() else None)
     read_opts = {"include": tuple(include), "text_field": text_field, "exclude_tests": exclude_tests}
     survey = _survey(sources, read_opts, near_dedup, seed, show_progress)
     if survey.stats.kept == 0:
@@ -262,7 +272,7 @@ def train_tokenizer_from_sources(
         sources: Sequence[str | Path], out_dir: str | Path, vocab_size: int = 8192,
         include: Sequence[str] = DEFAULT_INCLUDE, text_field: str = "text", exclude_tests: bool = False,
         min_frequency: int = 2, max_bytes: int = 50_000_000, heldout_fraction: float = 0.01,
-        seed: int = 1337, show_progress: bool = True) -> dict:
+        seed: int = 1337, show_progress: bool = True, overwrite: bool = False) -> dict:
     """Train a tokenizer on a sample of ``sources`` and measure it on held-out documents.
 
     Documents are filtered and exactly deduplicated as in ``prepare_data``. ``heldout_fraction`` of
@@ -276,6 +286,7 @@ def train_tokenizer_from_sources(
         raise LMForgeError(f"--heldout-fraction {heldout_fraction} must be in [0, 1) (0.01 is typical).")
     for src in sources:
         source_kind(Path(src))  # fails fast on a missing path
+    check_out_dir(Path(out_dir), overwrite)  # before the (long) survey and training
     read_opts = {"include": tuple(include), "text_field": text_field, "exclude_tests": exclude_tests}
     survey = _survey(sources, read_opts, near_dedup=False, seed=seed, show_progress=show_progress)
     heldout = np.zeros(len(survey.keep), dtype=bool)
@@ -297,7 +308,7 @@ def train_tokenizer_from_sources(
                 heldout_texts.append(text)
                 heldout_bytes += int(survey.sizes[i])
 
-    path = train_tokenizer(training_texts(), vocab_size, out_dir, min_frequency, show_progress)
+    path = train_tokenizer(training_texts(), vocab_size, out_dir, min_frequency, show_progress, overwrite)
     tok = Tokenizer.load(path)
     return {
         "tokenizer": str(path), "vocab_size": tok.vocab_size, "filters": survey.stats.as_dict(),

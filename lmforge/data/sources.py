@@ -133,8 +133,15 @@ def _path_skip_reason(rel: Path, exclude_tests: bool) -> str | None:
 
 def _iter_tree(root: Path, include: Sequence[str], exclude_tests: bool,
                stats: FilterStats) -> Iterator[Document]:
+    for pattern in include:
+        if not pattern or Path(pattern).is_absolute():
+            raise LMForgeError(f"--include {pattern!r}: globs must be non-empty and relative to the input "
+                               "directory, e.g. '**/*.go'")
     # Sorted, de-duplicated matches so every run (and both passes of `prepare`) sees the same order.
-    files = sorted({p for pattern in include for p in root.glob(pattern) if p.is_file()})
+    try:
+        files = sorted({p for pattern in include for p in root.glob(pattern) if p.is_file()})
+    except (ValueError, NotImplementedError) as e:
+        raise LMForgeError(f"--include {list(include)}: not a valid glob ({e})") from e
     if not files:
         raise LMForgeError(
             f"no files under {root} match the include globs {list(include)}. Globs are relative to "

@@ -58,7 +58,7 @@ def metrics_from_nll(nll: float, tokens: int, bytes_per_token: float) -> dict[st
 
 
 def load_eval_tokens(data: str | Path, tokenizer, split: str = "val", include: tuple[str, ...] = (),
-                     text_field: str = "text") -> tuple[np.ndarray, float, str]:
+                     text_field: str = "text", max_tokens: int | None = None) -> tuple[np.ndarray, float, str]:
     """Tokens to evaluate on, their bytes per token, and a description.
 
     ``data`` is a directory made by `lmforge data prepare` (its ``split`` is read from the shards),
@@ -76,7 +76,7 @@ def load_eval_tokens(data: str | Path, tokenizer, split: str = "val", include: t
         if ds.tokenizer_sha256 and ds.tokenizer_sha256 != tokenizer.sha256:
             raise LMForgeError(f"{path} was tokenized with a different tokenizer than the checkpoint's; "
                                "evaluate on raw files instead, or re-prepare the data with this tokenizer")
-        tokens = ds.read(0, ds.num_tokens)
+        tokens = ds.read(0, ds.num_tokens if max_tokens is None else min(ds.num_tokens, max_tokens + 1))
         return tokens, (ds.bytes / ds.num_tokens if ds.num_tokens else 0.0), f"{path} [{split}]"
     docs = list(iter_documents([path], include=include or DEFAULT_INCLUDE, text_field=text_field))
     if not docs:
@@ -94,11 +94,13 @@ def evaluate(checkpoint: str | Path, data: str | Path, split: str = "val", seq_l
     """`lmforge eval`: loss, perplexity and bits per byte of a checkpoint on ``data``."""
     from lmforge.infer.loading import load_for_inference
 
+    if batch_size < 1 or seq_len < 0 or (max_tokens is not None and max_tokens < 1):
+        raise LMForgeError("--batch-size and --max-tokens must be >= 1, --seq-len >= 0 (0 = the model's context)")
     model, tokenizer, device_ = load_for_inference(checkpoint, device)
     seq_len = seq_len or model.config.n_positions
     if seq_len > model.config.n_positions:
         raise LMForgeError(f"--seq-len {seq_len} exceeds the model's context of {model.config.n_positions}")
-    tokens, bytes_per_token, description = load_eval_tokens(data, tokenizer, split, include, text_field)
+    tokens, bytes_per_token, description = load_eval_tokens(data, tokenizer, split, include, text_field, max_tokens)
     if tokens.max(initial=0) >= model.config.vocab_size:
         raise LMForgeError(f"{description} has token id {int(tokens.max())} but the model's vocabulary has "
                            f"{model.config.vocab_size} entries: the data was made with another tokenizer")

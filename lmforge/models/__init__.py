@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 from typing import Any
 
@@ -64,4 +63,4 @@ def _load_builtin() -> None:
 
 
 __all__ = ["LMForgeModel", "build_model", "load_model", "register", "families", "model_class",
-           "config_class", "config_from_dict", "dataclasses"]
+           "config_class", "config_from_dict"]

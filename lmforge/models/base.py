@@ -53,6 +53,13 @@ class LMForgeModel(nn.Module):
             {"params": no_decay, "weight_decay": 0.0, "lr": lr, "name": "no_decay"},
         ]
 
+    def make_optimizer(self, groups: list[dict[str, Any]], training: Any, device: torch.device) -> torch.optim.Optimizer:
+        """The optimizer over ``groups``. Default AdamW (fused on CUDA, foreach elsewhere); families
+        with other optimizers (e.g. sign-SGD for embeddings) override this and return one optimizer."""
+        fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
+        return torch.optim.AdamW(groups, lr=training.lr, betas=(training.beta1, training.beta2),
+                                 eps=training.eps, **fast)
+
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs (forward + backward) per token, for MFU. Default: 6 x parameters."""
         return 6.0 * self.num_parameters()

@@ -12,13 +12,14 @@ import torch
 from lmforge.config import RunConfig
 from lmforge.errors import LMForgeError
 from lmforge.models import build_model
+from lmforge.tokenizer import CONFIG_FILE, SPECIAL_MAP_FILE, TOKENIZER_FILE
 from lmforge.train import checkpoint as ckpt
 from lmforge.train.data import build_token_data
 from lmforge.train.device import setup_device
 from lmforge.train.distributed import DistInfo, barrier, init_distributed, shutdown
 from lmforge.train.loop import DataBundle, Trainer, TrainResult
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = (TOKENIZER_FILE, CONFIG_FILE, SPECIAL_MAP_FILE)
 
 
 def seed_everything(seed: int) -> None:
@@ -43,6 +44,10 @@ def _train(cfg: RunConfig, resume: bool | str, distinfo: DistInfo) -> TrainResul
     run_dir = cfg.run_dir
     resume_from = _resume_point(run_dir, resume)
 
+    n_positions = getattr(cfg.model, "n_positions", None)
+    if n_positions is not None and cfg.data.seq_len > n_positions:
+        raise LMForgeError(f"data.seq_len={cfg.data.seq_len} is longer than the model's context "
+                           f"model.n_positions={n_positions}; lower one or raise the other")
     data = build_token_data(cfg, distinfo)
     tokenizer_path = _tokenizer_path(cfg)
     _check_vocab(cfg, tokenizer_path, data)
@@ -77,13 +82,19 @@ def _train(cfg: RunConfig, resume: bool | str, distinfo: DistInfo) -> TrainResul
 
 def _resume_point(run_dir: Path, resume: bool | str) -> Path | None:
     ckpt_root = run_dir / "checkpoints"
+    existing = ckpt.latest_checkpoint(ckpt_root)
     if isinstance(resume, str) and resume not in ("", "latest"):
         path = Path(resume)
         if not (path / ckpt.STATE_FILE).is_file():
             raise LMForgeError(f"--resume {path}: not a training checkpoint (no {ckpt.STATE_FILE}); "
                                f"pass a runs/NAME/checkpoints/step-NNNNNN directory or plain --resume")
+        step = int(ckpt.read_trainer_state(path)["step"])
+        newer = [p.name for s, p in ckpt.list_checkpoints(ckpt_root) if s > step]
+        if newer:
+            raise LMForgeError(f"{ckpt_root} has checkpoints newer than {path.name} ({', '.join(newer)}); "
+                               "resuming would mix two histories in one run. Resume into a new run "
+                               "(name=NEW --resume PATH) or move the newer checkpoints away.")
         return path
-    existing = ckpt.latest_checkpoint(ckpt_root)
     if resume:
         if existing is None:
             print(f"note: --resume given but {ckpt_root} has no checkpoint yet; starting from scratch")

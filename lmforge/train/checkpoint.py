@@ -58,32 +58,42 @@ def _fsync_dir_tree(directory: Path) -> None:
 
 
 def clean_partial(ckpt_root: Path) -> None:
-    """Remove temporary directories left by an interrupted write; restore `best` if a swap was cut."""
+    """Undo what an interrupted write left: drop unfinished ``.tmp-*`` directories, and put back a
+    checkpoint that was moved aside (``.old-NAME``) if its replacement never arrived."""
     if not ckpt_root.is_dir():
         return
     for p in ckpt_root.glob(".tmp-*"):
         shutil.rmtree(p, ignore_errors=True)
-    old_best, best = ckpt_root / ".old-best", ckpt_root / "best"
-    if old_best.is_dir():
-        if best.is_dir():
-            shutil.rmtree(old_best, ignore_errors=True)
+    for old in ckpt_root.glob(".old-*"):
+        final = ckpt_root / old.name[len(".old-"):]
+        if final.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
         else:
-            old_best.rename(best)
+            old.rename(final)
 
 
-def write_checkpoint(ckpt_root: Path, step: int, write_files, keep_last: int) -> Path:
-    """Call ``write_files(tmp_dir)`` then atomically publish it as ``step-NNNNNN``; prune old ones."""
+def _publish(ckpt_root: Path, name: str, write_files) -> Path:
+    """Write ``name`` via a hidden temporary directory; an existing ``name`` is replaced only once the new
+    one is complete, by two renames (a crash in between leaves ``.old-NAME``, restored by clean_partial)."""
     ckpt_root.mkdir(parents=True, exist_ok=True)
-    final = ckpt_root / step_dir_name(step)
-    tmp = ckpt_root / f".tmp-{step_dir_name(step)}-{os.getpid()}"
+    final = ckpt_root / name
+    tmp = ckpt_root / f".tmp-{name}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
     write_files(tmp)
     _fsync_dir_tree(tmp)
-    if final.exists():  # re-saving the same step (e.g. after resume): replace it
-        shutil.rmtree(final)
+    old = ckpt_root / f".old-{name}"
+    if final.exists():
+        os.rename(final, old)
     os.rename(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def write_checkpoint(ckpt_root: Path, step: int, write_files, keep_last: int) -> Path:
+    """Call ``write_files(tmp_dir)`` then atomically publish it as ``step-NNNNNN``; prune old ones."""
+    final = _publish(ckpt_root, step_dir_name(step), write_files)
     for _, old in list_checkpoints(ckpt_root)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -91,19 +101,7 @@ def write_checkpoint(ckpt_root: Path, step: int, write_files, keep_last: int) ->
 
 def write_best(ckpt_root: Path, write_files) -> Path:
     """Replace ``best/`` with new weights; the old one survives until the new one is complete."""
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    tmp = ckpt_root / f".tmp-best-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    write_files(tmp)
-    _fsync_dir_tree(tmp)
-    best, old = ckpt_root / "best", ckpt_root / ".old-best"
-    if best.exists():
-        os.rename(best, old)
-    os.rename(tmp, best)
-    shutil.rmtree(old, ignore_errors=True)
-    return best
+    return _publish(ckpt_root, "best", write_files)
 
 
 def save_json(path: Path, data: dict[str, Any]) -> None:

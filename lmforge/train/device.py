@@ -55,8 +55,8 @@ def pick_device(requested: str = "auto", local_rank: int = 0) -> torch.device:
         raise LMForgeError("training.device=cuda but PyTorch sees no CUDA/ROCm GPU; use training.device=auto or cpu")
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise LMForgeError("training.device=mps but MPS is not available; use training.device=auto or cpu")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", local_rank)
+    if device.type == "cuda" and (device.index is None or int(os.environ.get("WORLD_SIZE", "1")) > 1):
+        device = torch.device("cuda", local_rank)  # under torchrun each process takes its own GPU
     return device
 
 
@@ -92,6 +92,8 @@ def peak_flops(device: torch.device, precision: str, override: float = 0.0) -> t
         for key, flops in _GPU_PEAK_BF16:
             if key in name:
                 if precision == "fp32":
+                    if key in ("V100", "T4"):  # no TF32 on these: plain fp32 peaks
+                        return {"V100": 15.7e12, "T4": 8.1e12}[key], f"{name} fp32 peak (table)"
                     return flops / 2, f"{name} TF32 peak (table)"
                 return flops, f"{name} {precision} peak (table)"
     return measure_matmul_flops(device, precision), "measured matmul peak"
@@ -100,13 +102,13 @@ def peak_flops(device: torch.device, precision: str, override: float = 0.0) -> t
 def measure_matmul_flops(device: torch.device, precision: str, seconds: float = 0.3) -> float:
     """Best FLOP/s of a square matmul on this device: the honest ceiling where no spec table applies."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
-    n = 1024 if device.type == "cpu" else 4096
+    n = (256 if dtype != torch.float32 else 1024) if device.type == "cpu" else 4096
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     best = 0.0
-    deadline = time.perf_counter() + seconds
     a @ b  # warm-up
-    while time.perf_counter() < deadline:
+    deadline = time.perf_counter() + seconds
+    while best == 0.0 or time.perf_counter() < deadline:  # at least one timing, even for slow dtypes
         _sync(device)
         t0 = time.perf_counter()
         a @ b
@@ -130,6 +132,4 @@ def setup_device(requested: str, precision: str, peak_override: float, local_ran
         torch.backends.cudnn.allow_tf32 = True
     prec = pick_precision(precision, device)
     flops, source = peak_flops(device, prec, peak_override)
-    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, torch.get_num_threads()))
     return DeviceInfo(device=device, precision=prec, peak_flops=flops, peak_source=source)

@@ -13,8 +13,9 @@ from lmforge.errors import LMForgeError
 
 class MetricsLogger:
     def __init__(self, run_dir: Path, tensorboard: bool, wandb_project: str = "", wandb_run_name: str = "",
-                 config: dict[str, Any] | None = None, resume: bool = False):
+                 config: dict[str, Any] | None = None, start_step: int = 0):
         self.path = run_dir / "metrics.jsonl"
+        _truncate_after(self.path, start_step)  # a resumed run re-logs the steps after its checkpoint
         self._file = open(self.path, "a", buffering=1)
         self._tb = None
         self._wandb = None
@@ -28,9 +29,13 @@ class MetricsLogger:
             except ImportError as e:
                 raise LMForgeError("logging.wandb_project is set but wandb is not installed: "
                                    "pip install wandb (or unset logging.wandb_project)") from e
-            self._wandb = wandb.init(project=wandb_project, name=wandb_run_name or run_dir.name,
-                                     dir=str(run_dir), config=config, resume="allow" if resume else None,
-                                     id=_wandb_id(run_dir))
+            try:
+                self._wandb = wandb.init(project=wandb_project, name=wandb_run_name or run_dir.name,
+                                         dir=str(run_dir), config=config, resume="allow", id=_wandb_id(run_dir))
+            except Exception as e:  # wandb raises its own types for login/network problems
+                self.close()
+                raise LMForgeError(f"Weights & Biases could not start ({e}); run `wandb login`, or set "
+                                   "WANDB_MODE=offline, or unset logging.wandb_project") from e
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         clean = {k: float(v) for k, v in metrics.items()}
@@ -45,10 +50,26 @@ class MetricsLogger:
 
     def close(self) -> None:
         self._file.close()
-        if self._tb is not None:
+        if getattr(self, "_tb", None) is not None:
             self._tb.close()
-        if self._wandb is not None:
+        if getattr(self, "_wandb", None) is not None:
             self._wandb.finish()
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    """Keep only the rows up to ``step`` (all of them gone for a fresh run), rewriting atomically."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step and step > 0:
+                kept.append(line)
+        except json.JSONDecodeError:
+            continue  # a partial last line from a killed run
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)
 
 
 def _wandb_id(run_dir: Path) -> str:

@@ -54,6 +54,7 @@ class TrainResult:
     eval_metrics: dict[str, float] = field(default_factory=dict)
     train_loss: float = float("nan")
     tokens_per_s: float = 0.0
+    is_main: bool = True  # False on the other ranks of a torchrun job
 
 
 class _StopFlag:
@@ -86,6 +87,8 @@ def capture_rng() -> dict[str, Any]:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.backends.mps.is_available():
+        state["mps"] = torch.mps.get_rng_state()
     return state
 
 
@@ -95,6 +98,8 @@ def restore_rng(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+    if "mps" in state and torch.backends.mps.is_available():
+        torch.mps.set_rng_state(state["mps"])
 
 
 class Trainer:
@@ -115,8 +120,7 @@ class Trainer:
         for g in groups:
             g.setdefault("lr", self.t.lr)
             g["base_lr"] = g["lr"]
-        self.optimizer = torch.optim.AdamW(groups, lr=self.t.lr, betas=(self.t.beta1, self.t.beta2),
-                                           eps=self.t.eps, **_fused_kwargs(devinfo.device))
+        self.optimizer = model.make_optimizer(groups, self.t, devinfo.device)
         self.scaler = torch.amp.GradScaler(devinfo.device.type, enabled=devinfo.precision == "fp16")
         self.params = [p for g in groups for p in g["params"]]
 
@@ -145,8 +149,13 @@ class Trainer:
                                f"{unexpected[:3]}): was the model config changed since it was written?")
         self.model.tie_weights()
         opt_state = ckpt.load_torch_file(path / ckpt.OPTIMIZER_FILE, "optimizer state")
-        self.optimizer.load_state_dict(opt_state["optimizer"])
-        self.scaler.load_state_dict(opt_state["scaler"])
+        try:
+            self.optimizer.load_state_dict(opt_state["optimizer"])
+            if opt_state["scaler"] and self.scaler.is_enabled():
+                self.scaler.load_state_dict(opt_state["scaler"])
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise LMForgeError(f"the optimizer state in {path} does not fit this run ({e}): resume with the "
+                               "config the checkpoint was written with (see its run_config.yaml)") from e
         self.data.train.load_state_dict(state["data"])
         rng = ckpt.load_torch_file(path / ckpt.RNG_FILE, "random-number state")
         saved_world = len(rng["per_rank"])
@@ -245,11 +254,9 @@ class Trainer:
             loss_sum += loss.detach().float()
             for k, v in metrics.items():
                 metric_sums[k] = metric_sums.get(k, 0.0) + torch.as_tensor(v, dtype=torch.float32).detach()
-        if self.t.grad_clip > 0:
-            self.scaler.unscale_(self.optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.t.grad_clip)
-        else:
-            grad_norm = torch.zeros(())
+        self.scaler.unscale_(self.optimizer)  # a no-op without fp16 loss scaling
+        # The norm is computed even without clipping: it is logged and checked for NaN/Inf.
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.t.grad_clip if self.t.grad_clip > 0 else math.inf)
         return loss_sum / accum, grad_norm, {k: v / accum for k, v in metric_sums.items()}
 
     def apply_update(self) -> None:
@@ -271,7 +278,7 @@ class Trainer:
         if is_main:
             logger = MetricsLogger(self.run_dir, self.cfg.logging.tensorboard,
                                    self.cfg.logging.wandb_project, self.cfg.logging.wandb_run_name,
-                                   config=self.cfg.to_dict(), resume=self.step > 0)
+                                   config=self.cfg.to_dict(), start_step=self.step)
         tokens_per_step = self.data.tokens_per_micro_batch * t.grad_accum_steps * self.dist.world_size
         flops_per_token = self.model.flops_per_token(self.data.seq_len)
         bar = tqdm(total=t.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
@@ -286,13 +293,17 @@ class Trainer:
                     lr = self._set_lr()
                     loss, grad_norm, metrics = self._train_step()
                     loss_value = float(loss)
+                    # With fp16 loss scaling, Inf gradients are expected now and then: the scaler skips
+                    # those steps. Without it a non-finite gradient would poison the weights.
+                    bad = not math.isfinite(loss_value) or (
+                        not self.scaler.is_enabled() and not math.isfinite(float(grad_norm)))
                     out_of_time = t.max_time_minutes > 0 and time.perf_counter() - start > 60 * t.max_time_minutes
-                    flags = torch.tensor([float(not math.isfinite(loss_value)), float(stop.reason is not None),
+                    flags = torch.tensor([float(bad), float(stop.reason is not None),
                                           float(out_of_time)], device=self.dev.device)
                     if self.dist.enabled:
                         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
                     if flags[0] > 0:
-                        raise LMForgeError(self._nan_message(loss_value))
+                        raise LMForgeError(self._nan_message(loss_value, float(grad_norm)))
                     self.apply_update()
                     self.step += 1
                     self.tokens_seen += tokens_per_step
@@ -337,7 +348,8 @@ class Trainer:
         best = self.ckpt_root / "best"
         return TrainResult(run_dir=self.run_dir, step=self.step, stopped=stopped,
                            last_checkpoint=self.last_checkpoint, best_checkpoint=best if best.is_dir() else None,
-                           eval_metrics=eval_metrics, train_loss=train_loss, tokens_per_s=tok_s)
+                           eval_metrics=eval_metrics, train_loss=train_loss, tokens_per_s=tok_s,
+                           is_main=self.dist.is_main)
 
     def _eval_and_keep_best(self, logger: MetricsLogger | None, bar) -> dict[str, float]:
         metrics = self.evaluate()
@@ -356,20 +368,14 @@ class Trainer:
             barrier(self.dist)
         return metrics
 
-    def _nan_message(self, loss_value: float) -> str:
+    def _nan_message(self, loss_value: float, grad_norm: float) -> str:
         last = self.last_checkpoint or ckpt.latest_checkpoint(self.ckpt_root)
         where = (f"The last good checkpoint is {last}; resume from it with --resume"
                  if last else "No checkpoint was written before it")
-        return (f"training loss is {loss_value} at step {self.step + 1}: training stopped before applying "
+        what = f"training loss is {loss_value}" if not math.isfinite(loss_value) else f"gradient norm is {grad_norm}"
+        return (f"{what} at step {self.step + 1}: training stopped before applying "
                 f"that update. {where}. Try a lower training.lr, a longer training.warmup_steps, "
                 f"training.grad_clip=1.0, or training.precision=fp32/bf16 instead of fp16.")
-
-
-def _fused_kwargs(device: torch.device) -> dict[str, Any]:
-    # The fused AdamW kernel exists for CUDA (and recent MPS/CPU builds); foreach is the fast fallback.
-    if device.type == "cuda":
-        return {"fused": True}
-    return {"foreach": True}
 
 
 def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
