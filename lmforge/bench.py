@@ -58,7 +58,7 @@ def _time_steps(step_fn, steps: int, warmup: int, device: torch.device) -> float
     return time.perf_counter() - t0
 
 
-def bench_lmforge(cfg, steps: int, warmup: int, devinfo: DeviceInfo) -> dict[str, Any]:
+def _lmforge_stepper(cfg, devinfo: DeviceInfo, tmp: Path):
     seed_everything(cfg.seed)
     model = build_model(cfg.model).to(devinfo.device)
     if cfg.training.activation_checkpointing:
@@ -66,17 +66,12 @@ def bench_lmforge(cfg, steps: int, warmup: int, devinfo: DeviceInfo) -> dict[str
     mb, seq = cfg.training.micro_batch_size, cfg.data.seq_len
     data = DataBundle(train=RandomTokens(cfg.model.vocab_size, mb, seq, cfg.seed), val=None,
                       tokens_per_micro_batch=mb * seq, seq_len=seq)
-    with tempfile.TemporaryDirectory() as tmp:
-        trainer = Trainer(cfg, model, data, devinfo, DistInfo(), Path(tmp))
-        seconds = _time_steps(trainer.step_once, steps, warmup, devinfo.device)
-    tokens = steps * mb * seq * cfg.training.grad_accum_steps
-    tok_s = tokens / seconds
-    return {"system": "lmforge", "params": model.num_parameters(), "tokens_per_s": tok_s,
-            "mfu": tok_s * model.flops_per_token(seq) / devinfo.peak_flops,
-            "step_ms": 1000 * seconds / steps, "peak_memory_mb": _peak_memory_mb(devinfo.device)}
+    trainer = Trainer(cfg, model, data, devinfo, DistInfo(), tmp)
+    return trainer.step_once, {"system": "lmforge", "params": model.num_parameters(),
+                               "flops_per_token": model.flops_per_token(seq)}
 
 
-def bench_transformers(cfg, steps: int, warmup: int, devinfo: DeviceInfo) -> dict[str, Any]:
+def _transformers_stepper(cfg, devinfo: DeviceInfo):
     """The reference: GPT2LMHeadModel with the same sizes, plain AdamW, same batches, clip and precision."""
     try:
         from transformers import GPT2Config, GPT2LMHeadModel
@@ -89,12 +84,15 @@ def bench_transformers(cfg, steps: int, warmup: int, devinfo: DeviceInfo) -> dic
     hf_cfg = GPT2Config(vocab_size=m.vocab_size, n_positions=m.n_positions, n_embd=m.n_embd, n_layer=m.n_layer,
                         n_head=m.n_head, n_inner=m.n_inner or None, activation_function=m.activation_function,
                         resid_pdrop=m.resid_pdrop, embd_pdrop=m.embd_pdrop, attn_pdrop=m.attn_pdrop,
-                        layer_norm_epsilon=m.layer_norm_epsilon)
+                        layer_norm_epsilon=m.layer_norm_epsilon, bos_token_id=m.bos_token_id,
+                        eos_token_id=m.eos_token_id, pad_token_id=m.pad_token_id)
     model = GPT2LMHeadModel(hf_cfg).to(devinfo.device)
     model.train()
     t = cfg.training
+    # The same AdamW implementation lmforge uses on this device, so only the model and loop differ.
+    fast = {"fused": True} if devinfo.device.type == "cuda" else {"foreach": True}
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
-                            weight_decay=t.weight_decay)
+                            weight_decay=t.weight_decay, **fast)
     mb, seq = t.micro_batch_size, cfg.data.seq_len
     data = RandomTokens(m.vocab_size, mb, seq, cfg.seed)
     scaler = torch.amp.GradScaler(devinfo.device.type, enabled=devinfo.precision == "fp16")
@@ -112,10 +110,39 @@ def bench_transformers(cfg, steps: int, warmup: int, devinfo: DeviceInfo) -> dic
         scaler.update()
         opt.zero_grad(set_to_none=True)
 
-    seconds = _time_steps(step, steps, warmup, devinfo.device)
-    tok_s = steps * mb * seq * t.grad_accum_steps / seconds
-    return {"system": "transformers", "params": sum(p.numel() for p in model.parameters()), "tokens_per_s": tok_s,
-            "step_ms": 1000 * seconds / steps, "peak_memory_mb": _peak_memory_mb(devinfo.device)}
+    return step, {"system": "transformers", "params": sum(p.numel() for p in model.parameters())}
+
+
+def bench_lmforge(cfg, steps: int, warmup: int, devinfo: DeviceInfo) -> dict[str, Any]:
+    """Time ``steps`` lmforge training steps (after ``warmup``) of ``cfg``'s model on random tokens."""
+    with tempfile.TemporaryDirectory() as tmp:
+        step, info = _lmforge_stepper(cfg, devinfo, Path(tmp))
+        seconds = _time_steps(step, steps, warmup, devinfo.device)
+    return _summary(info, cfg, steps, seconds, devinfo)
+
+
+def _summary(info: dict[str, Any], cfg, steps: int, seconds: float, devinfo: DeviceInfo) -> dict[str, Any]:
+    tokens = steps * cfg.training.micro_batch_size * cfg.data.seq_len * cfg.training.grad_accum_steps
+    out = {"system": info["system"], "params": info["params"], "tokens_per_s": tokens / seconds,
+           "step_ms": 1000 * seconds / steps, "peak_memory_mb": _peak_memory_mb(devinfo.device)}
+    if "flops_per_token" in info:
+        out["mfu"] = out["tokens_per_s"] * info["flops_per_token"] / devinfo.peak_flops
+    return out
+
+
+def compare_with_transformers(cfg, steps: int, warmup: int, devinfo: DeviceInfo, rounds: int = 4) -> list[dict]:
+    """Both systems in one process, timed in alternating rounds so that drift in the machine's speed
+    (shared or throttled CPUs) falls on both alike."""
+    with tempfile.TemporaryDirectory() as tmp:
+        steppers = [_lmforge_stepper(cfg, devinfo, Path(tmp)), _transformers_stepper(cfg, devinfo)]
+        for step, _ in steppers:
+            _time_steps(step, 0, warmup, devinfo.device)
+        seconds = [0.0, 0.0]
+        per_round = [steps // rounds + (1 if r < steps % rounds else 0) for r in range(rounds)]
+        for n in per_round:
+            for i, (step, _) in enumerate(steppers):
+                seconds[i] += _time_steps(step, n, 0, devinfo.device)
+    return [_summary(info, cfg, steps, secs, devinfo) for (_, info), secs in zip(steppers, seconds)]
 
 
 def run_bench(recipe: str, overrides: list[str], steps: int = 20, warmup: int = 3, vocab_size: int = 8192,
@@ -134,9 +161,10 @@ def run_bench(recipe: str, overrides: list[str], steps: int = 20, warmup: int = 
         print(header, flush=True)
     results = {"config": cfg.to_dict(), "device": str(devinfo.device), "precision": devinfo.precision,
                "torch": torch.__version__, "threads": torch.get_num_threads(), "runs": []}
-    runs = [bench_lmforge(cfg, steps, warmup, devinfo)]
     if compare_transformers:
-        runs.append(bench_transformers(cfg, steps, warmup, devinfo))
+        runs = compare_with_transformers(cfg, steps, warmup, devinfo)
+    else:
+        runs = [bench_lmforge(cfg, steps, warmup, devinfo)]
     results["runs"] = runs
     if compare_transformers:
         results["speedup"] = runs[0]["tokens_per_s"] / runs[1]["tokens_per_s"]

@@ -24,7 +24,8 @@ def _add_train(sub) -> None:
     p = sub.add_parser("train", help="train a model from a recipe", formatter_class=_formatter,
                        description="Train a model. Resolved config, metrics.jsonl, TensorBoard logs and "
                                    "checkpoints go to OUT_DIR/NAME (defaults runs/<recipe name>). "
-                                   f"Recipes: {', '.join(list_recipes())}.")
+                                   f"Recipes: {', '.join(list_recipes())}. Every config key, with its "
+                                   "value, is listed by --print-config; the README's table explains them.")
     p.add_argument("recipe", help=RECIPE_HELP)
     p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CKPT",

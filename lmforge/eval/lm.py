@@ -49,12 +49,17 @@ def nll_of_tokens(model, tokens: np.ndarray, seq_len: int, batch_size: int, devi
     return total_nll, total
 
 
-def metrics_from_nll(nll: float, tokens: int, bytes_per_token: float) -> dict[str, float]:
-    loss = nll / tokens
-    out = {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": float(tokens)}
+def lm_metrics(loss: float, bytes_per_token: float) -> dict[str, float]:
+    """Perplexity and bits per byte from a mean loss in nats per token (bpb needs the data's
+    UTF-8 bytes per token; 0 leaves it out)."""
+    out = {"loss": loss, "ppl": math.exp(min(loss, 50.0))}
     if bytes_per_token > 0:
         out["bpb"] = loss / math.log(2) / bytes_per_token
     return out
+
+
+def metrics_from_nll(nll: float, tokens: int, bytes_per_token: float) -> dict[str, float]:
+    return {**lm_metrics(nll / tokens, bytes_per_token), "tokens": float(tokens)}
 
 
 def load_eval_tokens(data: str | Path, tokenizer, split: str = "val", include: tuple[str, ...] = (),

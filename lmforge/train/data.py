@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 from lmforge.config import RunConfig
 from lmforge.errors import LMForgeError
+from lmforge.eval.lm import lm_metrics
 from lmforge.train.distributed import DistInfo
 from lmforge.train.loop import DataBundle
 
@@ -36,14 +36,10 @@ def build_token_data(cfg: RunConfig, distinfo: DistInfo) -> DataBundle:
     if val is None and distinfo.is_main:
         print(f"note: {path} has no validation split longer than data.seq_len={seq}; evaluation is off")
 
-    tokens_per_byte = (val_ds.num_tokens / val_ds.bytes) if val is not None and val_ds.bytes else 0.0
+    bytes_per_token = val_ds.bytes / val_ds.num_tokens if val is not None and val_ds.num_tokens else 0.0
 
     def derive(metrics: dict[str, float]) -> dict[str, float]:
-        out = dict(metrics)
-        out["ppl"] = math.exp(min(metrics["loss"], 50.0))
-        if tokens_per_byte:
-            out["bpb"] = metrics["loss"] / math.log(2) * tokens_per_byte
-        return out
+        return {**metrics, **lm_metrics(metrics["loss"], bytes_per_token)}
 
     return DataBundle(train=train, val=val, tokens_per_micro_batch=mb * seq, seq_len=seq,
                       derive_eval_metrics=derive,

@@ -99,10 +99,12 @@ def peak_flops(device: torch.device, precision: str, override: float = 0.0) -> t
     return measure_matmul_flops(device, precision), "measured matmul peak"
 
 
-def measure_matmul_flops(device: torch.device, precision: str, seconds: float = 0.3) -> float:
+def measure_matmul_flops(device: torch.device, precision: str, seconds: float = 0.5) -> float:
     """Best FLOP/s of a square matmul on this device: the honest ceiling where no spec table applies."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
-    n = (256 if dtype != torch.float32 else 1024) if device.type == "cpu" else 4096
+    # Large enough that the matmul runs at its best rate (LM-head-sized matmuls would otherwise
+    # beat it and MFU could read above 100%); small slow-dtype case so it stays quick.
+    n = (256 if dtype != torch.float32 else 2048) if device.type == "cpu" else 8192
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     best = 0.0
