@@ -97,3 +97,22 @@ def test_quickstart_on_a_given_tree_beats_the_unigram_baseline(tmp_path, capsys)
     assert (tmp_path / "qs" / "tokenizer" / "tokenizer.json").is_file()
     assert list((tmp_path / "qs" / "runs").glob("quickstart-*/loss.png"))
     assert "func readLines" in out  # the sample prompt was printed and continued
+
+
+def test_bad_arguments_give_clear_errors_not_tracebacks(trained, tmp_path, capsys):
+    base, data_dir, result = trained
+    cases = [
+        (["train", "go_coder_tiny", "model=5"], "config section 'model' must be a mapping"),
+        (["train", "go_coder_tiny", "training.beta1=2"], "training.beta1 and training.beta2 must be in [0, 1)"),
+        (["train", "go_coder_tiny", "data.seq_len=512", f"data.path={data_dir}"], "longer than the model's context"),
+        (["eval", str(result.run_dir), "--data", str(data_dir), "--batch-size", "0"], "--batch-size"),
+        (["eval", str(result.run_dir), "--data", str(base / "corpus"), "--include", "/abs/*.go"],
+         "globs must be non-empty and relative"),
+        (["plot", str(result.run_dir), "--out", str(tmp_path / "x.txt")], "must end in .png, .svg or .pdf"),
+        (["tokenizer", "train", str(base / "corpus"), "--out", str(base / "tokenizer"), "--vocab-size", "300"],
+         "already exists; pass --overwrite"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        assert message in capsys.readouterr().err, argv
+    assert (base / "tokenizer" / "tokenizer.json").is_file()  # the refused overwrite left it alone
