@@ -65,7 +65,7 @@ def quickstart(data: str | None = None, include: tuple[str, ...] = (), out: str 
     from lmforge.data.loader import TokenDataset
     from lmforge.eval.lm import metrics_from_nll, nll_of_tokens, unigram_bpb
     from lmforge.infer.generate import generate_text
-    from lmforge.models import load_model
+    from lmforge.infer.loading import load_for_inference
     from lmforge.plot import plot_run
     from lmforge.tokenizer import Tokenizer
     from lmforge.train import train
@@ -122,14 +122,11 @@ def quickstart(data: str | None = None, include: tuple[str, ...] = (), out: str 
     result = train(cfg)
 
     _stage(5, "held-out evaluation")
-    model = load_model(result.best_checkpoint or result.last_checkpoint)
-    model.eval()
+    ckpt = result.best_checkpoint or result.last_checkpoint
+    model, _, device = load_for_inference(ckpt, cfg.training.device)
     eval_tokens = val_ds.read(0, min(val_ds.num_tokens, 200_000))
     bytes_per_token = val_ds.bytes / val_ds.num_tokens
-    import torch
-
-    with torch.no_grad():
-        nll, count = nll_of_tokens(model, eval_tokens, cfg.data.seq_len, 16, torch.device("cpu"))
+    nll, count = nll_of_tokens(model, eval_tokens, cfg.data.seq_len, 16, device)
     model_metrics = metrics_from_nll(nll, count, bytes_per_token)
     train_sample = train_ds.read(0, min(train_ds.num_tokens, 20_000_000))
     base = unigram_bpb(train_sample, eval_tokens, tokenizer.vocab_size, bytes_per_token)
@@ -147,7 +144,6 @@ def quickstart(data: str | None = None, include: tuple[str, ...] = (), out: str 
                   stream=lambda s: print(s, end="", flush=True))
     print("\n" + "-" * 60)
     elapsed = time.perf_counter() - t_start
-    ckpt = result.best_checkpoint or result.last_checkpoint
     print(f"done in {elapsed / 60:.1f} min. Next: lmforge generate {ckpt} --prompt '...'  |  "
           f"lmforge eval {ckpt} --data {data_dir}")
     return {"bpb": model_metrics["bpb"], "unigram_bpb": base, "run_dir": str(result.run_dir),

@@ -197,6 +197,22 @@ def test_kill_9_during_checkpoint_write_keeps_previous_checkpoint(tmp_path, data
     assert "(step 2)" in result.stdout
     assert not any(p.name.startswith(".tmp-") for p in ck.iterdir())
     assert (ck / "step-000006" / "trainer_state.json").is_file()
+    # the resumed run re-logged steps 3-4 after its checkpoint: each step appears once in the metrics
+    steps = [json.loads(x)["step"] for x in (tmp_path / "runs" / "t" / "metrics.jsonl").read_text().splitlines()
+             if "train/loss" in x]
+    assert steps == list(range(1, 7))
+
+
+def test_crash_between_the_renames_of_a_checkpoint_replacement_is_undone(tmp_path):
+    from lmforge.train import checkpoint as ck
+
+    root = tmp_path / "checkpoints"
+    ck.write_checkpoint(root, 2, lambda d: (d / ck.STATE_FILE).write_text('{"step": 2}'), keep_last=3)
+    os.rename(root / "step-000002", root / ".old-step-000002")  # the state right after the first rename
+    (root / ".tmp-step-000002-123").mkdir()  # and the unfinished replacement
+    ck.clean_partial(root)
+    assert [p.name for p in root.iterdir()] == ["step-000002"]
+    assert ck.read_trainer_state(root / "step-000002")["step"] == 2
 
 
 def test_ddp_two_processes_match_one_at_same_global_batch(tmp_path, data_dir):
