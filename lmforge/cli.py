@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from lmforge.errors import LMForgeError
 
@@ -41,6 +42,10 @@ def _cmd_train(args) -> int:
     from lmforge.config import load_config
     from lmforge.train import train
 
+    if args.resume and "=" in args.resume and not Path(args.resume).exists():
+        # `--resume training.max_steps=300`: argparse took the override for --resume's CKPT
+        args.overrides.append(args.resume)
+        args.resume = "latest"
     cfg = load_config(args.recipe, args.overrides)
     if args.print_config:
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
@@ -191,7 +196,8 @@ def _add_quickstart(sub) -> None:
     p.add_argument("--include", action="append", default=[], help="glob for --data files (default by language)")
     p.add_argument("--out", default="lmforge_quickstart", help="working directory for every artifact")
     p.add_argument("--minutes", type=float, default=6.0, help="training time budget (the whole job adds ~1 min)")
-    p.add_argument("--max-bytes", type=int, default=24_000_000, help="cap on source text used (bytes)")
+    p.add_argument("--max-bytes", type=int, default=24_000_000, help="cap on the text the tokenizer is trained on (bytes); the data stage "
+                   "tokenizes the whole corpus")
     p.add_argument("--vocab-size", type=int, default=4096, help="tokenizer vocabulary size")
     p.add_argument("overrides", nargs="*", help="overrides for the go_coder_tiny recipe, " + OVERRIDES_HELP)
     p.set_defaults(func=_cmd_quickstart)

@@ -50,7 +50,19 @@ def find_corpus(data: str | None = None, include: tuple[str, ...] = ()) -> Corpu
         if root and (Path(root) / "src").is_dir():
             return Corpus(Path(root) / "src", ("**/*.go",), "go", "the Go standard library (`go env GOROOT`)")
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    return Corpus(stdlib, ("**/*.py",), "python", "the Python standard library (no Go toolchain found)")
+    return Corpus(stdlib, python_stdlib_globs(stdlib), "python", "the Python standard library (no Go toolchain found)")
+
+
+# Installed third-party packages live inside the stdlib directory of a non-venv Python (often GBs):
+# they are not the standard library and would swamp the corpus.
+_NOT_STDLIB = {"site-packages", "dist-packages", "__pycache__"}
+
+
+def python_stdlib_globs(stdlib: Path) -> tuple[str, ...]:
+    """Globs for the standard library's own modules: top-level files and each package, but no
+    ``**`` over the whole directory, which would descend into site-packages."""
+    packages = sorted(d.name for d in stdlib.iterdir() if d.is_dir() and d.name not in _NOT_STDLIB)
+    return ("*.py", *(f"{name}/**/*.py" for name in packages))
 
 
 def _stage(i: int, text: str) -> None:
@@ -115,10 +127,15 @@ def quickstart(data: str | None = None, include: tuple[str, ...] = (), out: str 
     run_name = time.strftime("quickstart-%Y%m%d-%H%M%S")
     values = {"name": run_name, "out_dir": str(work / "runs"), "data": {"path": str(data_dir)}}
     cfg = load_config("go_coder_tiny", overrides, values=values)
-    cfg.training.max_steps = _steps_for_budget(cfg, tokenizer.vocab_size, minutes)
-    cfg.training.max_time_minutes = minutes * 1.1  # a guard; the step count is sized to fit the budget
-    cfg.training.eval_interval = max(1, cfg.training.max_steps // 4)
-    cfg.training.save_interval = cfg.training.eval_interval
+    given = {o.split("=", 1)[0].strip() for o in overrides or []}
+    if "training.max_steps" not in given:  # a step count the user set is kept as it is
+        cfg.training.max_steps = _steps_for_budget(cfg, tokenizer.vocab_size, minutes)
+    if "training.max_time_minutes" not in given:
+        cfg.training.max_time_minutes = minutes * 1.1  # a guard; the step count is sized to fit the budget
+    if "training.eval_interval" not in given:
+        cfg.training.eval_interval = max(1, cfg.training.max_steps // 4)
+    if "training.save_interval" not in given:
+        cfg.training.save_interval = cfg.training.eval_interval
     result = train(cfg)
 
     _stage(5, "held-out evaluation")

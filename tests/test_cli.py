@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -96,7 +97,28 @@ def test_quickstart_on_a_given_tree_beats_the_unigram_baseline(tmp_path, capsys)
     assert float(m.group(1)) < 0.8 * float(m.group(2))
     assert (tmp_path / "qs" / "tokenizer" / "tokenizer.json").is_file()
     assert list((tmp_path / "qs" / "runs").glob("quickstart-*/loss.png"))
-    assert "func readLines" in out  # the sample prompt was printed and continued
+    sample = out.split("sample (temperature 0.7):")[1].split("-" * 60)[1]
+    prompt = "func readLines(path string) ([]string, error) {\n"
+    assert prompt in sample and sample.split(prompt, 1)[1].strip()  # the prompt was continued
+
+
+def test_quickstart_finds_goroot_else_the_python_standard_library_without_site_packages(monkeypatch):
+    import shutil
+    import sysconfig
+
+    from lmforge import quickstart as qs
+
+    if shutil.which("go"):  # CI installs Go: the Go standard library is found through `go env GOROOT`
+        corpus = qs.find_corpus()
+        assert corpus.language == "go" and (corpus.path / "fmt" / "print.go").is_file()
+    monkeypatch.setattr(qs.shutil, "which", lambda name: None)
+    corpus = qs.find_corpus()
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    assert corpus.language == "python" and corpus.path == stdlib
+    assert not any(g.startswith("**") or g.split("/")[0] in ("site-packages", "dist-packages")
+                   for g in corpus.include)
+    matched = {p for g in corpus.include if g.startswith("json/") for p in stdlib.glob(g)}
+    assert stdlib / "json" / "decoder.py" in matched
 
 
 def test_bad_arguments_give_clear_errors_not_tracebacks(trained, tmp_path, capsys):

@@ -266,3 +266,39 @@ def test_torch_compile_switch_gives_the_same_losses_as_eager(tmp_path, data_dir)
     a, b = losses(tmp_path / "runs" / "eager"), losses(tmp_path / "runs" / "compiled")
     for s in a:
         assert a[s] == pytest.approx(b[s], rel=1e-4)
+
+
+def test_resume_after_a_lost_checkpoint_keeps_one_tensorboard_point_per_step(tmp_path, data_dir):
+    """Steps logged after the checkpoint a run resumes from are logged again; TensorBoard must not
+    show them twice (as metrics.jsonl does not)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    recipe = write_recipe(tmp_path / "r.yaml", data_dir, tmp_path / "runs", logging={"tensorboard": True})
+    train(load_config(str(recipe)))
+    run_dir = tmp_path / "runs" / "t"
+    shutil.rmtree(run_dir / "checkpoints" / "step-000020")  # as if the run died before saving step 20
+    train(load_config(str(recipe)), resume=True)
+    acc = EventAccumulator(str(run_dir / "tb"))
+    acc.Reload()
+    steps = [e.step for e in acc.Scalars("train/loss")]
+    assert sorted(steps) == list(range(1, 21))
+    assert sorted(losses(run_dir)) == list(range(1, 21))
+
+
+def test_corrupt_validation_shard_is_an_error_not_a_silent_skip(tmp_path, data_dir):
+    data = tmp_path / "data"
+    shutil.copytree(data_dir, data)
+    val_shard = sorted(data.glob("val_*.bin"))[0]
+    val_shard.write_bytes(val_shard.read_bytes()[:-6])
+    recipe = write_recipe(tmp_path / "r.yaml", data, tmp_path / "runs")
+    with pytest.raises(LMForgeError, match=r"val_000000\.bin has .* bytes, expected"):
+        train(load_config(str(recipe)))
+
+
+def test_resume_flag_followed_by_an_override_resumes_with_the_override(tmp_path, data_dir, capsys):
+    recipe = write_recipe(tmp_path / "r.yaml", data_dir, tmp_path / "runs", training={"max_steps": 4,
+                                                                                     "save_interval": 2})
+    assert main(["train", str(recipe)]) == 0
+    assert main(["train", str(recipe), "--resume", "training.max_steps=6"]) == 0
+    out = capsys.readouterr().out
+    assert "resuming from" in out and "step-000004" in out and "done: step 6" in out

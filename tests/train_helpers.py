@@ -62,7 +62,8 @@ def write_recipe(path: Path, data_dir: Path, out_dir: Path, **sections) -> Path:
                   "n_layer": 2, "n_head": 2, "embd_pdrop": 0.1, "resid_pdrop": 0.1, "attn_pdrop": 0.1},
         "data": {"path": str(data_dir), "seq_len": 32},
         "training": {"max_steps": 20, "micro_batch_size": 4, "lr": 3e-3, "warmup_steps": 2, "eval_interval": 10,
-                     "eval_batches": 2, "save_interval": 10, "keep_last": 2, "log_interval": 1, "device": "cpu"},
+                     "eval_batches": 2, "save_interval": 10, "keep_last": 2, "log_interval": 1, "device": "cpu",
+                     "precision": "fp32"},
         "logging": {"tensorboard": False, "progress_bar": False},
     }
     for section, values in sections.items():

@@ -42,6 +42,7 @@ from torch.utils.checkpoint import checkpoint
 from lmforge.errors import LMForgeError
 from lmforge.models import register
 from lmforge.models.base import LMForgeModel
+from lmforge.models.losses import linear_cross_entropy
 
 FLAVORS = ("gpt2", "llama")
 ACTIVATIONS = {"gelu": "none", "gelu_new": "tanh"}  # name -> F.gelu(approximate=...)
@@ -309,14 +310,16 @@ class GPT(LMForgeModel):
 
     # ---- training interface -------------------------------------------------------------
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
-        logits = self.logits(batch["input_ids"])
-        labels = batch["labels"]
-        # Sum / count rather than reduction="mean": a batch with no valid labels gives 0, not NaN.
-        loss_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
-        return loss_sum / (labels != -100).sum().clamp(min=1), {}
+        # The LM head and the loss are fused (lmforge.models.losses): no [tokens, vocab] logits are kept.
+        hidden = self.hidden_states(batch["input_ids"])
+        return linear_cross_entropy(hidden, self.lm_head.weight, batch["labels"]), {}
 
     def logits(self, input_ids: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
         """``[B, T]`` token ids -> ``[B, T, vocab]`` logits; with ``kv_cache`` the ids continue the cached ones."""
+        return self.lm_head(self.hidden_states(input_ids, kv_cache))
+
+    def hidden_states(self, input_ids: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+        """``[B, T]`` token ids -> ``[B, T, n_embd]`` final-norm outputs, the LM head's input."""
         c = self.config
         T = input_ids.size(1)
         start = kv_cache.pos if kv_cache is not None else 0
@@ -340,7 +343,7 @@ class GPT(LMForgeModel):
                 x = block(x, rope, kv_cache, i)
         if kv_cache is not None:
             kv_cache.pos += T
-        return self.lm_head(self.norm_f(x))
+        return self.norm_f(x)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # Computed per call in fp32 (cheap) instead of cached in a buffer that model.to(bf16) would round.

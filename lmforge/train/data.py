@@ -12,7 +12,7 @@ from lmforge.train.loop import DataBundle
 
 
 def build_token_data(cfg: RunConfig, distinfo: DistInfo) -> DataBundle:
-    from lmforge.data.loader import PackedLoader, TokenDataset
+    from lmforge.data.loader import PackedLoader, TokenDataset, read_meta
 
     path = Path(cfg.data.path)
     if not cfg.data.path:
@@ -25,14 +25,12 @@ def build_token_data(cfg: RunConfig, distinfo: DistInfo) -> DataBundle:
     mb, seq = cfg.training.micro_batch_size, cfg.data.seq_len
     train = PackedLoader(train_ds, seq_len=seq, micro_batch_size=mb, rank=distinfo.rank,
                          world_size=distinfo.world_size, seed=cfg.seed, shuffle=True)
-    val = None
-    try:
+    val, val_ds = None, None
+    if "val" in read_meta(path)["splits"]:  # a val split that is there but corrupt raises, never hides
         val_ds = TokenDataset(path, "val")
         if val_ds.num_tokens > seq:
             val = PackedLoader(val_ds, seq_len=seq, micro_batch_size=mb, rank=distinfo.rank,
                                world_size=distinfo.world_size, seed=cfg.seed, shuffle=False)
-    except LMForgeError:
-        val_ds = None
     if val is None and distinfo.is_main:
         print(f"note: {path} has no validation split longer than data.seq_len={seq}; evaluation is off")
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import platform
 import time
 from dataclasses import dataclass
 
@@ -126,8 +128,29 @@ def _sync(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
+def keep_freed_memory_for_reuse() -> bool:
+    """On glibc, stop returning freed blocks to the OS. Returns whether the setting was applied.
+
+    A training step allocates and frees the same large activation buffers every step. By default
+    glibc serves large blocks with fresh ``mmap`` pages and unmaps them on free, so each step pays
+    page faults on every such buffer again (measured in benchmarks/RESULTS.md: ~20% of a CPU step).
+    Keeping freed memory in the heap lets the next step reuse it; the process's memory stays at its
+    peak, as it would with a caching allocator. ``LMFORGE_MALLOC_TUNING=0`` turns this off.
+    """
+    if os.environ.get("LMFORGE_MALLOC_TUNING", "1") == "0" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_max = -1, -4  # from glibc's malloc.h
+    return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+
+
 def setup_device(requested: str, precision: str, peak_override: float, local_rank: int = 0) -> DeviceInfo:
     device = pick_device(requested, local_rank)
+    if device.type == "cpu":
+        keep_freed_memory_for_reuse()
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True

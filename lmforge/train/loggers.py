@@ -22,7 +22,9 @@ class MetricsLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tb"))
+            # purge_step: TensorBoard drops events after the checkpoint that an earlier attempt wrote,
+            # as metrics.jsonl is cut back above
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=start_step + 1)
         if wandb_project:
             try:
                 import wandb
