@@ -3,6 +3,7 @@ and optionally the same GPT-2 config as ``transformers.GPT2LMHeadModel`` with a 
 
 from __future__ import annotations
 
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -14,7 +15,7 @@ from lmforge.config import load_config
 from lmforge.errors import LMForgeError
 from lmforge.models import build_model
 from lmforge.train import seed_everything
-from lmforge.train.device import DeviceInfo, setup_device, _sync
+from lmforge.train.device import DeviceInfo, _sync, keep_freed_memory_for_reuse, setup_device
 from lmforge.train.distributed import DistInfo
 from lmforge.train.loop import DataBundle, Trainer
 
@@ -39,12 +40,18 @@ class RandomTokens:
 
 
 def _peak_memory_mb(device: torch.device) -> float | None:
-    """Peak GPU memory of the run. On CPU there is no per-run figure (process RSS mixes both systems)."""
+    """Peak memory of this process's run: GPU memory allocated on CUDA, else the process's peak RSS
+    (Linux/macOS; includes the Python and PyTorch baseline of a few hundred MB)."""
     if device.type == "cuda":
         mb = torch.cuda.max_memory_allocated(device) / 2**20
         torch.cuda.reset_peak_memory_stats(device)
         return mb
-    return None
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes on macOS, KiB on Linux
 
 
 def _time_steps(step_fn, steps: int, warmup: int, device: torch.device) -> float:
@@ -130,23 +137,79 @@ def _summary(info: dict[str, Any], cfg, steps: int, seconds: float, devinfo: Dev
     return out
 
 
-def compare_with_transformers(cfg, steps: int, warmup: int, devinfo: DeviceInfo, rounds: int = 4) -> list[dict]:
-    """Both systems in one process, timed in alternating rounds so that drift in the machine's speed
-    (shared or throttled CPUs) falls on both alike."""
-    with tempfile.TemporaryDirectory() as tmp:
-        steppers = [_lmforge_stepper(cfg, devinfo, Path(tmp)), _transformers_stepper(cfg, devinfo)]
-        for step, _ in steppers:
+def _system_worker(system: str, cfg, devinfo: DeviceInfo, tuned_allocator: bool, warmup: int, conn) -> None:
+    """One system in its own process: build it, warm it up, then time steps whenever asked.
+
+    Separate processes keep what is process-wide apart: the C allocator's settings above all. lmforge
+    sets glibc's allocator to keep freed memory for reuse (``keep_freed_memory_for_reuse``); a plain
+    transformers loop runs with the default allocator unless ``tuned_allocator`` gives it lmforge's.
+    """
+    try:
+        if devinfo.device.type == "cpu" and (system == "lmforge" or tuned_allocator):
+            keep_freed_memory_for_reuse()
+        with tempfile.TemporaryDirectory() as tmp:
+            step, info = (_lmforge_stepper(cfg, devinfo, Path(tmp)) if system == "lmforge"
+                          else _transformers_stepper(cfg, devinfo))
             _time_steps(step, 0, warmup, devinfo.device)
+            conn.send(("ready", info))
+            while (n := conn.recv()) is not None:
+                conn.send(("timed", _time_steps(step, n, 0, devinfo.device)))
+            conn.send(("done", _peak_memory_mb(devinfo.device)))
+    except Exception as e:  # reported by the parent as a clear error
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def compare_with_transformers(cfg, steps: int, warmup: int, devinfo: DeviceInfo, rounds: int = 4,
+                              tuned_allocator: bool = False) -> list[dict]:
+    """lmforge and transformers, each in its own process, timed in alternating rounds so that drift in
+    the machine's speed (shared or throttled CPUs) falls on both alike; one process runs at a time."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")  # fresh interpreters: no allocator or thread state inherited
+    workers = []
+    for system in ("lmforge", "transformers"):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_system_worker, args=(system, cfg, devinfo, tuned_allocator, warmup, child),
+                           daemon=True)
+        proc.start()
+        workers.append((system, proc, parent))
+    try:
+        infos = [_receive(w, "ready") for w in workers]  # started one after another, warmed up alike
         seconds = [0.0, 0.0]
         per_round = [steps // rounds + (1 if r < steps % rounds else 0) for r in range(rounds)]
         for n in per_round:
-            for i, (step, _) in enumerate(steppers):
-                seconds[i] += _time_steps(step, n, 0, devinfo.device)
-    return [_summary(info, cfg, steps, secs, devinfo) for (_, info), secs in zip(steppers, seconds)]
+            for i, (_, _, conn) in enumerate(workers):
+                conn.send(n)
+                seconds[i] += _receive(workers[i], "timed")
+        for _, _, conn in workers:
+            conn.send(None)
+        peaks = [_receive(w, "done") for w in workers]
+    finally:
+        for _, proc, _ in workers:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    runs = [_summary(info, cfg, steps, secs, devinfo) for info, secs in zip(infos, seconds)]
+    for run, peak in zip(runs, peaks):
+        run["peak_memory_mb"] = peak
+    return runs
+
+
+def _receive(worker, expected: str):
+    system, proc, conn = worker
+    while not conn.poll(5.0):
+        if not proc.is_alive():
+            raise LMForgeError(f"the {system} benchmark process died (exit code {proc.exitcode})")
+    kind, value = conn.recv()
+    if kind == "error":
+        raise LMForgeError(f"the {system} benchmark failed: {value}")
+    if kind != expected:
+        raise LMForgeError(f"the {system} benchmark process answered {kind!r}, expected {expected!r}")
+    return value
 
 
 def run_bench(recipe: str, overrides: list[str], steps: int = 20, warmup: int = 3, vocab_size: int = 8192,
-              compare_transformers: bool = False, show: bool = True) -> dict[str, Any]:
+              compare_transformers: bool = False, same_allocator: bool = False, show: bool = True) -> dict[str, Any]:
     if steps < 1 or warmup < 0:
         raise LMForgeError("--steps must be >= 1 and --warmup >= 0")
     cfg = load_config(recipe, overrides)
@@ -162,12 +225,14 @@ def run_bench(recipe: str, overrides: list[str], steps: int = 20, warmup: int = 
     results = {"config": cfg.to_dict(), "device": str(devinfo.device), "precision": devinfo.precision,
                "torch": torch.__version__, "threads": torch.get_num_threads(), "runs": []}
     if compare_transformers:
-        runs = compare_with_transformers(cfg, steps, warmup, devinfo)
+        runs = compare_with_transformers(cfg, steps, warmup, devinfo, tuned_allocator=same_allocator)
     else:
         runs = [bench_lmforge(cfg, steps, warmup, devinfo)]
     results["runs"] = runs
     if compare_transformers:
         results["speedup"] = runs[0]["tokens_per_s"] / runs[1]["tokens_per_s"]
+        if devinfo.device.type == "cpu":
+            results["transformers_allocator"] = "lmforge" if same_allocator else "default"
     if show:
         print(f"{'system':<14}{'params':>12}{'tokens/s':>12}{'step ms':>10}{'MFU':>8}{'peak MB':>10}")
         for r in runs:
@@ -177,4 +242,10 @@ def run_bench(recipe: str, overrides: list[str], steps: int = 20, warmup: int = 
                   f"{mfu:>8}{mem:>10}")
         if compare_transformers:
             print(f"lmforge / transformers tokens/s: {results['speedup']:.2f}x")
+            if devinfo.device.type == "cpu":
+                print("(each in its own process; transformers with "
+                      + ("lmforge's allocator setting, --same-allocator" if same_allocator else
+                         "the C allocator's defaults, as a plain loop runs; --same-allocator gives it lmforge's")
+                      + "; peak MB = process peak RSS)")
+
     return results

@@ -14,8 +14,17 @@ OVERRIDES_HELP = ("dotted overrides key=value, applied after the recipe, e.g. tr
                   "model.n_layer=4 (values are read as YAML: numbers, true/false, lists)")
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default, unless it is empty (None, []) or the help already states it."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, "", [], argparse.SUPPRESS) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _formatter(prog):
-    return argparse.ArgumentDefaultsHelpFormatter(prog, max_help_position=32)
+    return _HelpFormatter(prog, max_help_position=32)
 
 
 # ---- train --------------------------------------------------------------------------------------
@@ -98,9 +107,13 @@ def _cmd_eval(args) -> int:
 
 # ---- generate -----------------------------------------------------------------------------------
 def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="sample text from a checkpoint, streaming", formatter_class=_formatter)
+    p = sub.add_parser("generate", help="sample text from a checkpoint, streaming", formatter_class=_formatter,
+                       description="Continue a prompt with a checkpoint (a step directory, best/, or a run "
+                                   "directory), streaming tokens to the terminal as they are sampled, with a "
+                                   "KV cache. Sampling: temperature (0 = greedy), top-k, top-p, seed.")
     p.add_argument("checkpoint", help="checkpoint directory or run directory")
-    p.add_argument("--prompt", default="", help="text to continue (use --prompt-file for long prompts)")
+    p.add_argument("--prompt", default="", help="text to continue; the two-character sequences \\n and \\t "
+                   "become a newline and a tab. Use --prompt-file for prompts to be taken literally")
     p.add_argument("--prompt-file", default=None, help="read the prompt from this file")
     p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
@@ -170,7 +183,11 @@ def _add_bench(sub) -> None:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile, allocator warm-up)")
     p.add_argument("--vocab-size", type=int, default=8192, help="vocabulary when the recipe takes it from a tokenizer")
     p.add_argument("--compare-transformers", action="store_true",
-                   help="also time transformers.GPT2LMHeadModel with a plain AdamW loop (gpt2 flavor only)")
+                   help="also time transformers.GPT2LMHeadModel with a plain AdamW loop (gpt2 flavor only), "
+                        "each system in its own process")
+    p.add_argument("--same-allocator", action="store_true",
+                   help="with --compare-transformers on CPU: run transformers with lmforge's C-allocator setting "
+                        "too (isolates the model code; by default it runs with the allocator's defaults)")
     p.add_argument("--json", action="store_true", help="print results as JSON")
     p.set_defaults(func=_cmd_bench)
 
@@ -179,7 +196,8 @@ def _cmd_bench(args) -> int:
     from lmforge.bench import run_bench
 
     results = run_bench(args.recipe, args.overrides, steps=args.steps, warmup=args.warmup,
-                        vocab_size=args.vocab_size, compare_transformers=args.compare_transformers)
+                        vocab_size=args.vocab_size, compare_transformers=args.compare_transformers,
+                        same_allocator=args.same_allocator)
     if args.json:
         print(json.dumps(results, indent=2))
     return 0
@@ -234,8 +252,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not hasattr(args, "func"):
-        parser.parse_args([*(argv if argv is not None else sys.argv[1:]), "--help"])
     try:
         return int(args.func(args) or 0)
     except LMForgeError as e:

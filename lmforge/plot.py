@@ -19,6 +19,9 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     train = [(r["step"], r["train/loss"]) for r in rows if isinstance(r.get("train/loss"), (int, float))]
     val = [(r["step"], r["eval/loss"]) for r in rows if isinstance(r.get("eval/loss"), (int, float))]
     lr = [(r["step"], r["train/lr"]) for r in rows if isinstance(r.get("train/lr"), (int, float))]
+    out = Path(out) if out else run_dir / "loss.png"
+    if out.suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise LMForgeError(f"--out {out}: the image name must end in .png, .svg or .pdf")
     if not train and not val:
         raise LMForgeError(f"{run_dir / 'metrics.jsonl'} has no loss values yet; train for at least "
                            "training.log_interval steps first")
@@ -40,9 +43,6 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     ax.legend(handles, labels, loc="upper right")
     ax.set_title(run_dir.name)
     fig.tight_layout()
-    out = Path(out) if out else run_dir / "loss.png"
-    if out.suffix.lower() not in (".png", ".svg", ".pdf"):
-        raise LMForgeError(f"--out {out}: the image name must end in .png, .svg or .pdf")
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)
     plt.close(fig)

@@ -138,3 +138,34 @@ def test_bad_arguments_give_clear_errors_not_tracebacks(trained, tmp_path, capsy
         assert main(argv) == 2, argv
         assert message in capsys.readouterr().err, argv
     assert (base / "tokenizer" / "tokenizer.json").is_file()  # the refused overwrite left it alone
+
+
+def test_data_prepare_on_a_malformed_jsonl_line_names_it_and_keeps_earlier_output(trained, tmp_path, capsys):
+    base, data_dir, _ = trained
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps({"text": f"func f{i}() int {{ return {i} }}\n"}) + "\n" for i in range(200)))
+    out = tmp_path / "shards"
+    assert main(["data", "prepare", str(good), "--tokenizer", str(base / "tokenizer"), "--out", str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "package a"}\n{"text": "package b"}\n{"text": oops}\n')
+    argv = ["data", "prepare", str(bad), "--tokenizer", str(base / "tokenizer"), "--out", str(out), "--overwrite"]
+    assert main(argv) == 2
+    assert f"{bad}:3: not valid JSON" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the earlier shards are intact
+
+
+def test_generate_refuses_a_tokenizer_larger_than_the_model_vocab(trained, tmp_path, capsys):
+    import shutil
+
+    from lmforge.tokenizer import train_tokenizer
+
+    base, _, result = trained
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(result.last_checkpoint, ckpt)
+    texts = [f"func g{i}(x int) int {{ return x * {i} }}\n" * 20 for i in range(300)]
+    train_tokenizer(iter(texts), vocab_size=1000, out_dir=tmp_path / "bigtok", show_progress=False)
+    shutil.copyfile(tmp_path / "bigtok" / "tokenizer.json", ckpt / "tokenizer.json")
+    assert main(["generate", str(ckpt), "--prompt", "func"]) == 2
+    err = capsys.readouterr().err
+    assert "tokens but the model only" in err and "do not belong together" in err

@@ -68,10 +68,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 # per-token loss = logsumexp - target logit = log(norm) + max - target
                 total += ((norm.log() + top).squeeze(0) - picked).mul_(ok).sum()
                 if want_grad:
-                    # d loss / d logits = (softmax - one_hot(target)) * scale on valid tokens, 0 elsewhere
-                    token_scale = (ok.to(acc) * scale)[None, :]
-                    grad_logits = probs.mul_(token_scale / norm)
-                    grad_logits.scatter_add_(0, target, -token_scale)
+                    # d loss / d logits = (softmax - one_hot(target)) * scale on valid tokens, 0 elsewhere.
+                    # The 1/count scale is applied after the matmuls, in fp32: folded in here, bf16/fp16
+                    # gradients of large batches would underflow.
+                    mask = ok.to(acc)[None, :]
+                    grad_logits = probs.mul_(mask / norm)
+                    grad_logits.scatter_add_(0, target, -mask)
                     grad_logits = grad_logits.to(dtype)
                     grad_h[start:start + rows] = grad_logits.t() @ w
                     if dtype == acc:
@@ -79,7 +81,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     else:  # bf16/fp16 matmul, accumulated across chunks in fp32
                         grad_w += (grad_logits @ h).to(acc)
         if want_grad:
-            ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
+            ctx.save_for_backward(grad_h.mul_(scale), grad_w.mul_(scale).to(weight.dtype))
         return total * scale
 
     @staticmethod

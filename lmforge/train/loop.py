@@ -330,10 +330,12 @@ class Trainer:
                         stopped = "signal" if flags[1] > 0 else "time"
                         break
                     last = self.step == t.max_steps
+                    paused = time.perf_counter()
                     if (t.eval_interval and self.step % t.eval_interval == 0) or last:
                         eval_metrics = self._eval_and_keep_best(logger, bar)
                     if (t.save_interval and self.step % t.save_interval == 0) or last:
                         self.save_checkpoint()
+                    window_t0 += time.perf_counter() - paused  # tokens/s and MFU count training time only
                 if stopped != "completed":
                     if is_main:
                         reason = stop.reason or f"the {t.max_time_minutes:g}-minute time limit"

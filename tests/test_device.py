@@ -1,0 +1,40 @@
+"""Device, precision and allocator choices made from the hardware."""
+
+import platform
+
+import pytest
+import torch
+
+from lmforge.errors import LMForgeError
+from lmforge.train.device import cpu_has_fast_bf16, keep_freed_memory_for_reuse, pick_device, pick_precision
+
+
+def test_auto_device_and_precision_follow_the_hardware():
+    device = pick_device("auto")
+    expected = "cuda" if torch.cuda.is_available() else ("mps" if torch.backends.mps.is_available() else "cpu")
+    assert device.type == expected
+    cpu = torch.device("cpu")
+    # bf16 only where the CPU has bf16 matrix units; elsewhere it is emulated and far slower than fp32
+    assert pick_precision("auto", cpu) == ("bf16" if cpu_has_fast_bf16() else "fp32")
+    assert pick_precision("fp32", cpu) == "fp32"
+
+
+@pytest.mark.parametrize("requested, message", [
+    ("gpu0", "is not a device"),
+    ("cuda", "PyTorch sees no CUDA/ROCm GPU") if not torch.cuda.is_available() else ("nonsense", "is not a device"),
+])
+def test_bad_device_names_are_clear_errors(requested, message):
+    with pytest.raises(LMForgeError, match=message):
+        pick_device(requested)
+
+
+def test_fp16_on_cpu_is_refused():
+    with pytest.raises(LMForgeError, match="fp16 is for GPUs"):
+        pick_precision("fp16", torch.device("cpu"))
+
+
+def test_allocator_tuning_applies_on_glibc_and_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("LMFORGE_MALLOC_TUNING", "0")
+    assert keep_freed_memory_for_reuse() is False
+    monkeypatch.delenv("LMFORGE_MALLOC_TUNING")
+    assert keep_freed_memory_for_reuse() is (platform.libc_ver()[0] == "glibc")
