@@ -318,3 +318,31 @@ def test_resume_flag_followed_by_an_override_resumes_with_the_override(tmp_path,
     assert main(["train", str(recipe), "--resume", "training.max_steps=6"]) == 0
     out = capsys.readouterr().out
     assert "resuming from" in out and "step-000004" in out and "done: step 6" in out
+
+
+def test_non_finite_gradient_with_a_finite_loss_stops_before_the_update(tmp_path, data_dir, monkeypatch):
+    import lmforge.train as train_module
+
+    build = train_module.build_model
+    calls = {"n": 0}
+
+    def build_with_poisoned_backward(cfg):
+        model = build(cfg)
+
+        def poison_third_backward(grad):
+            calls["n"] += 1
+            return grad * float("inf") if calls["n"] == 3 else grad
+
+        model.blocks[0].mlp.fc.bias.register_hook(poison_third_backward)
+        return model
+
+    monkeypatch.setattr(train_module, "build_model", build_with_poisoned_backward)
+    recipe = write_recipe(tmp_path / "r.yaml", data_dir, tmp_path / "runs",
+                          training={"max_steps": 10, "save_interval": 1, "eval_interval": 0})
+    with pytest.raises(LMForgeError, match=r"gradient norm is (inf|nan) at step 3: training stopped before "
+                                           r"applying that update.*step-000002"):
+        train(load_config(str(recipe)))
+    ckpts = sorted(p.name for p in (tmp_path / "runs" / "t" / "checkpoints").glob("step-*"))
+    assert ckpts[-1] == "step-000002"
+    weights = load_file(str(tmp_path / "runs" / "t" / "checkpoints" / "step-000002" / "model.safetensors"))
+    assert all(torch.isfinite(w).all() for w in weights.values())
