@@ -78,15 +78,22 @@ def _lmforge_stepper(cfg, devinfo: DeviceInfo, tmp: Path):
                                "flops_per_token": model.flops_per_token(seq)}
 
 
-def _transformers_stepper(cfg, devinfo: DeviceInfo):
-    """The reference: GPT2LMHeadModel with the same sizes, plain AdamW, same batches, clip and precision."""
+def check_comparable_with_transformers(cfg) -> None:
+    """Raise a clear error, before any process starts, when the comparison cannot run."""
     try:
-        from transformers import GPT2Config, GPT2LMHeadModel
+        import transformers  # noqa: F401
     except ImportError as e:
         raise LMForgeError("--compare-transformers needs transformers: pip install transformers") from e
-    m = cfg.model
-    if getattr(m, "flavor", None) != "gpt2":
+    if getattr(cfg.model, "flavor", None) != "gpt2":
         raise LMForgeError("--compare-transformers compares the gpt2 flavor only (model.flavor=gpt2)")
+
+
+def _transformers_stepper(cfg, devinfo: DeviceInfo):
+    """The reference: GPT2LMHeadModel with the same sizes, plain AdamW, same batches, clip and precision."""
+    check_comparable_with_transformers(cfg)
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    m = cfg.model
     seed_everything(cfg.seed)
     hf_cfg = GPT2Config(vocab_size=m.vocab_size, n_positions=m.n_positions, n_embd=m.n_embd, n_layer=m.n_layer,
                         n_head=m.n_head, n_inner=m.n_inner or None, activation_function=m.activation_function,
@@ -156,7 +163,7 @@ def _system_worker(system: str, cfg, devinfo: DeviceInfo, tuned_allocator: bool,
                 conn.send(("timed", _time_steps(step, n, 0, devinfo.device)))
             conn.send(("done", _peak_memory_mb(devinfo.device)))
     except Exception as e:  # reported by the parent as a clear error
-        conn.send(("error", f"{type(e).__name__}: {e}"))
+        conn.send(("error", str(e) if isinstance(e, LMForgeError) else f"{type(e).__name__}: {e}"))
 
 
 def compare_with_transformers(cfg, steps: int, warmup: int, devinfo: DeviceInfo, rounds: int = 4,
@@ -165,6 +172,7 @@ def compare_with_transformers(cfg, steps: int, warmup: int, devinfo: DeviceInfo,
     the machine's speed (shared or throttled CPUs) falls on both alike; one process runs at a time."""
     import multiprocessing as mp
 
+    check_comparable_with_transformers(cfg)
     ctx = mp.get_context("spawn")  # fresh interpreters: no allocator or thread state inherited
     workers = []
     for system in ("lmforge", "transformers"):

@@ -214,8 +214,8 @@ def _add_quickstart(sub) -> None:
     p.add_argument("--include", action="append", default=[], help="glob for --data files (default by language)")
     p.add_argument("--out", default="lmforge_quickstart", help="working directory for every artifact")
     p.add_argument("--minutes", type=float, default=6.0, help="training time budget (the whole job adds ~1 min)")
-    p.add_argument("--max-bytes", type=int, default=24_000_000, help="cap on the text the tokenizer is trained on (bytes); the data stage "
-                   "tokenizes the whole corpus")
+    p.add_argument("--max-bytes", type=int, default=24_000_000,
+                   help="cap on the text the tokenizer is trained on (bytes); the data stage tokenizes the whole corpus")
     p.add_argument("--vocab-size", type=int, default=4096, help="tokenizer vocabulary size")
     p.add_argument("overrides", nargs="*", help="overrides for the go_coder_tiny recipe, " + OVERRIDES_HELP)
     p.set_defaults(func=_cmd_quickstart)

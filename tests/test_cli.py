@@ -133,6 +133,8 @@ def test_bad_arguments_give_clear_errors_not_tracebacks(trained, tmp_path, capsy
         (["plot", str(result.run_dir), "--out", str(tmp_path / "x.txt")], "must end in .png, .svg or .pdf"),
         (["tokenizer", "train", str(base / "corpus"), "--out", str(base / "tokenizer"), "--vocab-size", "300"],
          "already exists; pass --overwrite"),
+        (["bench", "go_coder_tiny", "model.flavor=llama", "--compare-transformers"],
+         "--compare-transformers compares the gpt2 flavor only"),
     ]
     for argv, message in cases:
         assert main(argv) == 2, argv

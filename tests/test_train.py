@@ -346,3 +346,23 @@ def test_non_finite_gradient_with_a_finite_loss_stops_before_the_update(tmp_path
     assert ckpts[-1] == "step-000002"
     weights = load_file(str(tmp_path / "runs" / "t" / "checkpoints" / "step-000002" / "model.safetensors"))
     assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+def test_logged_tokens_per_second_excludes_evaluation_time(tmp_path, data_dir, monkeypatch):
+    from lmforge.train.loop import Trainer
+
+    evaluate = Trainer.evaluate
+
+    def slow_evaluate(self):
+        time.sleep(0.5)
+        return evaluate(self)
+
+    monkeypatch.setattr(Trainer, "evaluate", slow_evaluate)
+    recipe = write_recipe(tmp_path / "r.yaml", data_dir, tmp_path / "runs",
+                          training={"max_steps": 6, "eval_interval": 1, "save_interval": 0})
+    train(load_config(str(recipe)))
+    rows = [json.loads(x) for x in (tmp_path / "runs" / "t" / "metrics.jsonl").read_text().splitlines()]
+    speeds = [r["train/tokens_per_s"] for r in rows if "train/tokens_per_s" in r and r["step"] > 1]
+    tokens_per_step = 4 * 32
+    # with the 0.5 s evaluation counted, a one-step window could not exceed tokens_per_step / 0.5
+    assert len(speeds) == 5 and min(speeds) > 4 * tokens_per_step / 0.5
