@@ -79,13 +79,16 @@ def _add_eval(sub) -> None:
                                    "prepared shards (a `data prepare` directory) or on raw files.")
     p.add_argument("checkpoint", help="checkpoint directory or run directory")
     p.add_argument("--data", required=True, help="a prepared data directory, or raw sources (dir/JSONL/text/parquet)")
-    p.add_argument("--split", default="val", help="split of a prepared data directory")
+    p.add_argument("--split", default=None, help="split of a prepared data directory (default val; test for "
+                   "puzzle datasets)")
     p.add_argument("--include", action="append", default=[], help="glob for files in a raw source directory "
                    "(repeatable; default **/*.go)")
     p.add_argument("--text-field", default="text", help="text field of JSONL/parquet sources")
     p.add_argument("--seq-len", type=int, default=0, help="window length; 0 = the model's context")
-    p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
+    p.add_argument("--batch-size", type=int, default=None, help="windows (default 8) or puzzles (default 256) "
+                   "per forward pass")
     p.add_argument("--max-tokens", type=int, default=None, help="evaluate only the first N tokens")
+    p.add_argument("--limit", type=int, default=0, help="puzzle models: score only the first N puzzles (0 = all)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
     p.set_defaults(func=_cmd_eval)
@@ -93,8 +96,13 @@ def _add_eval(sub) -> None:
 
 def _cmd_eval(args) -> int:
     from lmforge.eval.lm import evaluate
+    from lmforge.infer.puzzle import is_puzzle_checkpoint
 
-    m = evaluate(args.checkpoint, args.data, split=args.split, seq_len=args.seq_len, batch_size=args.batch_size,
+    if is_puzzle_checkpoint(args.checkpoint):
+        return _cmd_eval_puzzles(args)
+
+    m = evaluate(args.checkpoint, args.data, split=args.split or "val", seq_len=args.seq_len,
+                 batch_size=8 if args.batch_size is None else args.batch_size,
                  max_tokens=args.max_tokens, device=args.device, include=tuple(args.include),
                  text_field=args.text_field)
     if args.json:
@@ -103,6 +111,60 @@ def _cmd_eval(args) -> int:
         bpb = f"  bits/byte {m['bpb']:.4f}" if "bpb" in m else ""
         print(f"{m['data']}: {int(m['tokens']):,} tokens  loss {m['loss']:.4f}  perplexity {m['ppl']:.3f}{bpb}")
     return 0
+
+
+def _cmd_eval_puzzles(args) -> int:
+    from lmforge.eval.puzzles import evaluate_puzzles
+
+    batch_size = 256 if args.batch_size is None else args.batch_size
+    if batch_size < 1 or args.limit < 0:
+        raise LMForgeError("--batch-size must be >= 1 and --limit >= 0")
+    m = evaluate_puzzles(args.checkpoint, args.data, split=args.split or "test",
+                         batch_size=batch_size, device=args.device, limit=args.limit)
+    if args.json:
+        print(json.dumps(m))
+        return 0
+    print(f"{m['data']}: {m['puzzles']} puzzles  exact accuracy {100 * m['exact_accuracy']:.2f}%  "
+          f"cell accuracy {100 * m['accuracy']:.2f}%  loss {m['loss']:.4f}")
+    print(f"  Q head would halt after {m['steps']:.2f} steps on average; exact accuracy there "
+          f"{100 * m['exact_accuracy_at_halt']:.2f}%")
+    for name in ("singles", "easy", "medium", "hard"):
+        if f"exact_accuracy_{name}" in m:
+            print(f"  {name:8s} {round(m[f'share_{name}'] * m['puzzles']):5d} puzzles  exact "
+                  f"{100 * m[f'exact_accuracy_{name}']:.2f}%")
+    return 0
+
+
+# ---- solve --------------------------------------------------------------------------------------
+def _add_solve(sub) -> None:
+    p = sub.add_parser("solve", help="solve a Sudoku with a trained HRM/TRM checkpoint", formatter_class=_formatter,
+                       description="Run a puzzle model on one Sudoku (81 characters, row by row; '.' or '0' "
+                                   "for blanks). Prints the grid it produced, whether it is a valid solution "
+                                   "of the puzzle, and the reasoning steps (ACT segments) it used.")
+    p.add_argument("checkpoint", help="checkpoint directory or run directory")
+    p.add_argument("--puzzle", required=True, help="81 characters: digits 1-9, '.' or '0' for blanks")
+    p.add_argument("--max-steps", type=int, default=0, help="segments at most (0 = the model's halt_max_steps)")
+    p.add_argument("--no-early-halt", action="store_true", help="run every segment instead of stopping "
+                   "where the Q head halts")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    p.set_defaults(func=_cmd_solve)
+
+
+def _cmd_solve(args) -> int:
+    from lmforge.data.sudoku import pretty_grid
+    from lmforge.infer.puzzle import solve_sudoku
+
+    if args.max_steps < 0:
+        raise LMForgeError("--max-steps must be >= 0")
+    r = solve_sudoku(args.checkpoint, args.puzzle, max_steps=args.max_steps or None,
+                     early_halt=not args.no_early_halt, device=args.device)
+    print(pretty_grid(r["grid"]))
+    verdict = "yes" if r["valid"] else f"no ({r['wrong_cells']} cells differ from the solution)"
+    print(f"valid solution: {verdict}")
+    print(f"steps used: {r['steps']} of {r['max_steps']}")
+    if r["note"]:
+        print(f"note: {r['note']}")
+    return 0 if r["valid"] else 1
 
 
 # ---- generate -----------------------------------------------------------------------------------
@@ -244,6 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_eval(sub)
     _add_generate(sub)
+    _add_solve(sub)
     _add_plot(sub)
     _add_bench(sub)
     return parser

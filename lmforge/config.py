@@ -32,6 +32,8 @@ class DataConfig:
 @dataclass
 class TrainingConfig:
     max_steps: int = 1000  # optimizer steps
+    epochs: float = 0.0  # if > 0: max_steps = epochs x examples per epoch / global batch (HRM's `epochs`)
+    global_batch_size: int = 0  # if > 0: micro_batch_size = this / (processes x grad_accum_steps)
     max_time_minutes: float = 0.0  # stop (and checkpoint) after this wall time; 0 = no limit
     micro_batch_size: int = 8  # sequences per forward pass, per process
     grad_accum_steps: int = 1  # micro-batches per optimizer step
@@ -50,7 +52,8 @@ class TrainingConfig:
     activation_checkpointing: bool = False
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
     eval_interval: int = 200  # steps between evaluations; 0 = only at the end
-    eval_batches: int = 20  # micro-batches per evaluation
+    eval_interval_epochs: float = 0.0  # if > 0: evaluate every this many epochs (HRM's `eval_interval`)
+    eval_batches: int = 20  # micro-batches per evaluation; 0 = the whole validation split
     save_interval: int = 500  # steps between checkpoints; 0 = only at the end
     keep_last: int = 3  # checkpoints kept besides `best`
     log_interval: int = 10  # steps between metric log lines
@@ -182,18 +185,84 @@ def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 def load_config(recipe: str | None = None, overrides: list[str] | None = None,
                 values: dict[str, Any] | None = None) -> RunConfig:
     """Defaults <- recipe <- ``values`` <- ``overrides``; returns a validated ``RunConfig``."""
-    merged: dict[str, Any] = read_recipe(recipe) if recipe else {}
-    if values:
-        merged = deep_merge(merged, values)
-    if overrides:
-        merged = deep_merge(merged, parse_overrides(overrides))
+    # HRM-style names are resolved per layer, so a later layer's alias overrides an earlier key.
+    merged: dict[str, Any] = apply_aliases(read_recipe(recipe)) if recipe else {}
+    for layer in ([values] if values else []) + ([parse_overrides(overrides)] if overrides else []):
+        layer = apply_aliases(layer)
+        merged = deep_merge(_drop_superseded(merged, layer), layer)
     return config_from_dict(merged)
+
+
+# The top-level names of HRM's `pretrain.py` (seed 003): `lmforge train hrm_sudoku data_path=... epochs=500
+# eval_interval=100 global_batch_size=4 lr=1e-4 arch.hidden_size=32 ...` works as written. Each maps
+# to one lmforge key; `arch.*` is `model.*`. (HRM counts `eval_interval` in epochs.)
+HRM_ALIASES = {
+    "data_path": "data.path",
+    "epochs": "training.epochs",
+    "eval_interval": "training.eval_interval_epochs",
+    "global_batch_size": "training.global_batch_size",
+    "lr": "training.lr",
+    "lr_warmup_steps": "training.warmup_steps",
+    "lr_min_ratio": "training.min_lr_ratio",
+    "beta1": "training.beta1",
+    "beta2": "training.beta2",
+    "weight_decay": "training.weight_decay",
+    "puzzle_emb_lr": "model.puzzle_emb_lr",
+    "puzzle_emb_weight_decay": "model.puzzle_emb_weight_decay",
+    "project_name": "logging.wandb_project",
+    "run_name": "name",
+    "arch": "model",
+}
+
+
+def apply_aliases(values: dict[str, Any]) -> dict[str, Any]:
+    """Rewrite HRM-style top-level keys into lmforge's sections (an explicit section key wins over
+    nothing: giving both spellings of one key is an error)."""
+    out = {k: v for k, v in values.items() if k not in HRM_ALIASES}
+    for alias, target in HRM_ALIASES.items():
+        if alias not in values:
+            continue
+        value = values[alias]
+        if target == "model":
+            if not isinstance(value, dict):
+                raise LMForgeError(f"'arch' must be a mapping of model keys (arch.hidden_size=...), got {value!r}")
+            clash = set(value) & set(out.get("model") or {})
+            if clash:
+                raise LMForgeError(f"arch.{sorted(clash)[0]} and model.{sorted(clash)[0]} are both given; keep one")
+            out["model"] = {**(out.get("model") or {}), **value}
+            continue
+        if "." not in target:
+            out[target] = value
+            continue
+        section, key = target.split(".")
+        sec = dict(out.get(section) or {})
+        if key in sec and sec[key] != value:
+            raise LMForgeError(f"'{alias}' and '{target}' are both given with different values; keep one")
+        sec[key] = value
+        out[section] = sec
+    return out
+
+
+# Pairs of training keys where one sets the other: a later layer that gives the plain key (e.g. the
+# user's training.max_steps) switches off the derived one an earlier layer (the recipe) set.
+SUPERSEDES = {"max_steps": "epochs", "eval_interval": "eval_interval_epochs", "micro_batch_size": "global_batch_size"}
+
+
+def _drop_superseded(merged: dict[str, Any], layer: dict[str, Any]) -> dict[str, Any]:
+    given = layer.get("training")
+    if not isinstance(given, dict) or not isinstance(merged.get("training"), dict):
+        return merged
+    training = dict(merged["training"])
+    for plain, derived in SUPERSEDES.items():
+        if plain in given and derived not in given and derived in training:
+            training[derived] = 0
+    return {**merged, "training": training}
 
 
 def config_from_dict(values: dict[str, Any]) -> RunConfig:
     from lmforge.models import config_class
 
-    values = dict(values)
+    values = apply_aliases(dict(values))
     model_values = values.pop("model", None) or {}
     if not isinstance(model_values, dict):
         raise LMForgeError(f"config section 'model' must be a mapping of model keys, got {model_values!r}")
@@ -222,7 +291,9 @@ def validate_run_config(cfg: RunConfig) -> None:
         (t.eps > 0, "training.eps must be > 0"),
         (t.weight_decay >= 0, "training.weight_decay must be >= 0"),
         (t.grad_clip >= 0, "training.grad_clip must be >= 0 (0 = off)"),
-        (t.eval_batches >= 1, "training.eval_batches must be >= 1"),
+        (t.eval_batches >= 0, "training.eval_batches must be >= 0 (0 = the whole validation split)"),
+        (t.epochs >= 0 and t.eval_interval_epochs >= 0, "training.epochs and eval_interval_epochs must be >= 0"),
+        (t.global_batch_size >= 0, "training.global_batch_size must be >= 0 (0 = micro_batch_size x processes)"),
         (t.max_time_minutes >= 0, "training.max_time_minutes must be >= 0 (0 = no limit)"),
         (t.log_interval >= 1, "training.log_interval must be >= 1"),
         (t.eval_interval >= 0 and t.save_interval >= 0, "training.eval_interval/save_interval must be >= 0"),

@@ -325,7 +325,7 @@ def test_crash_mid_prepare_leaves_no_data_dir_and_old_data_intact(tmp_path, tok_
 def test_cli_data_prepare(go_corpus, tmp_path, tok_dir, capsys):
     parser = argparse.ArgumentParser(prog="lmforge")
     actions = register(parser.add_subparsers(dest="verb"))
-    actions["data"].add_parser("sudoku")  # other verbs can join the same `data` parser
+    actions["data"].add_parser("other")  # other verbs can join the same `data` parser
     out = tmp_path / "data"
     args = parser.parse_args(["data", "prepare", str(go_corpus), "--tokenizer", str(tok_dir),
                               "--out", str(out), "--exclude-tests", "--val-fraction", "0.3", "--no-progress"])

@@ -7,6 +7,7 @@ loop logs as they are. It saves itself as a directory with ``config.yaml`` + ``m
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from pathlib import Path
@@ -59,6 +60,21 @@ class LMForgeModel(nn.Module):
         fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
         return torch.optim.AdamW(groups, lr=training.lr, betas=(training.beta1, training.beta2),
                                  eps=training.eps, **fast)
+
+    # ---- hooks for families with extra training state (e.g. an EMA of the weights) -----------
+    def on_optimizer_step(self) -> None:
+        """Called by the loop after every optimizer update."""
+
+    def averaged_weights(self) -> contextlib.AbstractContextManager:
+        """Context in which the model holds the weights to evaluate and save (e.g. an EMA)."""
+        return contextlib.nullcontext()
+
+    def training_state(self) -> dict[str, Any]:
+        """Extra state a resume needs beyond model.safetensors; saved in optimizer.pt."""
+        return {}
+
+    def load_training_state(self, state: dict[str, Any]) -> None:
+        """Restore what ``training_state`` returned (after the checkpoint's weights are loaded)."""
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs (forward + backward) per token, for MFU. Default: 6 x parameters."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import os
 import random
 import shutil
 from pathlib import Path
@@ -11,10 +13,10 @@ import torch
 
 from lmforge.config import RunConfig
 from lmforge.errors import LMForgeError
-from lmforge.models import build_model
+from lmforge.models import build_model, model_class
 from lmforge.tokenizer import CONFIG_FILE, SPECIAL_MAP_FILE, TOKENIZER_FILE
 from lmforge.train import checkpoint as ckpt
-from lmforge.train.data import build_token_data
+from lmforge.train.data import build_puzzle_data, build_token_data
 from lmforge.train.device import setup_device
 from lmforge.train.distributed import DistInfo, barrier, init_distributed, shutdown
 from lmforge.train.loop import DataBundle, Trainer, TrainResult
@@ -43,14 +45,25 @@ def _train(cfg: RunConfig, resume: bool | str, distinfo: DistInfo) -> TrainResul
                            distinfo.local_rank)
     run_dir = cfg.run_dir
     resume_from = _resume_point(run_dir, resume)
+    if os.environ.get("DISABLE_COMPILE", "").strip().lower() in ("1", "true", "yes") and cfg.training.compile:
+        cfg.training.compile = False  # HRM's switch, honoured as its users expect
+        if distinfo.is_main:
+            print("note: DISABLE_COMPILE is set: training.compile=false")
+    _resolve_batch(cfg, distinfo)
 
-    n_positions = getattr(cfg.model, "n_positions", None)
-    if n_positions is not None and cfg.data.seq_len > n_positions:
-        raise LMForgeError(f"data.seq_len={cfg.data.seq_len} is longer than the model's context "
-                           f"model.n_positions={n_positions}; lower one or raise the other")
-    data = build_token_data(cfg, distinfo)
-    tokenizer_path = _tokenizer_path(cfg)
-    _check_vocab(cfg, tokenizer_path, data)
+    puzzles = getattr(model_class_of(cfg.model), "data_kind", "tokens") == "puzzles"
+    tokenizer_path = None
+    if puzzles:
+        data = build_puzzle_data(cfg, distinfo)
+    else:
+        n_positions = getattr(cfg.model, "n_positions", None)
+        if n_positions is not None and cfg.data.seq_len > n_positions:
+            raise LMForgeError(f"data.seq_len={cfg.data.seq_len} is longer than the model's context "
+                               f"model.n_positions={n_positions}; lower one or raise the other")
+        data = build_token_data(cfg, distinfo)
+        tokenizer_path = _tokenizer_path(cfg)
+        _check_vocab(cfg, tokenizer_path, data)
+    _resolve_epochs(cfg, data, distinfo)
 
     seed_everything(cfg.seed)  # same initial weights on every rank
     model = build_model(cfg.model)
@@ -63,11 +76,12 @@ def _train(cfg: RunConfig, resume: bool | str, distinfo: DistInfo) -> TrainResul
         run_dir.mkdir(parents=True, exist_ok=True)
         ckpt.clean_partial(run_dir / "checkpoints")
         cfg.save(run_dir / "config.yaml")
-        _copy_tokenizer(tokenizer_path, run_dir / "tokenizer")
+        if tokenizer_path is not None:
+            _copy_tokenizer(tokenizer_path, run_dir / "tokenizer")
     barrier(distinfo)
 
-    trainer = Trainer(cfg, model, data, devinfo, distinfo, run_dir,
-                      extra_files=lambda d: _copy_tokenizer(tokenizer_path, d))
+    extra = (lambda d: _copy_tokenizer(tokenizer_path, d)) if tokenizer_path is not None else None
+    trainer = Trainer(cfg, model, data, devinfo, distinfo, run_dir, extra_files=extra)
     if resume_from is not None:
         trainer.load_checkpoint(resume_from)
     if distinfo.is_main:
@@ -78,6 +92,38 @@ def _train(cfg: RunConfig, resume: bool | str, distinfo: DistInfo) -> TrainResul
         print(f"run dir {run_dir} | {where} | MFU against {devinfo.peak_flops / 1e12:.2f} TFLOP/s "
               f"({devinfo.peak_source})")
     return trainer.fit()
+
+
+def _resolve_batch(cfg: RunConfig, distinfo: DistInfo) -> None:
+    """``training.global_batch_size`` (rows per optimizer step, all processes) -> micro_batch_size."""
+    t = cfg.training
+    if t.global_batch_size <= 0:
+        return
+    per_step = distinfo.world_size * t.grad_accum_steps
+    if t.global_batch_size % per_step:
+        raise LMForgeError(f"training.global_batch_size={t.global_batch_size} is not divisible by "
+                           f"{distinfo.world_size} process(es) x grad_accum_steps={t.grad_accum_steps}; "
+                           "choose a multiple")
+    t.micro_batch_size = t.global_batch_size // per_step
+
+
+def _resolve_epochs(cfg: RunConfig, data: DataBundle, distinfo: DistInfo) -> None:
+    """HRM counts training length and evaluation interval in epochs: turn them into steps."""
+    t = cfg.training
+    if t.epochs <= 0 and t.eval_interval_epochs <= 0:
+        return
+    if data.examples_per_epoch <= 0:
+        raise LMForgeError("training.epochs / eval_interval_epochs need data that knows its epoch size; "
+                           "use training.max_steps and training.eval_interval instead")
+    global_batch = t.micro_batch_size * t.grad_accum_steps * distinfo.world_size
+    steps_per_epoch = data.examples_per_epoch / global_batch
+    if t.epochs > 0:
+        t.max_steps = max(1, math.ceil(t.epochs * steps_per_epoch))
+    if t.eval_interval_epochs > 0:
+        t.eval_interval = max(1, round(t.eval_interval_epochs * steps_per_epoch))
+    if distinfo.is_main:
+        print(f"epochs: {data.examples_per_epoch:,} examples per epoch / global batch {global_batch} = "
+              f"{steps_per_epoch:.2f} steps; max_steps={t.max_steps}, eval_interval={t.eval_interval}")
 
 
 def _resume_point(run_dir: Path, resume: bool | str) -> Path | None:
@@ -105,6 +151,15 @@ def _resume_point(run_dir: Path, resume: bool | str) -> Path | None:
             f"or choose another run name (name=NEW) — nothing was overwritten."
         )
     return None
+
+
+def model_class_of(model_config) -> type:
+    from lmforge.models import _registry_items
+
+    for _, cls in _registry_items():
+        if isinstance(model_config, cls.config_class):
+            return cls
+    return model_class("gpt")
 
 
 def _tokenizer_path(cfg: RunConfig) -> Path:

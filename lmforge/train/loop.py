@@ -42,6 +42,11 @@ class DataBundle:
     seq_len: int
     derive_eval_metrics: Callable[[dict[str, float]], dict[str, float]] = lambda m: m
     description: str = ""
+    best_metric: str = "eval/loss"  # which eval metric picks checkpoints/best
+    best_higher_is_better: bool = False
+    examples_per_epoch: int = 0  # what one epoch of `training.epochs` counts (all processes together)
+    tokens_per_example: int = 0  # > 0: also log examples/s (puzzles: cells per puzzle)
+    eval_weight_by_rows: bool = False  # True: eval means are per example (puzzles), else per label token
 
 
 @dataclass
@@ -113,7 +118,7 @@ class Trainer:
         self.extra_files = extra_files  # writes tokenizer files etc. into a model directory
         self.step = 0
         self.tokens_seen = 0
-        self.best_eval_loss = math.inf
+        self.best_score = math.inf  # the best metric, negated when higher is better
         self.last_checkpoint: Path | None = None
 
         groups = model.param_groups(self.t.weight_decay, self.t.lr)
@@ -142,13 +147,18 @@ class Trainer:
         except Exception as e:
             raise LMForgeError(f"cannot read {path / 'model.safetensors'}: {e}. The checkpoint is corrupt; "
                                f"resume from an earlier one in {path.parent}") from e
-        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        try:
+            missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        except RuntimeError as e:  # shapes differ
+            raise LMForgeError(f"{path} does not fit this model ({e}): was the model config changed since "
+                               "it was written?") from e
         missing = [k for k in missing if not self.model.is_tied_key(k)]
         if missing or unexpected:
             raise LMForgeError(f"{path} does not fit this model (missing {missing[:3]}, unexpected "
                                f"{unexpected[:3]}): was the model config changed since it was written?")
         self.model.tie_weights()
         opt_state = ckpt.load_torch_file(path / ckpt.OPTIMIZER_FILE, "optimizer state")
+        self.model.load_training_state(opt_state.get("model_state") or {})
         try:
             self.optimizer.load_state_dict(opt_state["optimizer"])
             if opt_state["scaler"] and self.scaler.is_enabled():
@@ -166,13 +176,14 @@ class Trainer:
                        f"{self.dist.world_size}: data order is kept, dropout randomness is not")
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
-        best = state.get("best_eval_loss")
-        self.best_eval_loss = math.inf if best is None else float(best)
+        best = state.get("best_score", state.get("best_eval_loss"))
+        self.best_score = math.inf if best is None else float(best)
         self.last_checkpoint = path
 
     # ---- saving ---------------------------------------------------------------------------
     def _write_model_dir(self, directory: Path) -> None:
-        self.model.save_pretrained(directory)
+        with self.model.averaged_weights():
+            self.model.save_pretrained(directory)
         if self.extra_files is not None:
             self.extra_files(directory)
 
@@ -187,13 +198,14 @@ class Trainer:
         if self.dist.is_main:
             def write(tmp: Path) -> None:
                 self._write_model_dir(tmp)
-                torch.save({"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict()},
-                           tmp / ckpt.OPTIMIZER_FILE)
+                torch.save({"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
+                            "model_state": self.model.training_state()}, tmp / ckpt.OPTIMIZER_FILE)
                 torch.save({"per_rank": gathered}, tmp / ckpt.RNG_FILE)
                 self.cfg.save(tmp / "run_config.yaml")
                 ckpt.save_json(tmp / ckpt.STATE_FILE, {
                     "step": self.step, "tokens_seen": self.tokens_seen,
-                    "best_eval_loss": self.best_eval_loss if math.isfinite(self.best_eval_loss) else None,
+                    "best_score": self.best_score if math.isfinite(self.best_score) else None,
+                    "best_metric": self.data.best_metric,
                     "data": self.data.train.state_dict(), "world_size": self.dist.world_size,
                     "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
                 })
@@ -211,18 +223,20 @@ class Trainer:
         self.model.eval()
         sums = {"loss": 0.0}
         weight = 0.0
-        for batch in self.data.val.iter_eval_batches(self.t.eval_batches):
-            batch = _to_device(batch, self.dev.device)
-            with self.dev.autocast():
-                loss, metrics = self.model(batch)
-            w = float(_batch_weight(batch))
-            sums["loss"] += float(loss) * w
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * w
-            weight += w
+        with self.model.averaged_weights():
+            for batch in self.data.val.iter_eval_batches(self.t.eval_batches or None):
+                batch = _to_device(batch, self.dev.device)
+                with self.dev.autocast():
+                    loss, metrics = self.model(batch)
+                w = float(_batch_weight(batch, self.data.eval_weight_by_rows))
+                sums["loss"] += float(loss) * w
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + float(v) * w
+                weight += w
         self.model.train()
         keys = sorted(sums)
-        totals = torch.tensor([sums[k] for k in keys] + [weight], dtype=torch.float64, device=self.dev.device)
+        totals = torch.tensor([sums[k] for k in keys] + [weight], dtype=_reduce_dtype(self.dev.device),
+                              device=self.dev.device)
         if self.dist.enabled:
             dist.all_reduce(totals)
         if totals[-1] <= 0:
@@ -263,6 +277,7 @@ class Trainer:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
+        self.model.on_optimizer_step()
 
     def step_once(self) -> float:
         """One optimizer step without logging or checks (used by `lmforge bench`)."""
@@ -319,6 +334,8 @@ class Trainer:
                         mfu = tok_s * flops_per_token / (self.dev.peak_flops * self.dist.world_size)
                         row = {"train/loss": train_loss, "train/lr": lr, "train/grad_norm": float(grad_norm),
                                "train/tokens_per_s": tok_s, "train/mfu": mfu, "train/tokens": self.tokens_seen}
+                        if self.data.tokens_per_example:
+                            row["train/examples_per_s"] = tok_s / self.data.tokens_per_example
                         row.update({f"train/{k}": float(v) for k, v in metrics.items()})
                         if logger:
                             logger.log(self.step, row)
@@ -362,9 +379,10 @@ class Trainer:
         if self.dist.is_main:
             shown = ", ".join(f"{k.split('/')[-1]} {v:.4f}" for k, v in metrics.items())
             tqdm.write(f"step {self.step}: eval {shown}")
-        loss = metrics.get("eval/loss", math.inf)
-        if loss < self.best_eval_loss:
-            self.best_eval_loss = loss
+        value = metrics.get(self.data.best_metric)
+        score = math.inf if value is None else (-value if self.data.best_higher_is_better else value)
+        if score <= self.best_score:  # on a tie the newer weights win (plateaus of exact accuracy)
+            self.best_score = score
             if self.dist.is_main:
                 ckpt.write_best(self.ckpt_root, self._write_model_dir)
             barrier(self.dist)
@@ -385,10 +403,14 @@ def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return {k: (v.to(device, non_blocking=non_blocking) if torch.is_tensor(v) else v) for k, v in batch.items()}
 
 
-def _batch_weight(batch: dict[str, Any]) -> float:
-    """Eval averages are weighted by predicted tokens where there are labels, else by rows."""
+def _reduce_dtype(device: torch.device) -> torch.dtype:
+    return torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+
+
+def _batch_weight(batch: dict[str, Any], by_rows: bool = False) -> float:
+    """Eval averages are weighted by predicted tokens where there are labels, else (or if asked) by rows."""
     labels = batch.get("labels")
-    if torch.is_tensor(labels):
+    if torch.is_tensor(labels) and not by_rows:
         return float((labels != -100).sum())
     first = next(v for v in batch.values() if torch.is_tensor(v))
     return float(first.shape[0])
@@ -397,7 +419,7 @@ def _batch_weight(batch: dict[str, Any]) -> float:
 def _mean_across_ranks(value: float, info: DistInfo, device: torch.device) -> float:
     if not info.enabled:
         return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
+    t = torch.tensor([value], dtype=_reduce_dtype(device), device=device)
     dist.all_reduce(t)
     return float(t.item() / info.world_size)
 

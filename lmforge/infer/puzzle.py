@@ -1,0 +1,55 @@
+"""Solve one Sudoku with a trained puzzle model (``lmforge solve``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+from lmforge.errors import LMForgeError
+
+PUZZLE_FAMILIES = ("hrm", "trm", "puzzle_transformer")
+
+
+def is_puzzle_checkpoint(path: str | Path) -> bool:
+    """Whether a checkpoint (or run directory) holds a puzzle model, from its config alone."""
+    from lmforge.train.checkpoint import resolve_model_dir
+
+    try:
+        config = yaml.safe_load((resolve_model_dir(path) / "config.yaml").read_text()) or {}
+    except (LMForgeError, OSError, yaml.YAMLError):
+        return False  # the language-model path reports what is wrong with it
+    return config.get("family") in PUZZLE_FAMILIES
+
+
+def solve_sudoku(checkpoint: str | Path, puzzle: str, max_steps: int | None = None, early_halt: bool = True,
+                 device: str = "auto") -> dict[str, Any]:
+    """The model's answer to ``puzzle`` (81 chars) with its validity and the steps it used."""
+    from lmforge.data.sudoku import is_valid_solution, parse_grid, solve
+    from lmforge.eval.puzzles import load_puzzle_model
+
+    grid = parse_grid(puzzle.strip(), where="--puzzle")
+    solutions, _ = solve(grid, limit=2)
+    if not solutions:
+        raise LMForgeError("the puzzle has no solution (a digit repeats in a row, column or box, or the clues "
+                           "contradict each other): check the 81 characters")
+    model, _ = load_puzzle_model(checkpoint, device)
+    c = model.config
+    if (c.seq_len, c.vocab_size) != (81, 11):
+        raise LMForgeError(f"{checkpoint} was trained on puzzles of {c.seq_len} cells and vocab {c.vocab_size}, "
+                           "not Sudoku (81 cells, vocab 11)")
+    dev = next(model.parameters()).device
+    inputs = torch.as_tensor(grid.astype(np.int64) + 1, device=dev).unsqueeze(0)  # blank=1, digit d = d+1
+    ids = torch.zeros(1, dtype=torch.long, device=dev)  # Sudoku datasets use the one blank identifier
+    pred, steps = model.solve(inputs, ids, max_steps=max_steps, early_halt=early_halt)
+    answer = np.clip(pred[0].cpu().numpy() - 1, 0, 9).astype(np.uint8)  # tokens 0/1 (pad/blank) -> 0
+    valid = is_valid_solution(grid, answer)
+    note = ""
+    if len(solutions) > 1:
+        note = "this puzzle has more than one solution; validity is checked against the rules and the clues"
+    wrong = 0 if valid else int((answer != solutions[0]).sum())
+    return {"grid": answer, "valid": valid, "steps": int(steps[0]), "wrong_cells": wrong,
+            "max_steps": max_steps or (c.halt_max_steps if model.uses_act else 1), "note": note}

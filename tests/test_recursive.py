@@ -1,0 +1,389 @@
+"""HRM, TRM and the baseline: layers, losses, optimizers, ACT, EMA, training, resume, solve and eval."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lmforge.cli import main
+from lmforge.config import load_config
+from lmforge.data.sudoku import build_sudoku_dataset, format_grid, generate_puzzles
+from lmforge.errors import LMForgeError
+from lmforge.models import build_model
+from lmforge.models.hrm import HRMConfig
+from lmforge.models.puzzle import exploration_min_steps, halt_decision
+from lmforge.models.reasoning_layers import stablemax_cross_entropy
+from lmforge.models.trm import TRMConfig
+from lmforge.train.optimizers import AdamATan2SignSGD
+
+SMALL = {"seq_len": 81, "vocab_size": 11, "num_puzzle_identifiers": 4, "hidden_size": 32, "num_heads": 2,
+         "expansion": 2, "halt_max_steps": 4}
+
+
+def hrm(**kw):
+    return build_model(HRMConfig(**{**SMALL, "H_layers": 1, "L_layers": 1, **kw}))
+
+
+def trm(**kw):
+    return build_model(TRMConfig(**{**SMALL, "L_layers": 1, "H_cycles": 2, "L_cycles": 2, "puzzle_emb_len": 2,
+                                    **kw}))
+
+
+def random_batch(n=3, ids=(0, 1, 2), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"inputs": torch.randint(1, 11, (n, 81), generator=g),
+            "labels": torch.randint(2, 11, (n, 81), generator=g),
+            "puzzle_identifiers": torch.tensor(ids[:n])}
+
+
+@pytest.fixture(scope="module")
+def sudoku_dir(tmp_path_factory) -> Path:
+    puzzles = generate_puzzles(4, 30, 36, seed=3, show_progress=False, workers=1)
+    out = tmp_path_factory.mktemp("sudoku") / "four"
+    build_sudoku_dataset(out, puzzles, puzzles, num_aug=0, seed=0, show_progress=False)
+    return out
+
+
+# ---- loss and optimizers against their definitions ----------------------------------------------
+def test_stablemax_cross_entropy_matches_definition():
+    logits = torch.tensor([[[2.0, -1.0, 0.0, -3.5]], [[-0.25, 4.0, 1.5, 0.0]]])
+    labels = torch.tensor([[1], [-100]])
+    got = stablemax_cross_entropy(logits, labels)
+    s = [x + 1 if x >= 0 else 1 / (1 - x) for x in [2.0, -1.0, 0.0, -3.5]]
+    assert got[0, 0].item() == pytest.approx(-math.log(s[1] / sum(s)), rel=1e-12)
+    assert got[1, 0].item() == 0.0  # ignored position
+    assert got.dtype == torch.float64
+
+
+def test_adam_atan2_update_matches_formula():
+    p = torch.nn.Parameter(torch.tensor([0.5, -1.0, 2.0]))
+    opt = AdamATan2SignSGD([{"params": [p], "weight_decay": 0.1}], lr=0.01, betas=(0.9, 0.95))
+    w, m, v = p.detach().clone(), torch.zeros(3), torch.zeros(3)
+    for t, g in enumerate([torch.tensor([0.3, -0.2, 0.0]), torch.tensor([-1.0, 0.5, 2.0])], start=1):
+        p.grad = g.clone()
+        opt.step()
+        m = 0.9 * m + 0.1 * g
+        v = 0.95 * v + 0.05 * g * g
+        w = w * (1 - 0.01 * 0.1) - 0.01 * torch.atan2(m / (1 - 0.9 ** t), (v / (1 - 0.95 ** t)).sqrt())
+        assert torch.allclose(p.detach(), w, atol=1e-7)
+
+
+def test_sign_sgd_touches_only_rows_in_the_batch():
+    model = hrm()
+    with torch.no_grad():
+        model.puzzle_emb.weight.normal_()
+    before = model.puzzle_emb.weight.detach().clone()
+    groups = model.param_groups(weight_decay=0.1, lr=1e-3)
+    emb_group = next(g for g in groups if g["name"] == "puzzle_emb")
+    assert emb_group["algorithm"] == "sign_sgd" and emb_group["lr"] == model.config.puzzle_emb_lr
+    opt = model.make_optimizer(groups, load_config(None).training, torch.device("cpu"))
+    model.train()
+    loss, _ = model(random_batch(2, ids=(1, 3)))
+    loss.backward()
+    grad = model.puzzle_emb.weight.grad.clone()
+    opt.step()
+    after = model.puzzle_emb.weight.detach()
+    assert torch.equal(after[[0, 2]], before[[0, 2]])  # outside the batch: not moved, not decayed
+    lr, wd = model.config.puzzle_emb_lr, model.config.puzzle_emb_weight_decay
+    expect = before[[1, 3]] * (1 - lr * wd) - lr * torch.sign(grad[[1, 3]])
+    assert torch.allclose(after[[1, 3]], expect)
+
+
+# ---- the recursion's gradient paths -------------------------------------------------------------
+def _record_grad_calls(module: torch.nn.Module, log: list, name: str):
+    module.register_forward_hook(lambda m, i, o: log.append((name, o.requires_grad)))
+
+
+def test_hrm_one_step_gradient():
+    model = hrm(H_cycles=3, L_cycles=2, halt_max_steps=1)  # no Q target segment
+    calls = []
+    _record_grad_calls(model.L_level, calls, "L")
+    _record_grad_calls(model.H_level, calls, "H")
+    model.train()
+    model(random_batch())
+    # 3 x 2 L updates and 3 H updates; only the very last L and the last H carry gradient
+    assert [n for n, _ in calls] == ["L", "L", "H"] * 3
+    assert [g for _, g in calls] == [False] * 7 + [True, True]
+    assert not model._carry.z_h.requires_grad and not model._carry.z_l.requires_grad
+
+
+def test_trm_full_backprop_through_last_cycle_only():
+    model = trm(H_cycles=3, L_cycles=2)
+    calls = []
+    _record_grad_calls(model.net, calls, "net")
+    model.train()
+    loss, _ = model(random_batch())
+    assert [g for _, g in calls] == [False] * 6 + [True] * 3  # (T-1)(n+1) without, n+1 with gradient
+    loss.backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if n.startswith("net."))
+
+
+# ---- ACT ---------------------------------------------------------------------------------------
+def test_halt_decision_with_fixed_q_values():
+    steps = torch.tensor([1, 1, 2, 4, 3])
+    q_halt = torch.tensor([1.0, -1.0, 0.5, -5.0, 2.0])
+    q_cont = torch.tensor([0.0, 0.0, 1.0, 5.0, 0.0])
+    assert halt_decision(steps, q_halt, q_cont, 4).tolist() == [True, False, False, True, True]
+    # exploration: a drawn minimum holds a row that wants to halt, never one at the limit
+    min_steps = torch.tensor([3, 0, 0, 4, 3])
+    assert halt_decision(steps, q_halt, q_cont, 4, min_steps).tolist() == [False, False, False, True, True]
+    # TRM: one logit, halt when > 0
+    assert halt_decision(steps, q_halt, None, 4).tolist() == [True, False, True, True, True]
+    # halt_max_steps=1: every row halts after one segment
+    assert halt_decision(steps, q_halt, q_cont, 1).all()
+
+
+def test_exploration_min_steps():
+    g = torch.Generator().manual_seed(0)
+    assert exploration_min_steps(100, 0.0, 8, torch.device("cpu"), g).eq(0).all()
+    drawn = exploration_min_steps(1000, 1.0, 8, torch.device("cpu"), g)
+    assert drawn.min() >= 2 and drawn.max() <= 8 and len(drawn.unique()) == 7
+    share = (exploration_min_steps(20000, 0.1, 8, torch.device("cpu"), g) > 0).float().mean()
+    assert 0.08 < share < 0.12
+
+
+def test_carry_keeps_rows_until_they_halt_then_takes_fresh_examples():
+    model = hrm(halt_exploration_prob=0.0, halt_max_steps=3)
+    with torch.no_grad():
+        model.q_head.bias.copy_(torch.tensor([-10.0, 10.0]))  # the Q head always prefers to continue
+    model.train()
+    batches = [random_batch(seed=s) for s in range(5)]
+    model(batches[0])
+    assert model._carry.steps.tolist() == [1, 1, 1] and not model._carry.halted.any()
+    model(batches[1])  # rows keep working on batch 0's examples
+    assert torch.equal(model._carry.data["inputs"], batches[0]["inputs"])
+    model(batches[2])
+    assert model._carry.steps.tolist() == [3, 3, 3] and model._carry.halted.all()  # halt_max_steps
+    z_before = model._carry.z_h.clone()
+    model(batches[3])  # fresh examples, state reset to H_init/L_init
+    assert torch.equal(model._carry.data["inputs"], batches[3]["inputs"])
+    assert model._carry.steps.tolist() == [1, 1, 1]
+    fresh = hrm(halt_exploration_prob=0.0, halt_max_steps=3)
+    fresh.load_state_dict(model.state_dict())
+    fresh.train()
+    fresh(batches[3])  # a model with no carry computes the same first segment
+    assert torch.allclose(fresh._carry.z_h, model._carry.z_h, atol=1e-6)
+    assert not torch.allclose(z_before, model._carry.z_h)
+    with torch.no_grad():
+        model.q_head.bias.copy_(torch.tensor([10.0, -10.0]))  # now it always wants to halt
+    model(batches[4])
+    assert model._carry.halted.all() and model._carry.steps.tolist() == [2, 2, 2]
+
+
+# ---- EMA ---------------------------------------------------------------------------------------
+def test_ema_weights_swap_in_and_back():
+    model = trm(ema_decay=0.5)
+    model.on_optimizer_step()  # EMA starts as a copy
+    raw = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    model.on_optimizer_step()  # ema = 0.5 old + 0.5 new = old + 0.5
+    with model.averaged_weights():
+        assert all(torch.allclose(p, r + 0.5) for p, r in zip(model.parameters(), raw))
+    assert all(torch.allclose(p, r + 1.0) for p, r in zip(model.parameters(), raw))
+
+
+# ---- configuration: seed 003's words -----------------------------------------------------------
+SEED_WORDS = ["epochs=500", "eval_interval=100", "global_batch_size=4", "lr=1e-4", "puzzle_emb_lr=1e-4",
+              "weight_decay=1.0", "puzzle_emb_weight_decay=1.0", "arch.hidden_size=32", "arch.H_layers=1",
+              "arch.L_layers=1", "arch.num_heads=1", "arch.expansion=2"]
+
+
+def test_seed_003_command_words_map_to_config():
+    cfg = load_config("hrm_sudoku", ["data_path=data/x", *SEED_WORDS])
+    t, m = cfg.training, cfg.model
+    assert (cfg.data.path, t.epochs, t.eval_interval_epochs, t.global_batch_size) == ("data/x", 500, 100, 4)
+    assert (t.lr, t.weight_decay, m.puzzle_emb_lr, m.puzzle_emb_weight_decay) == (1e-4, 1.0, 1e-4, 1.0)
+    assert (m.hidden_size, m.H_layers, m.L_layers, m.num_heads, m.expansion) == (32, 1, 1, 1, 2)
+    assert load_config("hrm_sudoku", ["lr=3e-4"]).training.lr == 3e-4  # an alias overrides the recipe
+    with pytest.raises(LMForgeError, match="model.H_layrs"):
+        load_config("hrm_sudoku", ["arch.H_layrs=1"])
+    with pytest.raises(LMForgeError, match="both given"):
+        load_config("hrm_sudoku", ["lr=1e-4", "training.lr=2e-4"])
+
+
+def test_bad_model_configs_are_clear():
+    with pytest.raises(LMForgeError, match="divisible"):
+        hrm(hidden_size=30, num_heads=4)
+    with pytest.raises(LMForgeError, match="pos_encodings"):
+        trm(pos_encodings="alibi")
+
+
+# ---- training through the shared loop ----------------------------------------------------------
+def test_seed_003_command_trains_and_logs_what_the_seed_watches(sudoku_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DISABLE_COMPILE", "1")
+    words = [w.replace("epochs=500", "epochs=4").replace("eval_interval=100", "eval_interval=2") for w in SEED_WORDS]
+    code = main(["train", "hrm_sudoku", f"data_path={sudoku_dir}", *words, f"out_dir={tmp_path}", "name=seed",
+                 "arch.halt_max_steps=2",  # so that rows finish puzzles within the 4 steps
+                 "training.compile=true", "training.precision=fp32", "training.device=cpu",
+                 "training.log_interval=1", "logging.progress_bar=false"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "DISABLE_COMPILE is set" in out and "max_steps=4, eval_interval=2" in out  # 4 groups / batch 4
+    rows = [json.loads(line) for line in (tmp_path / "seed" / "metrics.jsonl").read_text().splitlines()]
+    keys = set().union(*rows)
+    for key in ("train/lm_loss", "train/lr", "train/exact_accuracy", "train/accuracy", "train/q_halt_accuracy",
+                "train/steps", "eval/exact_accuracy", "eval/accuracy", "eval/q_halt_accuracy", "eval/steps"):
+        assert key in keys, key
+    assert {r["step"] for r in rows if "eval/exact_accuracy" in r} == {2, 4}
+
+
+def _overfit_recipe(tmp_path: Path, data: Path, family: str, steps: int) -> list[str]:
+    model = {"trm": ["model.L_layers=2", "model.H_cycles=2", "model.L_cycles=2", "model.mlp_t=true",
+                     "model.pos_encodings=none", "model.puzzle_emb_len=1", "model.ema_decay=0"],
+             "hrm": ["model.H_layers=1", "model.L_layers=1"]}[family]
+    return [f"data.path={data}", f"out_dir={tmp_path}", f"name={family}", "model.hidden_size=64",
+            "model.num_heads=2", "model.expansion=2", "model.halt_max_steps=2", *model,
+            f"training.max_steps={steps}", "training.global_batch_size=4", "training.lr=3e-3",
+            "training.warmup_steps=10", "training.weight_decay=0.0", "training.precision=fp32",
+            "training.device=cpu", f"training.eval_interval={steps}", f"training.save_interval={steps}",
+            "logging.progress_bar=false", "logging.tensorboard=false"]
+
+
+@pytest.mark.slow
+def test_trm_overfits_four_puzzles_to_100_percent(sudoku_dir, tmp_path):
+    from lmforge.train import train
+
+    cfg = load_config("trm_sudoku", _overfit_recipe(tmp_path, sudoku_dir, "trm", 250))
+    result = train(cfg)
+    assert result.eval_metrics["eval/exact_accuracy"] == 1.0
+    assert result.eval_metrics["eval/accuracy"] == 1.0
+
+
+# ---- resume: weights, EMA and optimizer restored; the carry starts fresh -----------------------
+def test_resume_restores_ema_and_raw_weights_and_resets_carry(sudoku_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    from lmforge.train import train
+
+    words = _overfit_recipe(tmp_path, sudoku_dir, "trm", 6)
+    cfg = load_config("trm_sudoku", [*words, "model.ema_decay=0.9", "training.save_interval=3"])
+    train(cfg)
+    ckpt = tmp_path / "trm" / "checkpoints" / "step-000006"
+    ema = load_file(str(ckpt / "model.safetensors"))
+    raw = torch.load(ckpt / "optimizer.pt", weights_only=False)["model_state"]["raw_weights"]
+    names = [n for n, _ in build_model(cfg.model).named_parameters()]
+    assert any(not torch.equal(ema[n], r) for n, r in zip(names, raw))  # the checkpoint holds the EMA
+
+    from lmforge.train import _train  # noqa: F401  (the Trainer is what `train --resume` builds)
+    from lmforge.train.device import setup_device
+    from lmforge.train.distributed import DistInfo
+    from lmforge.train.loop import Trainer
+    from lmforge.train.data import build_puzzle_data
+
+    cfg2 = load_config("trm_sudoku", [*words, "model.ema_decay=0.9", "training.max_steps=8"])
+    info = DistInfo()
+    data = build_puzzle_data(cfg2, info)
+    model = build_model(cfg2.model)
+    trainer = Trainer(cfg2, model, data, setup_device("cpu", "fp32", 1.0), info, tmp_path / "trm")
+    trainer.load_checkpoint(ckpt)
+    assert trainer.step == 6 and model._carry is None
+    for (n, p), r in zip(model.named_parameters(), raw):
+        assert torch.equal(p.detach(), r), n
+    for (n, _), e in zip(model.named_parameters(), model._ema):
+        assert torch.equal(e, ema[n]), n
+    trainer.model.train()
+    assert math.isfinite(trainer.step_once())  # continues with fresh rows
+
+
+# ---- solve and eval ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def trained(sudoku_dir, tmp_path_factory) -> Path:
+    from lmforge.train import train
+
+    tmp = tmp_path_factory.mktemp("run")
+    train(load_config("hrm_sudoku", _overfit_recipe(tmp, sudoku_dir, "hrm", 3)))
+    return tmp / "hrm"
+
+
+def test_solve_prints_grid_validity_and_steps(trained, sudoku_dir, capsys):
+    q = np.load(sudoku_dir / "test" / "all__inputs.npy")[0].astype(int) - 1
+    code = main(["solve", str(trained), "--puzzle", format_grid(q.astype(np.uint8)), "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert "valid solution:" in out and "steps used:" in out
+    assert code == (0 if "valid solution: yes" in out else 1)
+    assert out.count("|") >= 18  # the 9x9 grid with box separators
+
+
+@pytest.mark.parametrize("puzzle, message", [
+    ("1" * 80, "80"),
+    ("11" + "." * 79, "no solution"),
+    ("x" + "." * 80, "x"),
+])
+def test_solve_rejects_bad_puzzles(trained, puzzle, message, capsys):
+    assert main(["solve", str(trained), "--puzzle", puzzle, "--device", "cpu"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_eval_on_dataset_and_csv_agree(trained, sudoku_dir, tmp_path, capsys):
+    assert main(["eval", str(trained), "--data", str(sudoku_dir), "--json", "--device", "cpu"]) == 0
+    on_dir = json.loads(capsys.readouterr().out)
+    q = np.load(sudoku_dir / "test" / "all__inputs.npy").astype(int) - 1
+    a = np.load(sudoku_dir / "test" / "all__labels.npy").astype(int) - 1
+    csv = tmp_path / "set.csv"
+    csv.write_text("source,q,a,rating\n" + "".join(
+        f"t,{format_grid(qi.astype(np.uint8))},{format_grid(ai.astype(np.uint8))},0\n" for qi, ai in zip(q, a)))
+    assert main(["eval", str(trained), "--data", str(csv), "--json", "--device", "cpu"]) == 0
+    on_csv = json.loads(capsys.readouterr().out)
+    assert on_dir["puzzles"] == on_csv["puzzles"] == 4
+    assert on_dir["exact_accuracy"] == on_csv["exact_accuracy"]
+    assert on_dir["accuracy"] == pytest.approx(on_csv["accuracy"])
+    assert 1 <= on_dir["steps"] <= 2
+    main(["eval", str(trained), "--data", str(sudoku_dir), "--device", "cpu"])
+    assert "exact accuracy" in capsys.readouterr().out
+
+
+def test_epochs_and_global_batch_become_steps():
+    from lmforge.train import _resolve_batch, _resolve_epochs
+    from lmforge.train.distributed import DistInfo
+    from lmforge.train.loop import DataBundle
+
+    cfg = load_config("hrm_sudoku", ["epochs=3", "eval_interval=1", "global_batch_size=8",
+                                     "training.grad_accum_steps=2"])
+    two_ranks = DistInfo(rank=0, local_rank=0, world_size=2)
+    _resolve_batch(cfg, two_ranks)
+    assert cfg.training.micro_batch_size == 2  # 8 rows = 2 ranks x 2 micro-batches x 2
+    _resolve_epochs(cfg, DataBundle(train=None, val=None, tokens_per_micro_batch=1, seq_len=1,
+                                    examples_per_epoch=100), two_ranks)
+    assert (cfg.training.max_steps, cfg.training.eval_interval) == (38, 12)  # ceil(3 x 100 / 8), round(12.5)
+    bad = load_config("hrm_sudoku", ["global_batch_size=6", "training.grad_accum_steps=4"])
+    with pytest.raises(LMForgeError, match="not divisible"):
+        _resolve_batch(bad, DistInfo())
+
+
+def test_grad_accumulation_is_refused_for_act_models(sudoku_dir, tmp_path):
+    from lmforge.train import train
+
+    cfg = load_config("hrm_sudoku", [*_overfit_recipe(tmp_path, sudoku_dir, "hrm", 2), "training.grad_accum_steps=2"])
+    with pytest.raises(LMForgeError, match="grad_accum_steps"):
+        train(cfg)
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    grads = []
+    for enabled in (False, True):
+        torch.manual_seed(0)
+        model = trm(halt_exploration_prob=0.0, mlp_t=True, pos_encodings="none")
+        model.set_activation_checkpointing(enabled)
+        model.train()
+        loss, _ = model(random_batch())
+        loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    assert len(grads[0]) == len(grads[1]) > 0
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads))
+
+
+@pytest.mark.slow
+def test_hrm_overfits_four_puzzles_to_100_percent(sudoku_dir, tmp_path):
+    from lmforge.train import train
+
+    # ACT on (2 steps, exploration, Q-learning target); lr decays to 0 so the last steps settle
+    words = [*_overfit_recipe(tmp_path, sudoku_dir, "hrm", 500), "training.lr=2e-3", "training.min_lr_ratio=0.0"]
+    result = train(load_config("hrm_sudoku", words))
+    assert result.eval_metrics["eval/exact_accuracy"] == 1.0
