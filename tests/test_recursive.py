@@ -387,3 +387,30 @@ def test_hrm_overfits_four_puzzles_to_100_percent(sudoku_dir, tmp_path):
     words = [*_overfit_recipe(tmp_path, sudoku_dir, "hrm", 500), "training.lr=2e-3", "training.min_lr_ratio=0.0"]
     result = train(load_config("hrm_sudoku", words))
     assert result.eval_metrics["eval/exact_accuracy"] == 1.0
+
+
+def test_ddp_two_processes_match_one(sudoku_dir, tmp_path):
+    """Rank slices of the group sampler, the puzzle model and AdamATan2 + sign-SGD under DDP (gloo):
+    two processes at micro-batch 2 take the same steps as one at 4 (no ACT, so no per-rank randomness)."""
+    import sys
+
+    from tests.train_helpers import REPO, run
+
+    def losses(name: str) -> dict[int, float]:
+        rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+
+    words = [f"data_path={sudoku_dir}", f"out_dir={tmp_path}", "global_batch_size=4", "arch.hidden_size=32",
+             "arch.num_heads=2", "arch.H_layers=1", "arch.L_layers=1", "arch.halt_max_steps=1",
+             "training.max_steps=5", "training.warmup_steps=2", "training.lr=1e-3", "training.precision=fp32",
+             "training.device=cpu", "training.log_interval=1", "training.eval_interval=5",
+             "logging.progress_bar=false", "logging.tensorboard=false"]
+    one = run([sys.executable, "-m", "lmforge", "train", "hrm_sudoku", *words, "name=one"], cwd=REPO)
+    assert one.returncode == 0, one.stderr
+    two = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "lmforge",
+               "train", "hrm_sudoku", *words, "name=two"], cwd=REPO)
+    assert two.returncode == 0, two.stderr + two.stdout
+    a, b = losses("one"), losses("two")
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5]
+    for step in a:
+        assert a[step] == pytest.approx(b[step], rel=1e-5)
