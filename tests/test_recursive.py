@@ -271,7 +271,7 @@ def test_resume_restores_ema_and_raw_weights_and_resets_carry(sudoku_dir, tmp_pa
     names = [n for n, _ in build_model(cfg.model).named_parameters()]
     assert any(not torch.equal(ema[n], r) for n, r in zip(names, raw))  # the checkpoint holds the EMA
 
-    from lmforge.train import _train  # noqa: F401  (the Trainer is what `train --resume` builds)
+    # the Trainer is what `lmforge train --resume` builds; load the checkpoint into a fresh one
     from lmforge.train.device import setup_device
     from lmforge.train.distributed import DistInfo
     from lmforge.train.loop import Trainer

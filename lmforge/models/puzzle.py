@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import math
 from collections import deque
@@ -133,7 +134,7 @@ class Carry:
     data: dict[str, torch.Tensor]  # the examples being worked on
 
 
-class PuzzleModel(LMForgeModel):
+class PuzzleModel(LMForgeModel, abc.ABC):
     """Base of the puzzle families. Subclasses build their blocks and implement ``segment``."""
 
     has_q_continue = True  # HRM: Q head gives (halt, continue); TRM: halt only
@@ -174,8 +175,9 @@ class PuzzleModel(LMForgeModel):
         self._ema: list[torch.Tensor] | None = None
 
     # ---- the family-specific part -------------------------------------------------------------
+    @abc.abstractmethod
     def segment(self, z_h: torch.Tensor, z_l: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
+        """One ACT segment: the new (z_H, z_L) from the carried state and the input embeddings ``x``."""
 
     def reasoning_modules(self) -> list[nn.Module]:
         return [m for m in self.modules() if hasattr(m, "checkpointing")]
@@ -435,9 +437,9 @@ class PuzzleModel(LMForgeModel):
         torch._foreach_copy_(params, [r.to(p.device) for r, p in zip(raw, params)])
 
     # ---- accounting -------------------------------------------------------------------------
+    @abc.abstractmethod
     def block_passes(self) -> list[tuple[nn.Module, int, int]]:
         """(module, passes per training step, of which with gradient) for each reasoning module."""
-        raise NotImplementedError
 
     def flops_per_token(self, seq_len: int) -> float:
         """Matmul FLOPs per grid cell of one training step (attention scores left out)."""
