@@ -25,8 +25,13 @@ RECIPE_DIR = Path(__file__).parent / "configs"
 @dataclass
 class DataConfig:
     path: str = ""  # a directory written by `lmforge data prepare` (meta.json + shards)
+    train_path: str = ""  # raw text instead (JSONL {"text": ...}, text, parquet, a directory): prepared
+    #                       into RUN_DIR/data on first use, with data.tokenizer or one trained on it
     seq_len: int = 256  # tokens per training window
-    tokenizer: str = ""  # tokenizer.json or its directory; "" = the one saved with the data
+    tokenizer: str = ""  # tokenizer.json, or a directory holding one (any HF tokenizer); "" = the data's
+    text_field: str = "text"  # the field of JSONL / parquet records that holds the text
+    include: list[str] = field(default_factory=lambda: ["**/*.go"])  # data.train_path directories: files read
+    val_fraction: float = 0.01  # data.train_path: documents held out for evaluation
 
 
 @dataclass
@@ -58,6 +63,7 @@ class TrainingConfig:
     keep_last: int = 3  # checkpoints kept besides `best`
     log_interval: int = 10  # steps between metric log lines
     peak_flops: float = 0.0  # device peak FLOP/s for MFU; 0 = look up / measure
+    init_from: str = ""  # start from these weights (a checkpoint or run dir), with a fresh optimizer: fine-tuning
 
 
 @dataclass
@@ -65,6 +71,7 @@ class LoggingConfig:
     tensorboard: bool = True
     wandb_project: str = ""  # set to log to Weights & Biases (WANDB_MODE=offline works)
     wandb_run_name: str = ""
+    wandb_entity: str = ""  # team or user; "" = your wandb default
     progress_bar: bool = True
 
 
@@ -73,6 +80,7 @@ class RunConfig:
     name: str = "run"
     out_dir: str = "runs"  # the run directory is out_dir/name
     seed: int = 1337
+    resume_from_checkpoint: str = ""  # the RLM-mHC guide's `+resume_from_checkpoint=PATH` (= --resume PATH)
     model: Any = None  # a model family's config dataclass, chosen by model.family
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
@@ -215,9 +223,93 @@ HRM_ALIASES = {
 }
 
 
+# The RLM-mHC guide's (seed 002) keys, Hydra-style: `lmforge train rlm_mhc_tiny training.optimizer.lr=5e-5
+# training.batch_size=4 data.train_path=x.jsonl` works as written. Its model sizes (`model.hidden_dim`
+# ...) are mapped by the gpt family's config (lmforge.models.gpt.SEED_NAMES).
+SEED_ALIASES = {
+    "model.gradient_checkpointing": "training.activation_checkpointing",
+    "training.gradient_checkpointing": "training.activation_checkpointing",
+    "training.optimizer.lr": "training.lr",
+    "training.optimizer.weight_decay": "training.weight_decay",
+    "training.optimizer.eps": "training.eps",
+    "training.scheduler.type": "training.schedule",
+    "training.scheduler.warmup_steps": "training.warmup_steps",
+    "training.scheduler.min_lr_ratio": "training.min_lr_ratio",
+    "training.batch_size": "training.micro_batch_size",
+    "training.gradient_accumulation_steps": "training.grad_accum_steps",
+    "training.mixed_precision": "training.precision",
+    "training.save_steps": "training.save_interval",
+    "training.logging_steps": "training.log_interval",
+    "training.eval_steps": "training.eval_interval",
+    "training.max_grad_norm": "training.grad_clip",
+    "training.wandb.project": "logging.wandb_project",
+    "training.wandb.entity": "logging.wandb_entity",
+    "training.wandb.name": "logging.wandb_run_name",
+    "data.max_length": "data.seq_len",
+}
+OPTIMIZER_TYPES = ("adamw",)
+
+
+def _seed_aliases(out: dict[str, Any]) -> dict[str, Any]:
+    """Move the guide's dotted keys to ours; `optimizer.betas` splits into beta1/beta2."""
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in out.items()}
+    for section in ("training",):
+        for sub in ("optimizer", "scheduler", "wandb"):
+            node = out.get(section, {}).get(sub) if isinstance(out.get(section), dict) else None
+            if node is not None and not isinstance(node, dict):
+                raise LMForgeError(f"{section}.{sub} must be a mapping (e.g. {section}.{sub}.lr=1e-4), got {node!r}")
+            if isinstance(node, dict):
+                out[section][sub] = dict(node)
+    optimizer = (out.get("training") or {}).get("optimizer") or {}
+    if "type" in optimizer:
+        kind = str(optimizer.pop("type")).lower()
+        if kind not in OPTIMIZER_TYPES:
+            raise LMForgeError(f"training.optimizer.type={kind!r} is not available; use adamw (families with "
+                               "their own optimizer choose it themselves)")
+    if "betas" in optimizer:
+        betas = optimizer.pop("betas")
+        if not isinstance(betas, (list, tuple)) or len(betas) != 2:
+            raise LMForgeError(f"training.optimizer.betas must be a pair like [0.9, 0.95], got {betas!r}")
+        _set_dotted(out, "training.beta1", betas[0], "training.optimizer.betas")
+        _set_dotted(out, "training.beta2", betas[1], "training.optimizer.betas")
+    for alias, target in SEED_ALIASES.items():
+        section, *rest = alias.split(".")
+        node = out.get(section)
+        for part in rest[:-1]:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and rest[-1] in node:
+            _set_dotted(out, target, node.pop(rest[-1]), alias)
+    training = out.get("training")
+    if isinstance(training, dict):
+        for sub in ("optimizer", "scheduler", "wandb"):
+            if sub not in training:
+                continue
+            if training[sub]:
+                bad = sorted(training[sub])[0]
+                valid = [a.split(".")[-1] for a in SEED_ALIASES if a.startswith(f"training.{sub}.")]
+                valid += ["type", "betas"] if sub == "optimizer" else []
+                close = difflib.get_close_matches(bad, valid, n=1, cutoff=0.5)
+                hint = f" Did you mean 'training.{sub}.{close[0]}'?" if close else ""
+                raise LMForgeError(f"unknown config key 'training.{sub}.{bad}'.{hint} Valid keys here: "
+                                   + ", ".join(f"training.{sub}.{v}" for v in sorted(valid)))
+            del training[sub]
+    return out
+
+
+def _set_dotted(out: dict[str, Any], target: str, value: Any, alias: str) -> None:
+    section, key = target.split(".")
+    sec = out.setdefault(section, {})
+    if not isinstance(sec, dict):
+        raise LMForgeError(f"config section {section!r} must be a mapping, got {sec!r}")
+    if key in sec and sec[key] != value:
+        raise LMForgeError(f"'{alias}' and '{target}' are both given with different values; keep one")
+    sec[key] = value
+
+
 def apply_aliases(values: dict[str, Any]) -> dict[str, Any]:
-    """Rewrite HRM-style top-level keys into lmforge's sections (an explicit section key wins over
-    nothing: giving both spellings of one key is an error)."""
+    """Rewrite HRM-style top-level keys and the RLM-mHC guide's dotted keys into lmforge's sections
+    (giving both spellings of one key with different values is an error)."""
+    values = _seed_aliases(values)
     out = {k: v for k, v in values.items() if k not in HRM_ALIASES}
     for alias, target in HRM_ALIASES.items():
         if alias not in values:
@@ -243,20 +335,41 @@ def apply_aliases(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-# Pairs of training keys where one sets the other: a later layer that gives the plain key (e.g. the
-# user's training.max_steps) switches off the derived one an earlier layer (the recipe) set.
-SUPERSEDES = {"max_steps": "epochs", "eval_interval": "eval_interval_epochs", "micro_batch_size": "global_batch_size"}
+# Pairs of keys where one sets or replaces the other: a later layer that gives the first (e.g. the
+# user's training.max_steps) switches off the second where an earlier layer (the recipe) set it.
+DROP = object()  # in SUPERSEDES: remove the earlier key instead of resetting it
+_SEED_MODEL_SYNONYMS = {"hidden_dim": "n_embd", "num_layers": "n_layer", "num_heads": "n_head",
+                        "ffn_dim": "n_inner", "max_seq_len": "n_positions", "num_kv_heads": "n_kv_head"}
+SUPERSEDES: dict[str, dict[str, list[tuple[str, Any]]]] = {
+    "training": {"max_steps": [("epochs", 0)], "eval_interval": [("eval_interval_epochs", 0)],
+                 "micro_batch_size": [("global_batch_size", 0)]},
+    "data": {"train_path": [("path", "")], "path": [("train_path", "")]},
+    # The guide's model names and ours are synonyms; a new width or head count makes an earlier head_dim stale.
+    "model": {
+        **{seed: [(ours, DROP)] for seed, ours in _SEED_MODEL_SYNONYMS.items()},
+        **{ours: [(seed, DROP)] for seed, ours in _SEED_MODEL_SYNONYMS.items()},
+    },
+}
+for _width_key in ("hidden_dim", "num_heads", "n_embd", "n_head"):
+    SUPERSEDES["model"][_width_key].append(("head_dim", DROP))
 
 
 def _drop_superseded(merged: dict[str, Any], layer: dict[str, Any]) -> dict[str, Any]:
-    given = layer.get("training")
-    if not isinstance(given, dict) or not isinstance(merged.get("training"), dict):
-        return merged
-    training = dict(merged["training"])
-    for plain, derived in SUPERSEDES.items():
-        if plain in given and derived not in given and derived in training:
-            training[derived] = 0
-    return {**merged, "training": training}
+    out = dict(merged)
+    for section, rules in SUPERSEDES.items():
+        given, earlier = layer.get(section), merged.get(section)
+        if not isinstance(given, dict) or not isinstance(earlier, dict):
+            continue
+        earlier = dict(earlier)
+        for plain, others in rules.items():
+            for other, off in others:
+                if plain in given and other not in given and other in earlier:
+                    if off is DROP:
+                        del earlier[other]
+                    else:
+                        earlier[other] = off
+        out[section] = earlier
+    return out
 
 
 def config_from_dict(values: dict[str, Any]) -> RunConfig:
@@ -298,6 +411,10 @@ def validate_run_config(cfg: RunConfig) -> None:
         (t.log_interval >= 1, "training.log_interval must be >= 1"),
         (t.eval_interval >= 0 and t.save_interval >= 0, "training.eval_interval/save_interval must be >= 0"),
         (cfg.data.seq_len > 0, "data.seq_len must be > 0"),
+        (0.0 < cfg.data.val_fraction < 1.0, "data.val_fraction must be in (0, 1), e.g. 0.01"),
+        (not (cfg.data.path and cfg.data.train_path),
+         "data.path and data.train_path are both set: use data.path for data made by `lmforge data prepare`, "
+         "or data.train_path for raw text/JSONL that training prepares itself, not both"),
     ]
     for ok, message in checks:
         if not ok:

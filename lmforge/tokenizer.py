@@ -37,58 +37,96 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-class Tokenizer:
-    """A trained lmforge tokenizer: a thin, validated wrapper over a ``tokenizers.Tokenizer``."""
+# Names that other tokenizers commonly give their special tokens, most common first; used when a
+# foreign tokenizer's directory has no tokenizer_config.json / special_tokens_map.json naming them.
+COMMON_SPECIALS = {
+    "eos": ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|im_end|>", "[SEP]"),
+    "bos": ("<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>", "[CLS]"),
+    "unk": ("<unk>", "[UNK]", "<|unk|>"),
+    "pad": ("<pad>", "[PAD]", "<|pad|>"),
+}
 
-    def __init__(self, backend: _RustTokenizer, origin: str = "<in memory>"):
-        for expected_id, token in enumerate(SPECIAL_TOKENS):
-            found = backend.token_to_id(token)
-            if found != expected_id:
-                has = "is missing" if found is None else f"has id {found}"
-                raise LMForgeError(
-                    f"{origin}: special token {token!r} must have id {expected_id} but {has}; this "
-                    "tokenizer was not made by `lmforge tokenizer train`. Train one with that command "
-                    "(or lmforge.tokenizer.train_tokenizer).")
+
+class Tokenizer:
+    """A tokenizer: a thin, validated wrapper over a ``tokenizers.Tokenizer``.
+
+    lmforge's own (``lmforge tokenizer train``) have the special tokens at ids 0..5. Any other
+    ``tokenizer.json`` works too, e.g. a local copy of a Hugging Face tokenizer: its special tokens are
+    read from ``tokenizer_config.json`` / ``special_tokens_map.json`` beside it, or found by their usual
+    names; it needs an end-of-sequence token (the document separator), and pad falls back to it.
+    """
+
+    def __init__(self, backend: _RustTokenizer, origin: str = "<in memory>",
+                 special_names: dict[str, str | None] | None = None):
         self._backend = backend
         self.origin = origin  # the file it was loaded from, for messages and overlap checks
         self._canonical = backend.to_str()  # compact serialization: file formatting never changes the hash
+        native = all(backend.token_to_id(token) == i for i, token in enumerate(SPECIAL_TOKENS))
+        self.is_native = native and not special_names
+        if self.is_native:
+            self.special_tokens: dict[str, str | None] = {"unk": UNK, "bos": BOS, "eos": EOS, "pad": PAD}
+        else:
+            self.special_tokens = self._foreign_specials(special_names or {})
+        self._ids = {role: (None if t is None else backend.token_to_id(t)) for role, t in self.special_tokens.items()}
+
+    def _foreign_specials(self, named: dict[str, str | None]) -> dict[str, str | None]:
+        vocab = self._backend.get_vocab(with_added_tokens=True)
+        out: dict[str, str | None] = {}
+        for role, candidates in COMMON_SPECIALS.items():
+            token = named.get(role)
+            if token is not None and token not in vocab:
+                raise LMForgeError(f"{self.origin}: its config names {token!r} as the {role} token, but the "
+                                   "vocabulary has no such token; fix tokenizer_config.json")
+            out[role] = token if token is not None else next((c for c in candidates if c in vocab), None)
+        if out["eos"] is None:
+            raise LMForgeError(
+                f"{self.origin}: no end-of-sequence token found (lmforge separates documents with it). Name "
+                "it in tokenizer_config.json beside tokenizer.json (\"eos_token\": \"...\"), or train a "
+                "tokenizer with `lmforge tokenizer train`.")
+        if out["pad"] is None:
+            out["pad"] = out["eos"]  # what the RLM-mHC guide does for tokenizers without one
+        return out
 
     @classmethod
     def load(cls, path: str | Path) -> Tokenizer:
-        """Load ``tokenizer.json``, or the directory that holds one."""
+        """Load ``tokenizer.json``, or the directory that holds one (lmforge's or any HF tokenizer's)."""
         path = Path(path)
         file = path / TOKENIZER_FILE if path.is_dir() else path
         if not file.is_file():
+            hint = (" (a slow, sentencepiece-only tokenizer has no tokenizer.json: save it once with "
+                    "transformers' AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR) to write one)"
+                    if path.is_dir() and (path / "tokenizer.model").is_file() else "")
             raise LMForgeError(
-                f"tokenizer not found: {file} does not exist. Pass a tokenizer.json or the directory "
-                "written by `lmforge tokenizer train --out DIR`.")
+                f"tokenizer not found: {file} does not exist{hint}. Pass a tokenizer.json or its directory "
+                "(`lmforge tokenizer train --out DIR` writes one).")
         try:
             backend = _RustTokenizer.from_file(str(file))
         except Exception as e:  # the Rust side raises plain Exception for any parse problem
             raise LMForgeError(
                 f"{file} is not a valid tokenizer file ({e}). Re-create it with `lmforge tokenizer train`."
             ) from e
-        return cls(backend, origin=str(file))
+        return cls(backend, origin=str(file), special_names=_configured_specials(file.parent))
 
     @property
     def vocab_size(self) -> int:
         return self._backend.get_vocab_size(with_added_tokens=True)
 
     @property
-    def unk_id(self) -> int:
-        return SPECIAL_TOKENS.index(UNK)
+    def unk_id(self) -> int | None:
+        return self._ids["unk"]
 
     @property
-    def bos_id(self) -> int:
-        return SPECIAL_TOKENS.index(BOS)
+    def bos_id(self) -> int | None:
+        """The beginning-of-sequence id; None for a foreign tokenizer that has none."""
+        return self._ids["bos"]
 
     @property
     def eos_id(self) -> int:
-        return SPECIAL_TOKENS.index(EOS)
+        return self._ids["eos"]
 
     @property
     def pad_id(self) -> int:
-        return SPECIAL_TOKENS.index(PAD)
+        return self._ids["pad"]
 
     @property
     def sha256(self) -> str:
@@ -122,8 +160,10 @@ class Tokenizer:
         """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json; returns the directory."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        special_map = {"bos_token": BOS, "eos_token": EOS, "unk_token": UNK, "pad_token": PAD,
-                       "additional_special_tokens": SPECIAL_TOKENS[4:]}
+        names = self.special_tokens
+        special_map = {f"{role}_token": token for role, token in names.items() if token is not None}
+        if self.is_native:
+            special_map["additional_special_tokens"] = SPECIAL_TOKENS[4:]
         config = {
             "tokenizer_class": "PreTrainedTokenizerFast",
             **special_map,
@@ -137,6 +177,29 @@ class Tokenizer:
         _atomic_write_text(directory / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
         _atomic_write_text(directory / SPECIAL_MAP_FILE, json.dumps(special_map, indent=2) + "\n")
         return directory
+
+
+def _configured_specials(directory: Path) -> dict[str, str | None] | None:
+    """Special-token names from a HF tokenizer directory's config files, if it has any."""
+    found: dict[str, str | None] = {}
+    for name in (SPECIAL_MAP_FILE, CONFIG_FILE):  # the config file wins where both name a token
+        path = directory / name
+        if not path.is_file():
+            continue
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise LMForgeError(f"{path} is not valid JSON ({e}); fix or delete it") from e
+        for role in COMMON_SPECIALS:
+            value = data.get(f"{role}_token") if isinstance(data, dict) else None
+            if isinstance(value, dict):  # {"content": "</s>", "lstrip": false, ...}
+                value = value.get("content")
+            if isinstance(value, str):
+                found[role] = value
+    if not found or all(found.get(r) == t for r, t in (("unk", UNK), ("bos", BOS), ("eos", EOS), ("pad", PAD))
+                        if r in found):
+        return None  # lmforge's own layout (or nothing named): decided from the vocabulary
+    return found
 
 
 def _untrained_bpe() -> _RustTokenizer:

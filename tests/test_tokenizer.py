@@ -124,8 +124,8 @@ def test_load_missing_or_invalid_file(tmp_path):
     from tokenizers import Tokenizer as RustTokenizer
     from tokenizers.models import BPE
 
-    RustTokenizer(BPE()).save(str(bad))  # valid file, but not an lmforge tokenizer
-    with pytest.raises(LMForgeError, match="special token '<unk>' must have id 0 but is missing"):
+    RustTokenizer(BPE()).save(str(bad))  # valid file, but no end-of-sequence token to separate documents
+    with pytest.raises(LMForgeError, match="no end-of-sequence token found.*eos_token"):
         Tokenizer.load(bad)
 
 

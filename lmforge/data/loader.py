@@ -194,7 +194,8 @@ class PackedLoader:
             raise LMForgeError(
                 f"cannot resume the data loader: it was saved with seq_len={state['seq_len']} over "
                 f"{state['num_windows']} windows, but now has seq_len={self.seq_len} over "
-                f"{self.num_windows}. Resume with the same data.path and data.seq_len, or start a new run.")
+                f"{self.num_windows}. Resume with the same data.path and data.seq_len, or start a new run (to "
+                "fine-tune a checkpoint's weights on other data, use training.init_from=CKPT).")
         self._epoch = state["epoch"]
         self._position = state["position"]
         self._order = self._epoch_order(self._epoch)

@@ -29,7 +29,7 @@ from lmforge.data.dedup import ExactDeduper, NearDeduper, text_digest
 from lmforge.data.loader import DTYPES, FORMAT, META_FILE, VERSION
 from lmforge.data.sources import DEFAULT_INCLUDE, FilterStats, iter_documents, source_kind
 from lmforge.errors import LMForgeError
-from lmforge.tokenizer import EOS, Tokenizer, check_out_dir, train_tokenizer
+from lmforge.tokenizer import Tokenizer, check_out_dir, train_tokenizer
 
 SPLITS = ("train", "val")
 ENCODE_BATCH_BYTES = 1 << 20  # text per encode_batch call: its Encodings are far larger than the text
@@ -250,7 +250,7 @@ def prepare_data(sources: Sequence[str | Path], out_dir: str | Path, tokenizer: 
                              "documents": int(members.sum()), "bytes": int(survey.sizes[members].sum())}
         meta = {
             "format": FORMAT, "version": VERSION, "dtype": dtype_name, "vocab_size": tok.vocab_size,
-            "tokenizer_sha256": tok.sha256, "eos_id": tok.eos_id, "document_separator": EOS,
+            "tokenizer_sha256": tok.sha256, "eos_id": tok.eos_id, "document_separator": tok.special_tokens["eos"],
             "splits": splits, "filters": survey.stats.as_dict(),
             "sources": [{"path": str(Path(s).resolve()), "kind": kind}
                         for s, kind in zip(sources, kinds, strict=True)],

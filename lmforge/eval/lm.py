@@ -21,7 +21,7 @@ def iter_windows(tokens: np.ndarray, seq_len: int, batch_size: int) -> Iterator[
     if full > 0:
         view = np.lib.stride_tricks.sliding_window_view(tokens[: full * seq_len + 1], seq_len + 1)[::seq_len]
         for i in range(0, full, batch_size):
-            yield torch.from_numpy(np.ascontiguousarray(view[i:i + batch_size], dtype=np.int64))
+            yield torch.from_numpy(np.array(view[i:i + batch_size], dtype=np.int64))  # a writable copy
     tail = tokens[full * seq_len:]
     if len(tail) > 1:
         yield torch.from_numpy(np.asarray(tail, dtype=np.int64))[None, :]
@@ -37,7 +37,8 @@ def nll_of_tokens(model, tokens: np.ndarray, seq_len: int, batch_size: int, devi
         raise LMForgeError("the evaluation data has fewer than 2 tokens; give it more text")
     model.eval()
     total_nll, total = 0.0, 0
-    n_batches = max(1, math.ceil((len(tokens) - 1) / (seq_len * batch_size)))
+    full = (len(tokens) - 1) // seq_len  # the batches iter_windows yields: full windows, then the tail
+    n_batches = math.ceil(full / batch_size) + (1 if len(tokens) - full * seq_len > 1 else 0)
     for window in tqdm(iter_windows(tokens, seq_len, batch_size), total=n_batches, desc="eval",
                        unit="batch", disable=not progress):
         window = window.to(device)

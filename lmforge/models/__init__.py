@@ -64,3 +64,12 @@ def _load_builtin() -> None:
 
 __all__ = ["LMForgeModel", "build_model", "load_model", "register", "families", "model_class",
            "config_class", "config_from_dict"]
+
+
+def __getattr__(name: str):
+    # `from lmforge.models import RLMModel` (the RLM-mHC guide's name), without importing gpt eagerly.
+    if name == "RLMModel":
+        from lmforge.models.gpt import RLMModel
+
+        return RLMModel
+    raise AttributeError(f"module 'lmforge.models' has no attribute {name!r}")

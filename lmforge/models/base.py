@@ -29,6 +29,8 @@ class LMForgeModel(nn.Module):
 
     family: ClassVar[str] = ""
     config_class: ClassVar[type] = object
+    # Metric-name prefixes the loop logs as they are (`mhc/amax_pre`); other metrics go under train/.
+    metric_sections: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: Any):
         super().__init__()
@@ -45,14 +47,18 @@ class LMForgeModel(nn.Module):
         scales every group's lr by the schedule multiplier, keeping each group's base lr).
         """
         decay, no_decay = [], []
-        for p in self.parameters():
+        for name, p in self.named_parameters():
             if not p.requires_grad:
                 continue
-            (decay if p.dim() >= 2 else no_decay).append(p)
+            (decay if self.decays(name, p) else no_decay).append(p)
         return [
             {"params": decay, "weight_decay": weight_decay, "lr": lr, "name": "decay"},
             {"params": no_decay, "weight_decay": 0.0, "lr": lr, "name": "no_decay"},
         ]
+
+    def decays(self, name: str, param: torch.Tensor) -> bool:
+        """Whether weight decay applies to this parameter (default: matrices do, vectors do not)."""
+        return param.dim() >= 2
 
     def make_optimizer(self, groups: list[dict[str, Any]], training: Any, device: torch.device) -> torch.optim.Optimizer:
         """The optimizer over ``groups``. Default AdamW (fused on CUDA, foreach elsewhere); families
@@ -75,6 +81,11 @@ class LMForgeModel(nn.Module):
 
     def load_training_state(self, state: dict[str, Any]) -> None:
         """Restore what ``training_state`` returned (after the checkpoint's weights are loaded)."""
+
+    def metric_warnings(self, row: dict[str, float]) -> list[str]:
+        """Warnings about a logged row of training metrics (e.g. an unhealthy stability metric); each
+        starts with the metric's name."""
+        return []
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs (forward + backward) per token, for MFU. Default: 6 x parameters."""

@@ -43,6 +43,7 @@ from lmforge.errors import LMForgeError
 from lmforge.models import register
 from lmforge.models.base import LMForgeModel
 from lmforge.models.losses import linear_cross_entropy
+from lmforge.models.mhc import UNHEALTHY_GAIN, MHCLayer, MHCMetrics, gain_tensors, metrics_from_gains
 
 FLAVORS = ("gpt2", "llama")
 ACTIVATIONS = {"gelu": "none", "gelu_new": "tanh"}  # name -> F.gelu(approximate=...)
@@ -82,10 +83,15 @@ class GPTConfig:
     bos_token_id: int = 1
     eos_token_id: int = 2
     pad_token_id: int = 3
+    mhc_enabled: bool = False  # manifold-constrained hyper-connections (lmforge.models.mhc)
+    mhc_flows: int = 4  # n: parallel residual flows
+    mhc_sinkhorn_iters: int = 20  # Sinkhorn-Knopp rounds for the residual mixing matrices
 
     @classmethod
     def resolve_dict(cls, values: dict[str, Any]) -> dict[str, Any]:
-        """Fill the preset's sizes into ``values`` wherever the user did not set them."""
+        """Map the RLM-mHC guide's names (``hidden_dim`` ...) to ours, then fill the preset's sizes
+        into ``values`` wherever the user did not set them."""
+        values = _seed_names(values)
         preset = values.get("preset") or ""
         if not preset:
             return values
@@ -125,6 +131,9 @@ class GPTConfig:
         check(self.layer_norm_epsilon > 0, f"model.layer_norm_epsilon must be > 0, got {self.layer_norm_epsilon}")
         check(self.rope_theta > 0, f"model.rope_theta must be > 0, got {self.rope_theta}")
         check(self.initializer_range >= 0, f"model.initializer_range must be >= 0, got {self.initializer_range}")
+        check(self.mhc_flows >= 1, f"model.mhc_flows must be >= 1 (4 is the paper's setting), got {self.mhc_flows}")
+        check(self.mhc_sinkhorn_iters >= 1,
+              f"model.mhc_sinkhorn_iters must be >= 1 (20 is the paper's setting), got {self.mhc_sinkhorn_iters}")
 
     @property
     def head_dim(self) -> int:
@@ -143,6 +152,36 @@ class GPTConfig:
         # SwiGLU has three matrices, so 2/3 of 4*n_embd keeps the MLP at ~8*n_embd^2 parameters;
         # rounding up to a multiple of 64 keeps matmuls tile-friendly.
         return -(-(8 * self.n_embd) // (3 * 64)) * 64
+
+
+# The RLM-mHC guide's (seed 002) model keys and ours. Its `head_dim` is checked, not stored: here it is
+# always n_embd / n_head. (Its `gradient_checkpointing` is a training switch: see lmforge.config.)
+SEED_NAMES = {"hidden_dim": "n_embd", "num_layers": "n_layer", "num_heads": "n_head", "ffn_dim": "n_inner",
+              "max_seq_len": "n_positions", "num_kv_heads": "n_kv_head"}
+
+
+def _seed_names(values: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in values.items() if k not in SEED_NAMES and k != "head_dim"}
+    for seed_key, key in SEED_NAMES.items():
+        if seed_key not in values:
+            continue
+        if key in values and values[key] != values[seed_key]:
+            raise LMForgeError(f"model.{seed_key}={values[seed_key]} and model.{key}={values[key]} are both "
+                               f"given and differ (they are the same setting); keep one")
+        out[key] = values[seed_key]
+    head_dim = values.get("head_dim")
+    if head_dim is not None:
+        width, heads = out.get("n_embd"), out.get("n_head")
+        if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim <= 0:
+            raise LMForgeError(f"model.head_dim must be a positive integer, got {head_dim!r}")
+        if width is None or heads is None:
+            raise LMForgeError("model.head_dim needs model.hidden_dim and model.num_heads beside it "
+                               "(head_dim must equal hidden_dim / num_heads)")
+        if isinstance(width, int) and isinstance(heads, int) and heads > 0 and width != heads * head_dim:
+            raise LMForgeError(f"model.head_dim={head_dim} but hidden_dim / num_heads = {width} / {heads}; "
+                               f"set model.head_dim={width // heads if width % heads == 0 else '?'} or change "
+                               "hidden_dim / num_heads so that hidden_dim = num_heads x head_dim")
+    return out
 
 
 class RMSNorm(nn.Module):
@@ -258,23 +297,36 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, c: GPTConfig):
+    """Pre-norm attention and MLP sub-layers, on a plain residual stream ``[B, T, C]`` or, with mHC,
+    on ``n`` flows ``[B, T, n, C]`` mixed around each sub-layer (``lmforge.models.mhc``)."""
+
+    def __init__(self, c: GPTConfig, index: int):
         super().__init__()
         self.norm_1 = _norm(c)
         self.attn = Attention(c)
         self.norm_2 = _norm(c)
         self.mlp = MLP(c)
+        self.hc_attn = self.hc_mlp = None
+        if c.mhc_enabled:
+            self.hc_attn = MHCLayer(c.n_embd, c.mhc_flows, c.mhc_sinkhorn_iters, index=2 * index)
+            self.hc_mlp = MHCLayer(c.n_embd, c.mhc_flows, c.mhc_sinkhorn_iters, index=2 * index + 1)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                cache: KVCache | None, layer: int) -> torch.Tensor:
-        x = x + self.attn(self.norm_1(x), rope, cache, layer)
-        return x + self.mlp(self.norm_2(x))
+                cache: KVCache | None, layer: int) -> tuple[torch.Tensor, tuple]:
+        """Returns the new stream and, with mHC, each sub-layer's coefficients for the first sequence."""
+        if self.hc_attn is None:
+            x = x + self.attn(self.norm_1(x), rope, cache, layer)
+            return x + self.mlp(self.norm_2(x)), ()
+        x, attn_coeffs = self.hc_attn(x, lambda h: self.attn(self.norm_1(h), rope, cache, layer))
+        x, mlp_coeffs = self.hc_mlp(x, lambda h: self.mlp(self.norm_2(h)))
+        return x, (attn_coeffs, mlp_coeffs)
 
 
 @register
 class GPT(LMForgeModel):
     family = "gpt"
     config_class = GPTConfig
+    metric_sections = ("mhc",)
 
     def __init__(self, config: GPTConfig):
         super().__init__(config)
@@ -286,12 +338,13 @@ class GPT(LMForgeModel):
         self.tok_embed = nn.Embedding(c.vocab_size, c.n_embd)  # registered before lm_head: see is_tied_key
         self.pos_embed = nn.Embedding(c.n_positions, c.n_embd) if c.flavor == "gpt2" else None
         self.drop = nn.Dropout(c.embd_pdrop)
-        self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layer))
+        self.blocks = nn.ModuleList(Block(c, i) for i in range(c.n_layer))
         self.norm_f = _norm(c)
         self.lm_head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
         self._init_weights()
         self.tie_weights()
         self._checkpointing = False
+        self._mhc_gains: torch.Tensor | None = None  # from the last forward that collected them
 
     def _init_weights(self) -> None:
         std = self.config.initializer_range
@@ -311,8 +364,16 @@ class GPT(LMForgeModel):
     # ---- training interface -------------------------------------------------------------
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
         # The LM head and the loss are fused (lmforge.models.losses): no [tokens, vocab] logits are kept.
-        hidden = self.hidden_states(batch["input_ids"])
-        return linear_cross_entropy(hidden, self.lm_head.weight, batch["labels"]), {}
+        hidden, coeffs = self._trunk(batch["input_ids"], None, collect=self.config.mhc_enabled)
+        loss = linear_cross_entropy(hidden, self.lm_head.weight, batch["labels"])
+        if not coeffs:
+            return loss, {}
+        gains = gain_tensors(coeffs)
+        if not torch.compiler.is_compiling():
+            self._mhc_gains = gains
+        # Tensors, not floats: the loop reads them only at logging steps (no device sync per step).
+        return loss, {"mhc/amax_pre": gains[:-1, 0].max(), "mhc/amax_post": gains[:-1, 2].max(),
+                      "mhc/amax_res": gains[:-1, 4:6].max(), "mhc/amax_composite": gains[-1, :2].max()}
 
     def logits(self, input_ids: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
         """``[B, T]`` token ids -> ``[B, T, vocab]`` logits; with ``kv_cache`` the ids continue the cached ones."""
@@ -320,6 +381,12 @@ class GPT(LMForgeModel):
 
     def hidden_states(self, input_ids: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
         """``[B, T]`` token ids -> ``[B, T, n_embd]`` final-norm outputs, the LM head's input."""
+        return self._trunk(input_ids, kv_cache)[0]
+
+    def _trunk(self, input_ids: torch.Tensor, kv_cache: KVCache | None,
+               collect: bool = False) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]:
+        """Final-norm hidden states and (``collect``, mHC only) every sub-layer's mixing coefficients
+        for the first sequence of the batch."""
         c = self.config
         T = input_ids.size(1)
         start = kv_cache.pos if kv_cache is not None else 0
@@ -335,15 +402,24 @@ class GPT(LMForgeModel):
         else:
             rope = self._rope(positions, x.dtype)
         x = self.drop(x)
+        if c.mhc_enabled:
+            x = x.unsqueeze(-2).expand(*x.shape[:-1], c.mhc_flows, c.n_embd)  # n copies of the embedding
         use_checkpoint = self._checkpointing and self.training and torch.is_grad_enabled() and kv_cache is None
+        coeffs: list[tuple[torch.Tensor, ...]] = []
         for i, block in enumerate(self.blocks):
             if use_checkpoint:
-                x = checkpoint(block, x, rope, None, i, use_reentrant=False)
+                # The checkpoint keeps only the block's input stream (n flows wide with mHC) and
+                # recomputes everything inside, the mixing coefficients included.
+                x, block_coeffs = checkpoint(block, x, rope, None, i, use_reentrant=False)
             else:
-                x = block(x, rope, kv_cache, i)
+                x, block_coeffs = block(x, rope, kv_cache, i)
+            if collect:
+                coeffs.extend(block_coeffs)
         if kv_cache is not None:
             kv_cache.pos += T
-        return self.norm_f(x)
+        if c.mhc_enabled:
+            x = x.mean(-2)  # the flows' average: at initialisation, the plain residual stream
+        return self.norm_f(x), coeffs
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # Computed per call in fp32 (cheap) instead of cached in a buffer that model.to(bf16) would round.
@@ -373,10 +449,45 @@ class GPT(LMForgeModel):
         """
         c = self.config
         n_body = sum(p.numel() for p in self.blocks.parameters()) + sum(p.numel() for p in self.norm_f.parameters())
-        return 6.0 * n_body + 12.0 * c.n_layer * c.n_embd * seq_len + 6.0 * c.n_embd * c.vocab_size
+        flops = 6.0 * n_body + 12.0 * c.n_layer * c.n_embd * seq_len + 6.0 * c.n_embd * c.vocab_size
+        if c.mhc_enabled:  # per sub-layer: read the mix (n x C), H_res (n^2 x C), write back (n x C)
+            n = c.mhc_flows
+            flops += 2 * c.n_layer * 6.0 * (n * n + 2 * n) * c.n_embd
+        return flops
 
     def set_activation_checkpointing(self, enabled: bool) -> None:
         self._checkpointing = bool(enabled)
+
+    def decays(self, name: str, param: torch.Tensor) -> bool:
+        # H_res's static logits are a matrix but a bias: decaying them would pull the mixing to uniform.
+        return param.dim() >= 2 and not name.endswith(".b_res")
+
+    # ---- mHC ----------------------------------------------------------------------------
+    def mhc_layers(self) -> list[MHCLayer]:
+        """Every sub-layer's mHC module in order (attention, MLP, attention, ...); empty without mHC."""
+        return [m for block in self.blocks for m in (block.hc_attn, block.hc_mlp) if m is not None]
+
+    @torch.no_grad()
+    def get_mhc_metrics(self, input_ids: torch.Tensor | None = None) -> MHCMetrics:
+        """Amax gains of every sub-layer's mixing matrices and of their composite, averaged over the
+        tokens of one sequence: of ``input_ids[0]`` when given, else of the last training or evaluation
+        forward pass. ``for i, (pre, post) in enumerate(model.get_mhc_metrics())`` as in the guide."""
+        if not self.config.mhc_enabled:
+            raise LMForgeError("get_mhc_metrics() needs a model with model.mhc_enabled=true")
+        if input_ids is not None:
+            gains = gain_tensors(self._trunk(input_ids[:1], None, collect=True)[1])
+        elif self._mhc_gains is not None:
+            gains = self._mhc_gains
+        else:
+            raise LMForgeError("no forward pass has run yet: call get_mhc_metrics(input_ids) with a batch of "
+                               "token ids, or after a training/evaluation step")
+        kinds = [(kind, b) for b in range(self.config.n_layer) for kind in ("attn", "mlp")]
+        return metrics_from_gains(gains, kinds)
+
+    def metric_warnings(self, row: dict[str, float]) -> list[str]:
+        bad = {k: v for k, v in row.items() if k.startswith("mhc/amax") and v > UNHEALTHY_GAIN}
+        return [f"{k} = {v:.3f} exceeds {UNHEALTHY_GAIN}: the residual mixing amplifies the signal; watch for "
+                "loss spikes (lower training.lr, or raise model.mhc_sinkhorn_iters)" for k, v in bad.items()]
 
     # ---- tied weights -------------------------------------------------------------------
     def is_tied_key(self, key: str) -> bool:
@@ -385,3 +496,8 @@ class GPT(LMForgeModel):
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.tok_embed.weight
+
+
+# The RLM-mHC guide's (seed 002) class name: `RLMModel.from_pretrained(dir)` / `save_pretrained(dir)`.
+# An RLM-mHC model is a llama-flavor GPT with model.mhc_enabled=true.
+RLMModel = GPT

@@ -16,7 +16,7 @@ from lmforge.errors import LMForgeError
 from lmforge.models import build_model, model_class
 from lmforge.tokenizer import CONFIG_FILE, SPECIAL_MAP_FILE, TOKENIZER_FILE
 from lmforge.train import checkpoint as ckpt
-from lmforge.train.data import build_puzzle_data, build_token_data
+from lmforge.train.data import build_puzzle_data, build_token_data, prepare_train_path, token_data_dir
 from lmforge.train.device import setup_device
 from lmforge.train.distributed import DistInfo, barrier, init_distributed, shutdown
 from lmforge.train.loop import DataBundle, Trainer, TrainResult
@@ -44,7 +44,12 @@ def _train(cfg: RunConfig, resume: bool | str, distinfo: DistInfo) -> TrainResul
     devinfo = setup_device(cfg.training.device, cfg.training.precision, cfg.training.peak_flops,
                            distinfo.local_rank)
     run_dir = cfg.run_dir
+    if not resume and cfg.resume_from_checkpoint:
+        resume = cfg.resume_from_checkpoint  # the RLM-mHC guide's +resume_from_checkpoint=PATH
     resume_from = _resume_point(run_dir, resume)
+    if resume_from is not None and cfg.training.init_from:
+        raise LMForgeError("training.init_from starts a new run from a checkpoint's weights; it cannot be "
+                           "combined with resuming. Drop one of them.")
     if os.environ.get("DISABLE_COMPILE", "").strip().lower() in ("1", "true", "yes") and cfg.training.compile:
         cfg.training.compile = False  # HRM's switch, honoured as its users expect
         if distinfo.is_main:
@@ -60,13 +65,17 @@ def _train(cfg: RunConfig, resume: bool | str, distinfo: DistInfo) -> TrainResul
         if n_positions is not None and cfg.data.seq_len > n_positions:
             raise LMForgeError(f"data.seq_len={cfg.data.seq_len} is longer than the model's context "
                                f"model.n_positions={n_positions}; lower one or raise the other")
+        if cfg.data.train_path:
+            prepare_train_path(cfg, distinfo)
         data = build_token_data(cfg, distinfo)
         tokenizer_path = _tokenizer_path(cfg)
-        _check_vocab(cfg, tokenizer_path, data)
+        _check_vocab(cfg, tokenizer_path)
     _resolve_epochs(cfg, data, distinfo)
 
     seed_everything(cfg.seed)  # same initial weights on every rank
     model = build_model(cfg.model)
+    if cfg.training.init_from:
+        _load_initial_weights(model, cfg.training.init_from, distinfo)
     if cfg.training.activation_checkpointing:
         model.set_activation_checkpointing(True)
     model.to(devinfo.device)
@@ -163,23 +172,26 @@ def model_class_of(model_config) -> type:
 
 
 def _tokenizer_path(cfg: RunConfig) -> Path:
-    path = Path(cfg.data.tokenizer) if cfg.data.tokenizer else Path(cfg.data.path)
+    path = Path(cfg.data.tokenizer) if cfg.data.tokenizer else token_data_dir(cfg)
     if path.is_dir():
         path = path / "tokenizer.json"
     if not path.is_file():
-        raise LMForgeError(f"tokenizer {path} not found: set data.tokenizer=PATH/tokenizer.json, or prepare the "
-                           "data with `lmforge data prepare`, which stores the tokenizer beside the shards")
+        raise LMForgeError(f"tokenizer {path} not found: set data.tokenizer=PATH/tokenizer.json (or a Hugging "
+                           "Face tokenizer directory), or prepare the data with `lmforge data prepare`, which "
+                           "stores the tokenizer beside the shards")
     return path
 
 
-def _check_vocab(cfg: RunConfig, tokenizer_path: Path, data: DataBundle) -> None:
+def _check_vocab(cfg: RunConfig, tokenizer_path: Path) -> None:
+    """The data, tokenizer and model agree; fills model.vocab_size (if 0) and the special-token ids."""
     from lmforge.data.loader import TokenDataset
     from lmforge.tokenizer import Tokenizer
 
     tok = Tokenizer.load(tokenizer_path)
-    meta = TokenDataset(Path(cfg.data.path), "train")
+    data_dir = token_data_dir(cfg)
+    meta = TokenDataset(data_dir, "train")
     if meta.tokenizer_sha256 and meta.tokenizer_sha256 != tok.sha256:
-        raise LMForgeError(f"the data in {cfg.data.path} was tokenized with a different tokenizer than "
+        raise LMForgeError(f"the data in {data_dir} was tokenized with a different tokenizer than "
                            f"{tokenizer_path}; re-run `lmforge data prepare` with this tokenizer or point "
                            "data.tokenizer at the one the data was made with")
     model_vocab = getattr(cfg.model, "vocab_size", None)
@@ -191,6 +203,29 @@ def _check_vocab(cfg: RunConfig, tokenizer_path: Path, data: DataBundle) -> None
         raise LMForgeError(f"model.vocab_size={model_vocab} but the tokenizer {tokenizer_path} has "
                            f"{tok.vocab_size} tokens: set model.vocab_size={tok.vocab_size} (or 0 to take it "
                            "from the tokenizer)")
+    for key, value in (("eos_token_id", tok.eos_id), ("bos_token_id", tok.bos_id), ("pad_token_id", tok.pad_id)):
+        if hasattr(cfg.model, key):
+            setattr(cfg.model, key, tok.eos_id if value is None else value)
+
+
+def _load_initial_weights(model, path: str, distinfo: DistInfo) -> None:
+    """training.init_from: copy a trained model's weights into ``model`` (same architecture)."""
+    from lmforge.models import load_model
+    from lmforge.train.checkpoint import resolve_model_dir
+
+    source_dir = resolve_model_dir(path)
+    source = load_model(source_dir)
+    theirs, ours = source.state_dict(), model.state_dict()
+    mismatch = [k for k in ours if k not in theirs or theirs[k].shape != ours[k].shape]
+    extra = [k for k in theirs if k not in ours]
+    if type(source) is not type(model) or mismatch or extra:
+        first = (mismatch or extra or ["(model family)"])[0]
+        raise LMForgeError(f"training.init_from={path}: {source_dir} holds a different architecture than this "
+                           f"run's model (first difference: {first}); use the model settings it was trained "
+                           f"with (see {source_dir / 'config.yaml'})")
+    model.load_state_dict(theirs)
+    if distinfo.is_main:
+        print(f"initial weights from {source_dir}")
 
 
 def _copy_tokenizer(tokenizer_path: Path, directory: Path) -> None:

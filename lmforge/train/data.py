@@ -2,22 +2,74 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from lmforge.config import RunConfig
 from lmforge.errors import LMForgeError
 from lmforge.eval.lm import lm_metrics
-from lmforge.train.distributed import DistInfo
+from lmforge.train.distributed import DistInfo, barrier
 from lmforge.train.loop import DataBundle
+
+
+DEFAULT_TRAINED_VOCAB = 8192  # data.train_path without a tokenizer and with model.vocab_size 0
+
+
+def token_data_dir(cfg: RunConfig) -> Path:
+    """Where the token shards are: data.path, or RUN_DIR/data for data.train_path."""
+    return Path(cfg.data.path) if cfg.data.path or not cfg.data.train_path else cfg.run_dir / "data"
+
+
+def prepare_train_path(cfg: RunConfig, distinfo: DistInfo) -> None:
+    """data.train_path (raw JSONL / text / a directory): tokenize it into RUN_DIR/data once, with
+    data.tokenizer or a tokenizer trained on it (model.vocab_size tokens, or 8192), and reuse that
+    directory on resumed runs. Rank 0 does the work; the others wait."""
+    from lmforge.data import prepare_data, train_tokenizer_from_sources
+    from lmforge.data.loader import read_meta
+    from lmforge.tokenizer import Tokenizer
+
+    src, out = Path(cfg.data.train_path), token_data_dir(cfg)
+    if distinfo.is_main:
+        if not src.exists():
+            raise LMForgeError(f"data.train_path={src} does not exist: point it at a JSONL file of "
+                               '{"text": ...} records, a text file or a directory of files')
+        include = tuple(cfg.data.include)
+        if (out / "meta.json").is_file():
+            meta = read_meta(out)
+            prepared_from = [s["path"] for s in meta["sources"]]
+            if prepared_from != [str(src.resolve())]:
+                raise LMForgeError(f"{out} was prepared from {prepared_from}, not data.train_path={src}; "
+                                   "train into a new run (name=NEW) or delete that directory")
+            if cfg.data.tokenizer and Tokenizer.load(cfg.data.tokenizer).sha256 != meta["tokenizer_sha256"]:
+                raise LMForgeError(f"{out} was tokenized with another tokenizer than data.tokenizer="
+                                   f"{cfg.data.tokenizer}; train into a new run (name=NEW)")
+            print(f"data: reusing {out} (prepared from {src})")
+        else:
+            tokenizer: Path | str = cfg.data.tokenizer
+            scratch = cfg.run_dir / ".tokenizer-training"  # the tokenizer's lasting copy goes into `out`
+            try:
+                if not tokenizer:
+                    vocab = getattr(cfg.model, "vocab_size", 0) or DEFAULT_TRAINED_VOCAB
+                    print(f"data: no data.tokenizer given: training a {vocab}-token byte-level BPE on {src}")
+                    train_tokenizer_from_sources([src], scratch, vocab_size=vocab, include=include,
+                                                 text_field=cfg.data.text_field, seed=cfg.seed, overwrite=True)
+                    tokenizer = scratch
+                print(f"data: tokenizing {src} into {out}")
+                prepare_data([src], out, tokenizer, include=include, text_field=cfg.data.text_field,
+                             val_fraction=cfg.data.val_fraction, seed=cfg.seed)
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+    barrier(distinfo)
 
 
 def build_token_data(cfg: RunConfig, distinfo: DistInfo) -> DataBundle:
     from lmforge.data.loader import PackedLoader, TokenDataset, read_meta
 
-    path = Path(cfg.data.path)
-    if not cfg.data.path:
-        raise LMForgeError("data.path is not set: point it at a directory made by `lmforge data prepare` "
-                           "(e.g. data.path=data/go)")
+    path = token_data_dir(cfg)
+    if not cfg.data.path and not cfg.data.train_path:
+        raise LMForgeError("no training data: set data.train_path to a JSONL file of {\"text\": ...} records "
+                           "(or a text file / directory), or data.path to a directory made by `lmforge data "
+                           "prepare` (e.g. data.path=data/go)")
     if not path.exists():
         raise LMForgeError(f"data.path={path} does not exist; run `lmforge data prepare SRC --tokenizer TOK "
                            f"--out {path}` first")

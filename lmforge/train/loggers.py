@@ -13,7 +13,7 @@ from lmforge.errors import LMForgeError
 
 class MetricsLogger:
     def __init__(self, run_dir: Path, tensorboard: bool, wandb_project: str = "", wandb_run_name: str = "",
-                 config: dict[str, Any] | None = None, start_step: int = 0):
+                 config: dict[str, Any] | None = None, start_step: int = 0, wandb_entity: str = ""):
         self.path = run_dir / "metrics.jsonl"
         _truncate_after(self.path, start_step)  # a resumed run re-logs the steps after its checkpoint
         self._file = open(self.path, "a", buffering=1)
@@ -32,7 +32,8 @@ class MetricsLogger:
                 raise LMForgeError("logging.wandb_project is set but wandb is not installed: "
                                    "pip install wandb (or unset logging.wandb_project)") from e
             try:
-                self._wandb = wandb.init(project=wandb_project, name=wandb_run_name or run_dir.name,
+                self._wandb = wandb.init(project=wandb_project, entity=wandb_entity or None,
+                                         name=wandb_run_name or run_dir.name,
                                          dir=str(run_dir), config=config, resume="allow", id=_wandb_id(run_dir))
             except Exception as e:  # wandb raises its own types for login/network problems
                 self.close()

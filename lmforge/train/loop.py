@@ -120,6 +120,7 @@ class Trainer:
         self.tokens_seen = 0
         self.best_score = math.inf  # the best metric, negated when higher is better
         self.last_checkpoint: Path | None = None
+        self._warned: dict[str, int] = {}  # metric warning -> step it was last shown
 
         groups = model.param_groups(self.t.weight_decay, self.t.lr)
         for g in groups:
@@ -159,8 +160,12 @@ class Trainer:
         self.model.tie_weights()
         opt_state = ckpt.load_torch_file(path / ckpt.OPTIMIZER_FILE, "optimizer state")
         self.model.load_training_state(opt_state.get("model_state") or {})
+        # The learning rates come from this run's config, so that `training.lr=...` on a resume takes effect.
+        base_lrs = [g["base_lr"] for g in self.optimizer.param_groups]
         try:
             self.optimizer.load_state_dict(opt_state["optimizer"])
+            for g, base_lr in zip(self.optimizer.param_groups, base_lrs, strict=True):
+                g["base_lr"] = base_lr
             if opt_state["scaler"] and self.scaler.is_enabled():
                 self.scaler.load_state_dict(opt_state["scaler"])
         except (ValueError, KeyError, RuntimeError) as e:
@@ -291,9 +296,9 @@ class Trainer:
         t, is_main = self.t, self.dist.is_main
         logger = None
         if is_main:
-            logger = MetricsLogger(self.run_dir, self.cfg.logging.tensorboard,
-                                   self.cfg.logging.wandb_project, self.cfg.logging.wandb_run_name,
-                                   config=self.cfg.to_dict(), start_step=self.step)
+            log = self.cfg.logging
+            logger = MetricsLogger(self.run_dir, log.tensorboard, log.wandb_project, log.wandb_run_name,
+                                   config=self.cfg.to_dict(), start_step=self.step, wandb_entity=log.wandb_entity)
         tokens_per_step = self.data.tokens_per_micro_batch * t.grad_accum_steps * self.dist.world_size
         flops_per_token = self.model.flops_per_token(self.data.seq_len)
         bar = tqdm(total=t.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
@@ -336,9 +341,13 @@ class Trainer:
                                "train/tokens_per_s": tok_s, "train/mfu": mfu, "train/tokens": self.tokens_seen}
                         if self.data.tokens_per_example:
                             row["train/examples_per_s"] = tok_s / self.data.tokens_per_example
-                        row.update({f"train/{k}": float(v) for k, v in metrics.items()})
+                        # A model's own sections (mhc/...) are logged under their names, the rest under train/.
+                        row.update({(k if k.split("/")[0] in self.model.metric_sections else f"train/{k}"): float(v)
+                                    for k, v in metrics.items()})
                         if logger:
                             logger.log(self.step, row)
+                        if is_main:
+                            self._warn(row)
                         bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}",
                                         mfu=f"{100 * mfu:.1f}%", refresh=False)
                         window_t0, window_tokens, window_losses = time.perf_counter(), 0, []
@@ -387,6 +396,15 @@ class Trainer:
                 ckpt.write_best(self.ckpt_root, self._write_model_dir)
             barrier(self.dist)
         return metrics
+
+    def _warn(self, row: dict[str, float]) -> None:
+        """The model's warnings about logged values, each at most once per 100 logging steps."""
+        for message in self.model.metric_warnings(row):
+            key = message.split(" ")[0]
+            last = self._warned.get(key)
+            if last is None or self.step - last >= 100 * self.t.log_interval:
+                self._warned[key] = self.step
+                tqdm.write(f"warning (step {self.step}): {message}")
 
     def _nan_message(self, loss_value: float, grad_norm: float) -> str:
         last = self.last_checkpoint or ckpt.latest_checkpoint(self.ckpt_root)

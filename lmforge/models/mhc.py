@@ -1,0 +1,266 @@
+"""Manifold-constrained hyper-connections (mHC, DeepSeek arXiv 2512.24880), for the ``gpt`` family.
+
+The residual stream is widened into ``n`` flows, ``x_l`` of shape ``[..., n, C]``. Every sub-layer F
+(attention or MLP) reads one C-wide mix of the flows and writes its output back into all of them::
+
+    x_{l+1} = H_res x_l + H_post^T F(H_pre x_l)
+
+with per-token coefficients, dynamic (from the token's stream) plus static::
+
+    r = 1 / RMS(flatten(x_l))                       (RMSNorm without a scale: phi absorbs it)
+    H_pre  = sigmoid(a_pre * r * (x phi_pre) + b_pre)                  in (0, 1)^n
+    H_post = 2 * sigmoid(a_post * r * (x phi_post) + b_post)           in (0, 2)^n
+    H_res  = SinkhornKnopp(a_res * r * (x phi_res) + b_res)            doubly stochastic n x n
+
+``r`` multiplies after the projection (the same value as normalising first, without an nC-wide
+normalised copy of the stream). Coefficients are computed in fp32 with autocast off, and the mixing
+runs at the stream's precision: the stream keeps the plain model's residual dtype (fp32 under bf16
+autocast), so mHC on and off differ only in the connections. (The paper stores the stream in bf16 to
+halve its memory traffic.) Sinkhorn runs in the log domain, alternately normalising columns and rows.
+
+Initialisation (``phi = 0``, ``a = 0.01``): the block starts as the plain residual network. Every
+flow starts as a copy of the embedding and ``H_post = 1`` adds F's output to each, so the flows stay
+equal and any doubly stochastic ``H_res`` maps them to themselves; ``H_pre`` sums to exactly 1, so F
+reads the plain residual. ``H_pre`` puts 0.7 on flow ``l mod n`` (0.1 on each of the others for
+n = 4): if every sub-layer read all flows alike the flows would get identical gradients and never
+become different. ``b_res`` starts identity-like: diagonal 0, off-diagonal -2, so each flow keeps ~70% of itself (n = 4).
+Closer to the identity (-4: ~95%) makes Sinkhorn converge far slower once training perturbs the
+logits (near-decomposable matrices): with noise of std 0.3, 20 rounds leave column sums off by up
+to 1e-2 at -4 and 4e-5 at -2.
+
+Stability metric ("Amax gain magnitude"): for a mixing matrix M acting on the flows, the forward gain
+is the largest absolute row sum, the backward gain the largest absolute column sum, each averaged over
+the tokens of one sequence. ``H_pre`` acts as a 1 x n matrix (forward gain = sum of its entries),
+``H_post`` as the n x 1 matrix ``H_post^T`` (forward gain = its largest entry). The composite gain is
+that of the product of every sub-layer's ``H_res`` through depth, per token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PRE_MAIN_SHARE = 0.7  # share of H_pre on a sub-layer's own flow at initialisation (n > 1)
+RES_OFF_DIAGONAL = -2.0  # initial static logit of H_res off the diagonal (diagonal 0): see the docstring
+ALPHA_INIT = 0.01
+UNHEALTHY_GAIN = 2.0  # the seed's threshold: gains above it are logged with a warning
+
+
+def sinkhorn_log(logits: torch.Tensor, iters: int) -> torch.Tensor:
+    """``[..., n, n]`` logits -> doubly stochastic matrices (fp32), by ``iters`` Sinkhorn-Knopp rounds.
+
+    ``exp(logits)`` normalised alternately over columns and rows, in the log domain so that extreme
+    (finite) logits neither overflow nor underflow. Every batch entry is normalised at once (no loop
+    over tokens); rows sum to 1 to rounding, columns to within the convergence of ``iters`` rounds.
+    The gradient is exact for the ``iters`` rounds (see ``_SinkhornLog``).
+    """
+    return _SinkhornLog.apply(logits, iters)
+
+
+def _lse(x: torch.Tensor, dim: int) -> torch.Tensor:
+    # logsumexp for finite inputs: 4 kernels instead of torch.logsumexp's ~8 (it also handles infinities).
+    m = x.amax(dim, keepdim=True)
+    return m + (x - m).exp().sum(dim, keepdim=True).log()
+
+
+class _SinkhornLog(torch.autograd.Function):
+    """Log-domain Sinkhorn with a hand-written backward.
+
+    Autograd through the unrolled rounds keeps full ``[..., n, n]`` intermediates of every half-round
+    (3,264 bytes per token and sub-layer at n = 4, 20 rounds, measured); this keeps only the final
+    log-matrix and each half-round's normaliser (``[..., n]``: 704 bytes), rebuilds each intermediate
+    in backward by adding the normalisers back, and back-propagates ``y = x - lse(x)`` as
+    ``dx = dy - softmax(x) * sum(dy)`` where ``softmax(x) = exp(y)``. Fewer kernels too: no recompute.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, iters: int) -> torch.Tensor:
+        y = logits if logits.dtype == torch.float64 else logits.float()  # fp32, or fp64 for gradcheck
+        col_norms, row_norms = [], []
+        for _ in range(iters):
+            c = _lse(y, -2)
+            y = y - c
+            r = _lse(y, -1)
+            y = y - r
+            col_norms.append(c)
+            row_norms.append(r)
+        ctx.save_for_backward(y, *col_norms, *row_norms)
+        ctx.iters, ctx.input_dtype = iters, logits.dtype
+        return y.exp()
+
+    @staticmethod
+    def backward(ctx, grad_p: torch.Tensor):
+        y, *norms = ctx.saved_tensors
+        iters = ctx.iters
+        col_norms, row_norms = norms[:iters], norms[iters:]
+        p = y.exp()
+        g = grad_p.to(y.dtype) * p  # d loss / d y (p = exp(y))
+        for c, r in zip(reversed(col_norms), reversed(row_norms), strict=True):
+            g = g - p * g.sum(-1, keepdim=True)  # through the row step: softmax over rows = exp(y after it)
+            y = y + r
+            p = y.exp()
+            g = g - p * g.sum(-2, keepdim=True)  # through the column step
+            y = y + c
+            p = y.exp()
+        return g.to(ctx.input_dtype), None
+
+
+def amax_gains(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward (largest absolute row sum) and backward (largest absolute column sum) gain of
+    ``[..., r, c]`` matrices, each of shape ``[...]``."""
+    a = m.abs()
+    return a.sum(-1).amax(-1), a.sum(-2).amax(-1)
+
+
+class MHCLayer(nn.Module):
+    """The mHC coefficients and stream update around one sub-layer (attention or MLP).
+
+    ``index`` is the sub-layer's position in the model (it picks the flow ``H_pre`` favours at
+    initialisation). The seed's ``mHCLayer(hidden_dim=2048, num_flows=4)`` is this class.
+    """
+
+    def __init__(self, hidden_dim: int, num_flows: int = 4, sinkhorn_iters: int = 20, index: int = 0,
+                 eps: float = 1e-6):
+        super().__init__()
+        if num_flows < 1 or sinkhorn_iters < 1:
+            raise ValueError(f"num_flows ({num_flows}) and sinkhorn_iters ({sinkhorn_iters}) must be >= 1")
+        n = num_flows
+        self.flows, self.sinkhorn_iters, self.eps = n, sinkhorn_iters, eps
+        self.phi = nn.Parameter(torch.zeros(n * n + 2 * n, n * hidden_dim))  # rows [pre | post | res]
+        self.alpha = nn.Parameter(torch.full((3,), ALPHA_INIT))  # pre, post, res
+        self.b_pre = nn.Parameter(torch.empty(n))
+        self.b_post = nn.Parameter(torch.zeros(n))
+        self.b_res = nn.Parameter(torch.empty(n, n))
+        self.index = index
+        self.reset_static()
+
+    def reset_static(self) -> None:
+        """The documented initial values of the static terms (see the module docstring)."""
+        n = self.flows
+        with torch.no_grad():
+            if n == 1:
+                self.b_pre.fill_(0.0)  # 0.5: the sub-layer's input norm removes the scale
+            else:
+                self.b_pre.fill_(math.log((1 - PRE_MAIN_SHARE) / (n - 1) / (1 - (1 - PRE_MAIN_SHARE) / (n - 1))))
+                self.b_pre[self.index % n] = math.log(PRE_MAIN_SHARE / (1 - PRE_MAIN_SHARE))
+            self.b_post.zero_()
+            self.b_res.fill_(RES_OFF_DIAGONAL).fill_diagonal_(0.0)
+            self.phi.zero_()
+            self.alpha.fill_(ALPHA_INIT)
+
+    def coefficients(self, stream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[..., n, C]`` stream -> ``H_pre [..., n]``, ``H_post [..., n]``, ``H_res [..., n, n]`` (fp32)."""
+        n = self.flows
+        with torch.autocast(stream.device.type, enabled=False):
+            flat = stream.flatten(-2).float()
+            inv_rms = torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + self.eps)
+            dynamic = F.linear(flat, self.phi.float()) * inv_rms
+            d_pre, d_post, d_res = dynamic.split([n, n, n * n], dim=-1)
+            alpha = self.alpha.float()
+            h_pre = torch.sigmoid(alpha[0] * d_pre + self.b_pre.float())
+            h_post = 2.0 * torch.sigmoid(alpha[1] * d_post + self.b_post.float())
+            h_res = sinkhorn_log(alpha[2] * d_res.unflatten(-1, (n, n)) + self.b_res.float(), self.sinkhorn_iters)
+        return h_pre, h_post, h_res
+
+    def forward(self, stream: torch.Tensor, sublayer: Callable[[torch.Tensor], torch.Tensor]
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """Run ``sublayer`` on the mixed stream; return the new stream and the first sequence's
+        detached coefficients (for the Amax metrics)."""
+        h_pre, h_post, h_res = self.coefficients(stream)
+        dtype, device = stream.dtype, stream.device.type
+        with torch.autocast(device, enabled=False):  # mix at the stream's precision, not autocast's
+            x_in = (h_pre.to(dtype).unsqueeze(-2) @ stream).squeeze(-2)  # [..., C]
+        y = sublayer(x_in)
+        with torch.autocast(device, enabled=False):
+            out = h_res.to(dtype) @ stream + h_post.to(dtype).unsqueeze(-1) * y.to(dtype).unsqueeze(-2)
+        return out, (h_pre[0].detach(), h_post[0].detach(), h_res[0].detach())
+
+    @torch.no_grad()
+    def get_connection_matrix(self, stream: torch.Tensor | None = None) -> torch.Tensor:
+        """The n x n residual mixing matrix ``H_res``: its static part (no ``stream``), or for each
+        token of a ``[..., n, C]`` stream. Rows and columns sum to ~1."""
+        if stream is None:
+            return sinkhorn_log(self.b_res.float(), self.sinkhorn_iters)
+        return self.coefficients(stream)[2]
+
+
+@dataclass
+class LayerAmax:
+    """Gains of one sub-layer's mixing matrices (token means). Iterating yields the seed's
+    ``(pre, post)`` pair: the forward gains of ``H_pre`` and ``H_post``."""
+
+    kind: str  # attn | mlp
+    block: int
+    pre_fwd: float
+    pre_bwd: float
+    post_fwd: float
+    post_bwd: float
+    res_fwd: float
+    res_bwd: float
+
+    def __iter__(self):
+        return iter((self.pre_fwd, self.post_fwd))
+
+
+@dataclass
+class MHCMetrics:
+    """``model.get_mhc_metrics()``: per sub-layer gains and the composite gain of all ``H_res``.
+
+    Iterating or indexing goes over ``layers`` (so ``for i, (pre, post) in enumerate(metrics)``
+    works as in the seed's guide)."""
+
+    layers: list[LayerAmax] = field(default_factory=list)
+    composite_fwd: float = float("nan")
+    composite_bwd: float = float("nan")
+
+    def __iter__(self):
+        return iter(self.layers)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, i: int) -> LayerAmax:
+        return self.layers[i]
+
+    def summary(self) -> dict[str, float]:
+        """The logged scalars: worst layer of each kind, and the composite (max of both directions)."""
+        return {
+            "mhc/amax_pre": max(layer.pre_fwd for layer in self.layers),
+            "mhc/amax_post": max(layer.post_fwd for layer in self.layers),
+            "mhc/amax_res": max(max(layer.res_fwd, layer.res_bwd) for layer in self.layers),
+            "mhc/amax_composite": max(self.composite_fwd, self.composite_bwd),
+        }
+
+
+def gain_tensors(coeffs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Per sub-layer coefficients of one sequence (``H_pre [T, n]``, ``H_post [T, n]``,
+    ``H_res [T, n, n]``) -> ``[layers + 1, 6]`` token-mean gains: rows are (pre, post, res) x (fwd,
+    bwd) per sub-layer, then the composite (fwd, bwd) padded with zeros. One tensor, no host sync."""
+    with torch.autocast(coeffs[0][0].device.type, enabled=False):  # fp32 products, even under autocast
+        return _gain_rows(coeffs)
+
+
+def _gain_rows(coeffs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    rows = []
+    composite = None
+    for h_pre, h_post, h_res in coeffs:
+        pre_f, pre_b = amax_gains(h_pre.unsqueeze(-2))  # 1 x n
+        post_f, post_b = amax_gains(h_post.unsqueeze(-1))  # n x 1 (H_post transposed)
+        res_f, res_b = amax_gains(h_res)
+        rows.append(torch.stack([pre_f, pre_b, post_f, post_b, res_f, res_b]).mean(-1))
+        composite = h_res if composite is None else h_res @ composite  # later layers act last
+    comp_f, comp_b = amax_gains(composite)
+    zero = torch.zeros((), device=comp_f.device)
+    rows.append(torch.stack([comp_f.mean(), comp_b.mean(), zero, zero, zero, zero]))
+    return torch.stack(rows)
+
+
+def metrics_from_gains(gains: torch.Tensor, kinds: list[tuple[str, int]]) -> MHCMetrics:
+    values = gains.detach().float().cpu().tolist()
+    layers = [LayerAmax(kind, block, *row) for (kind, block), row in zip(kinds, values[:-1], strict=True)]
+    return MHCMetrics(layers, composite_fwd=values[-1][0], composite_bwd=values[-1][1])

@@ -1,0 +1,466 @@
+"""Manifold-constrained hyper-connections (seed 002): the layer, its metrics, and the guide's surface."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lmforge.config import load_config
+from lmforge.errors import LMForgeError
+from lmforge.models.gpt import GPT, GPTConfig, RLMModel
+from lmforge.models.mhc import MHCLayer, amax_gains, gain_tensors, sinkhorn_log
+from lmforge.train import train
+from tests.train_helpers import REPO, lmforge_cmd, run, write_go_corpus
+
+SIZES = dict(flavor="llama", vocab_size=97, n_positions=32, n_embd=32, n_layer=3, n_head=4)
+
+
+def mhc_model(seed: int = 0, **overrides) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**{**SIZES, "mhc_enabled": True, **overrides}))
+
+
+def perturb(model: GPT, seed: int = 1) -> None:
+    """Random dynamic projections and static terms: a model that has trained for a while."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in model.mhc_layers():
+            layer.phi.copy_(0.05 * torch.randn(layer.phi.shape, generator=g))
+            layer.alpha.copy_(0.5 + torch.rand(3, generator=g))
+            for b in (layer.b_pre, layer.b_post, layer.b_res):
+                b.add_(0.5 * torch.randn(b.shape, generator=g))
+
+
+def col_row_error(p: torch.Tensor) -> tuple[float, float]:
+    return (p.sum(-1) - 1).abs().max().item(), (p.sum(-2) - 1).abs().max().item()
+
+
+# ---- Sinkhorn ---------------------------------------------------------------------------------
+def test_sinkhorn_is_doubly_stochastic_for_random_logits():
+    """Standard-normal logits, 20 rounds, n = 4 (the default) and 8. (Columns converge more slowly the
+    more peaked the logits: see the very-peaked test below.)"""
+    torch.manual_seed(0)
+    for shape in [(2000, 4, 4), (200, 8, 8)]:
+        p = sinkhorn_log(torch.randn(shape), 20)
+        assert torch.isfinite(p).all() and (p >= 0).all()
+        rows, cols = col_row_error(p)
+        assert rows < 1e-5 and cols < 1e-3, (shape, rows, cols)
+
+
+def test_sinkhorn_is_stable_for_extreme_logits():
+    """Magnitudes a linear-domain Sinkhorn would overflow on: the log domain keeps them finite and exact."""
+    torch.manual_seed(0)
+    base = torch.randn(300, 4, 4)
+    # Column offsets (exp(±300) overflows fp32) are removed exactly by the first column step: the same
+    # answer. (Much larger ones round the logits themselves in fp32: another matrix, not another method.)
+    shifts = 100 * torch.randn(300, 1, 4)
+    cases = {
+        "offsets of 100s": base + shifts,
+        "constant 1e30": torch.full((3, 4, 4), 1e30),
+        "diagonal 1e5": 1e5 * torch.eye(4).expand(3, 4, 4),
+        "off-diagonal 1e5": -1e5 * torch.eye(4).expand(3, 4, 4),
+    }
+    for name, logits in cases.items():
+        p = sinkhorn_log(logits, 20)
+        assert torch.isfinite(p).all(), name
+        rows, cols = col_row_error(p)
+        assert rows < 1e-5 and cols < 1e-3, (name, rows, cols)
+    torch.testing.assert_close(sinkhorn_log(base + shifts, 20), sinkhorn_log(base, 20), atol=1e-4, rtol=0)
+    assert torch.isfinite(sinkhorn_log(torch.tensor([[3e38, -3e38], [-3e38, 3e38]]), 20)).all()
+    torch.testing.assert_close(sinkhorn_log(1e5 * torch.eye(4), 20), torch.eye(4))
+
+
+def test_sinkhorn_on_very_peaked_logits_stays_finite_and_converges_with_more_rounds():
+    torch.manual_seed(0)
+    logits = 100 * torch.randn(200, 4, 4)
+    errors = []
+    for iters in (1, 20, 200):
+        p = sinkhorn_log(logits, iters)
+        assert torch.isfinite(p).all()
+        rows, cols = col_row_error(p)
+        assert rows < 1e-5
+        errors.append((p.sum(-2) - 1).abs().mean().item())
+    assert errors[0] > errors[1] > errors[2]
+
+
+def test_sinkhorn_gradient_is_exact():
+    """The hand-written backward against finite differences (float64) and against autograd through
+    the unrolled rounds."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: sinkhorn_log(t, 7), (x,))
+
+    def unrolled(t, iters):
+        for _ in range(iters):
+            t = t - torch.logsumexp(t, -2, keepdim=True)
+            t = t - torch.logsumexp(t, -1, keepdim=True)
+        return t.exp()
+
+    w = torch.randn(3, 4, 4, dtype=torch.float64)
+    ours, = torch.autograd.grad((sinkhorn_log(x, 20) * w).sum(), x)
+    ref, = torch.autograd.grad((unrolled(x, 20) * w).sum(), x)
+    torch.testing.assert_close(ours, ref)
+
+
+# ---- Amax ------------------------------------------------------------------------------------
+def test_amax_gains_match_a_hand_computation():
+    m = torch.tensor([[0.5, -1.5], [2.0, 0.25]])
+    fwd, bwd = amax_gains(m)
+    assert fwd.item() == 2.25  # rows: |0.5| + |-1.5| = 2, |2| + |0.25| = 2.25
+    assert bwd.item() == 2.5  # columns: 0.5 + 2 = 2.5, 1.5 + 0.25 = 1.75
+
+
+def test_gain_tensors_per_layer_and_composite_by_hand():
+    """Two sub-layers, two tokens. Composite = H_res(2) @ H_res(1) per token, then averaged."""
+    a = torch.tensor([[[1.0, 0.0], [0.0, 1.0]], [[0.5, 0.5], [0.5, 0.5]]])  # token 0: identity, 1: uniform
+    b = torch.tensor([[[2.0, 0.0], [1.0, 0.0]], [[1.0, 0.0], [0.0, 1.0]]])
+    pre = torch.tensor([[0.25, 0.5], [1.0, 1.0]])
+    post = torch.tensor([[1.5, 0.5], [1.0, 2.0]])
+    gains = gain_tensors([(pre, post, a), (pre, post, b)])
+    # pre as a 1 x n matrix: forward = sum (0.75, 2.0 -> mean 1.375), backward = max (0.5, 1.0 -> 0.75)
+    # post as n x 1: forward = max (1.5, 2.0 -> 1.75), backward = sum (2.0, 3.0 -> 2.5)
+    torch.testing.assert_close(gains[0, :4], torch.tensor([1.375, 0.75, 1.75, 2.5]))
+    # b: token 0 rows (2, 1), columns (3, 0) -> fwd 2, bwd 3; token 1 identity -> 1, 1
+    torch.testing.assert_close(gains[1, 4:6], torch.tensor([1.5, 2.0]))
+    # composite: token 0 b @ I = b -> (2, 3); token 1 I @ uniform = uniform -> (1, 1)
+    torch.testing.assert_close(gains[2, :2], torch.tensor([1.5, 2.0]))
+
+
+def test_model_metrics_api_as_in_the_guide():
+    model = mhc_model()
+    ids = torch.randint(0, 97, (2, 16))
+    with pytest.raises(LMForgeError, match="no forward pass"):
+        model.get_mhc_metrics()
+    model.train()
+    loss, metrics = model({"input_ids": ids, "labels": ids})
+    assert set(metrics) == {"mhc/amax_pre", "mhc/amax_post", "mhc/amax_res", "mhc/amax_composite"}
+    report = model.get_mhc_metrics()
+    assert len(report) == 2 * SIZES["n_layer"]  # attention and MLP sub-layers
+    pairs = [(pre, post) for pre, post in report]  # the guide's loop
+    # at initialisation: H_pre sums to 1, H_post is 1, H_res doubly stochastic
+    for pre, post in pairs:
+        assert pre == pytest.approx(1.0, abs=1e-5) and post == pytest.approx(1.0, abs=1e-5)
+    assert report.composite_fwd == pytest.approx(1.0, abs=1e-4)
+    assert float(metrics["mhc/amax_composite"]) == pytest.approx(1.0, abs=1e-4)
+    perturb(model)
+    fresh = model.get_mhc_metrics(ids)  # from the given ids, not the last forward
+    assert fresh.layers[0].pre_fwd != pytest.approx(1.0, abs=1e-3)
+    with pytest.raises(LMForgeError, match="mhc_enabled"):
+        GPT(GPTConfig(**SIZES)).get_mhc_metrics(ids)
+
+
+def test_warning_above_two():
+    model = mhc_model()
+    assert model.metric_warnings({"mhc/amax_composite": 1.9, "train/loss": 5.0}) == []
+    warnings = model.metric_warnings({"mhc/amax_composite": 2.4, "mhc/amax_pre": 1.0})
+    assert len(warnings) == 1 and warnings[0].startswith("mhc/amax_composite = 2.400 exceeds 2.0")
+
+
+def test_connection_matrix_is_doubly_stochastic():
+    layer = MHCLayer(hidden_dim=64, num_flows=4)
+    p = layer.get_connection_matrix()
+    assert p.shape == (4, 4)
+    torch.testing.assert_close(p.sum(0), torch.ones(4), atol=1e-3, rtol=0)
+    torch.testing.assert_close(p.sum(1), torch.ones(4), atol=1e-3, rtol=0)
+    assert (p.diagonal() > 0.6).all()  # identity-like
+    per_token = layer.get_connection_matrix(torch.randn(5, 4, 64))
+    assert per_token.shape == (5, 4, 4)
+
+
+# ---- the layer -------------------------------------------------------------------------------
+def plain_twin(model: GPT) -> GPT:
+    twin = GPT(GPTConfig(**{**SIZES, "mhc_enabled": False}))
+    twin.load_state_dict({k: v for k, v in model.state_dict().items() if ".hc_" not in k})
+    return twin.eval()
+
+
+def test_initial_block_is_the_plain_residual_network():
+    """Dynamic part zeroed (phi = 0) and the documented static terms: logits equal the plain model's
+    with the same weights. The flows stay equal copies, so any doubly stochastic H_res leaves them be."""
+    model = mhc_model().eval()
+    ids = torch.randint(0, 97, (2, 20))
+    torch.testing.assert_close(model.logits(ids), plain_twin(model).logits(ids), atol=1e-5, rtol=1e-5)
+    with torch.no_grad():  # any static mixing, and dynamic weights switched off by alpha = 0
+        for layer in model.mhc_layers():
+            layer.b_res.normal_()
+            layer.phi.normal_()
+            layer.alpha.zero_()
+    torch.testing.assert_close(model.logits(ids), plain_twin(model).logits(ids), atol=1e-5, rtol=1e-5)
+    perturb(model)  # and the test can fail: a trained mixing is not the plain network
+    assert not torch.allclose(model.logits(ids), plain_twin(model).logits(ids), atol=1e-3)
+
+
+def test_gradients_reach_every_coefficient_parameter():
+    model = mhc_model()
+    perturb(model)
+    ids = torch.randint(0, 97, (2, 16))
+    loss, _ = model({"input_ids": ids, "labels": ids})
+    loss.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+    assert sum(1 for n, _ in model.named_parameters() if ".hc_" in n) == 2 * SIZES["n_layer"] * 5
+
+
+def test_mhc_off_is_exactly_the_plain_model():
+    plain = GPT(GPTConfig(**SIZES))
+    off = GPT(GPTConfig(**SIZES, mhc_enabled=False, mhc_flows=8))
+    assert off.num_parameters() == plain.num_parameters()
+    assert list(off.state_dict()) == list(plain.state_dict())
+    n, c, sub = 4, SIZES["n_embd"], 2 * SIZES["n_layer"]
+    extra = sub * (n * c * (n * n + 2 * n) + 3 + 2 * n + n * n)  # phi, alpha, b_pre, b_post, b_res
+    assert mhc_model().num_parameters() == plain.num_parameters() + extra
+
+
+def test_save_load_round_trip_gives_identical_logits(tmp_path):
+    model = mhc_model()
+    perturb(model)
+    model.eval()
+    ids = torch.randint(0, 97, (2, 16))
+    model.save_pretrained(tmp_path / "m")
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["config.yaml", "model.safetensors"]
+    loaded = RLMModel.from_pretrained(tmp_path / "m").eval()
+    assert loaded.config == model.config
+    assert torch.equal(loaded.logits(ids), model.logits(ids))
+
+
+def test_activation_checkpointing_covers_the_stream_and_keeps_gradients():
+    model = mhc_model()
+    perturb(model)
+    ids = torch.randint(0, 97, (2, 16))
+    grads = []
+    for ckpt in (False, True):
+        model.zero_grad()
+        model.set_activation_checkpointing(ckpt)
+        loss, _ = model({"input_ids": ids, "labels": ids})
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-5)
+
+
+def test_kv_cache_decoding_matches_full_forward():
+    model = mhc_model()
+    perturb(model)
+    model.eval()
+    ids = torch.randint(0, 97, (2, 12))
+    full = model.logits(ids)
+    cache = model.new_kv_cache(2)
+    steps = [model.logits(ids[:, :5], kv_cache=cache)] + [model.logits(ids[:, t:t + 1], kv_cache=cache)
+                                                            for t in range(5, 12)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("mhc_flows", 0, "mhc_flows must be >= 1"),
+    ("mhc_flows", -2, "mhc_flows must be >= 1"),
+    ("mhc_sinkhorn_iters", 0, "mhc_sinkhorn_iters must be >= 1"),
+    ("hidden_dim", 30, r"n_embd \(30\) must be divisible by model.n_head \(4\)"),
+    ("head_dim", 16, r"head_dim=16 but hidden_dim / num_heads = 32 / 4"),
+])
+def test_bad_model_config_is_a_clear_error(key, value, message):
+    values = ["model.hidden_dim=32", "model.num_heads=4", "model.vocab_size=64", f"model.{key}={value}"]
+    with pytest.raises(LMForgeError, match=message):
+        load_config("rlm_mhc_tiny", values)
+
+
+def test_the_guides_config_names_map_to_lmforge():
+    cfg = load_config("rlm_mhc_tiny", [
+        "model.hidden_dim=64", "model.num_layers=3", "model.num_heads=2", "model.head_dim=32",
+        "model.ffn_dim=100", "model.max_seq_len=128", "model.gradient_checkpointing=true",
+        "model.mhc_flows=2", "model.mhc_sinkhorn_iters=10",
+        "training.optimizer.lr=5e-5", "training.optimizer.betas=[0.8,0.9]", "training.scheduler.warmup_steps=7",
+        "training.scheduler.min_lr_ratio=0.2", "training.batch_size=3", "training.gradient_accumulation_steps=2",
+        "training.max_steps=11", "training.mixed_precision=fp32", "training.save_steps=5",
+        "training.logging_steps=2", "training.max_grad_norm=0.5", "training.wandb.project=rlm",
+        "data.train_path=x.jsonl", "+resume_from_checkpoint=ck"])
+    m, t = cfg.model, cfg.training
+    assert (m.n_embd, m.n_layer, m.n_head, m.n_inner, m.n_positions) == (64, 3, 2, 100, 128)
+    assert (m.mhc_enabled, m.mhc_flows, m.mhc_sinkhorn_iters) == (True, 2, 10)
+    assert t.activation_checkpointing and (t.lr, t.beta1, t.beta2) == (5e-5, 0.8, 0.9)
+    assert (t.warmup_steps, t.min_lr_ratio, t.micro_batch_size, t.grad_accum_steps) == (7, 0.2, 3, 2)
+    assert (t.max_steps, t.precision, t.save_interval, t.log_interval, t.grad_clip) == (11, "fp32", 5, 2, 0.5)
+    assert cfg.logging.wandb_project == "rlm" and cfg.data.train_path == "x.jsonl"
+    assert cfg.resume_from_checkpoint == "ck"
+    with pytest.raises(LMForgeError, match="unknown config key 'training.optimizer.lrr'.*training.optimizer.lr'"):
+        load_config("rlm_mhc_tiny", ["training.optimizer.lrr=1e-4"])
+    with pytest.raises(LMForgeError, match="optimizer.type='sgd' is not available"):
+        load_config("rlm_mhc_tiny", ["training.optimizer.type=sgd"])
+    with pytest.raises(LMForgeError, match="hidden_dim=64 and model.n_embd=32 are both given"):
+        load_config("rlm_mhc_tiny", ["model.hidden_dim=64", "model.n_embd=32"])
+    big = load_config("rlm_mhc_1b")
+    assert (big.model.n_embd, big.model.n_layer, big.model.n_head, big.model.n_inner, big.model.vocab_size,
+            big.model.n_positions) == (2048, 24, 16, 5461, 32000, 8192)
+    assert big.training.activation_checkpointing and big.model.mhc_enabled
+
+
+def test_presets_sizes():
+    """The 1.3B and 125M presets build with the documented parameter counts (on the meta device)."""
+    for recipe, low, high in (("rlm_mhc_1b", 1.28e9, 1.29e9), ("rlm_mhc_125m", 1.11e8, 1.12e8)):
+        cfg = load_config(recipe)
+        with torch.device("meta"):
+            n = GPT(cfg.model).num_parameters()
+        assert low < n < high, (recipe, n)
+
+
+# ---- training, as the guide runs it -----------------------------------------------------------
+@pytest.fixture(scope="module")
+def jsonl(tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("rlm")
+    corpus = write_go_corpus(base / "go", n_files=30)
+    path = base / "train.jsonl"
+    with path.open("w") as f:
+        for file in sorted(corpus.rglob("*.go")):
+            f.write(json.dumps({"text": file.read_text()}) + "\n")
+    return path
+
+
+TINY = ["model.hidden_dim=32", "model.num_layers=2", "model.num_heads=2", "model.head_dim=16", "model.ffn_dim=64",
+        "model.max_seq_len=32", "data.max_length=32", "model.vocab_size=300", "training.batch_size=4",
+        "training.mixed_precision=fp32", "training.device=cpu", "training.logging_steps=1",
+        "training.eval_interval=3", "training.eval_batches=2", "training.scheduler.warmup_steps=2",
+        "data.val_fraction=0.2", "logging.tensorboard=false", "logging.progress_bar=false"]
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_on_jsonl_with_a_trained_tokenizer_then_resume_as_the_guide_does(tmp_path, jsonl):
+    args = [f"out_dir={tmp_path / 'runs'}", f"data.train_path={jsonl}", *TINY]
+    first = run(lmforge_cmd("train", "rlm_mhc_tiny", *args, "training.max_steps=6", "training.save_steps=3"),
+                cwd=tmp_path)
+    assert first.returncode == 0, first.stderr + first.stdout
+    run_dir = tmp_path / "runs" / "rlm_mhc_tiny"
+    assert "training a 300-token byte-level BPE" in first.stdout
+    log = rows(run_dir)
+    train_rows = [r for r in log if "train/loss" in r]
+    assert [r["step"] for r in train_rows] == list(range(1, 7))
+    for r in train_rows:
+        for key in ("mhc/amax_pre", "mhc/amax_post", "mhc/amax_res", "mhc/amax_composite"):
+            assert 0.5 < r[key] < 2.0, (key, r)
+    ckpt = run_dir / "checkpoints" / "step-000006"
+    assert {"config.yaml", "model.safetensors", "optimizer.pt", "tokenizer.json"} <= {p.name for p in ckpt.iterdir()}
+    model = RLMModel.from_pretrained(ckpt)
+    assert model.config.mhc_enabled and model.config.vocab_size == 300
+
+    second = run(lmforge_cmd("train", "rlm_mhc_tiny", *args, "training.max_steps=9",
+                             f"+resume_from_checkpoint={ckpt}"), cwd=tmp_path)
+    assert second.returncode == 0, second.stderr + second.stdout
+    assert f"resuming from {ckpt} (step 6)" in second.stdout and "data: reusing" in second.stdout
+    assert [r["step"] for r in rows(run_dir) if "train/loss" in r] == list(range(1, 10))
+
+
+def test_local_hugging_face_tokenizer_directory(tmp_path, jsonl):
+    """A foreign tokenizer (its own special-token ids, named in tokenizer_config.json) is used as is."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok_dir = tmp_path / "hf-tok"
+    tok_dir.mkdir()
+    backend = RustTokenizer(models.BPE(unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    texts = [json.loads(line)["text"] for line in jsonl.read_text().splitlines()]
+    backend.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=350, special_tokens=["[UNK]", "[PAD]", "<|begin|>", "<|end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    backend.save(str(tok_dir / "tokenizer.json"))
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|begin|>", "eos_token": {"content": "<|end|>"}, "unk_token": "[UNK]"}))
+    cfg = load_config("rlm_mhc_tiny", [f"out_dir={tmp_path / 'runs'}", f"data.train_path={jsonl}",
+                                       f"data.tokenizer={tok_dir}", *TINY, "model.vocab_size=0",
+                                       "training.max_steps=3"])
+    result = train(cfg)
+    assert result.step == 3
+    model = GPT.from_pretrained(result.last_checkpoint)
+    assert (model.config.vocab_size, model.config.eos_token_id, model.config.bos_token_id,
+            model.config.pad_token_id) == (backend.get_vocab_size(), 3, 2, 1)  # pad: found by its usual name
+    meta = json.loads((tmp_path / "runs" / "rlm_mhc_tiny" / "data" / "meta.json").read_text())
+    assert meta["eos_id"] == 3 and meta["document_separator"] == "<|end|>"
+
+
+def test_init_from_fine_tunes_other_data_and_resume_refuses_it(tmp_path, jsonl):
+    base = [f"out_dir={tmp_path / 'runs'}", *TINY, "training.max_steps=3"]
+    pre = train(load_config("rlm_mhc_tiny", [*base, "name=pre", f"data.train_path={jsonl}"]))
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps({"text": f"func f{i}() int {{ return {i} }}\n" * 20}) + "\n"
+                             for i in range(40)))
+    tok = tmp_path / "runs" / "pre" / "tokenizer"
+    ft = [*base, "name=ft", f"data.train_path={other}", f"data.tokenizer={tok}", "training.optimizer.lr=1e-5"]
+    with pytest.raises(LMForgeError, match="training.init_from"):
+        train(load_config("rlm_mhc_tiny", [*ft, f"+resume_from_checkpoint={pre.last_checkpoint}"]))
+    result = train(load_config("rlm_mhc_tiny", [*ft, "name=ft2", f"training.init_from={pre.run_dir}"]))
+    assert result.step == 3
+    start = load_file(str(pre.last_checkpoint / "model.safetensors"))
+    end = load_file(str(result.last_checkpoint / "model.safetensors"))
+    assert start.keys() == end.keys()
+    changes = [float((end[k] - start[k]).abs().max()) for k in start]
+    assert 0 < max(changes) < 1e-3  # started from the weights, moved by a small learning rate
+    with pytest.raises(LMForgeError, match="different architecture"):
+        train(load_config("rlm_mhc_tiny", [*ft, "name=ft3", f"training.init_from={pre.run_dir}",
+                                           "model.mhc_enabled=false"]))
+
+
+def test_missing_data_and_bad_jsonl_are_clear_errors(tmp_path):
+    with pytest.raises(LMForgeError, match="no training data: set data.train_path"):
+        train(load_config("rlm_mhc_tiny", [f"out_dir={tmp_path}", *TINY]))
+    with pytest.raises(LMForgeError, match="data.train_path=.*nope.jsonl does not exist"):
+        train(load_config("rlm_mhc_tiny", [f"out_dir={tmp_path}", f"data.train_path={tmp_path / 'nope.jsonl'}",
+                                           *TINY]))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "package a"}\n{"text": oops}\n')
+    with pytest.raises(LMForgeError, match=r"bad.jsonl:2: not valid JSON"):
+        train(load_config("rlm_mhc_tiny", [f"out_dir={tmp_path}", f"data.train_path={bad}", *TINY]))
+    run_dir = tmp_path / "rlm_mhc_tiny"
+    assert not (run_dir / "data").exists() and not (run_dir / ".tokenizer-training").exists()  # nothing half-written
+
+
+def test_torchrun_two_processes_match_one(tmp_path, jsonl):
+    """mHC under DDP (gloo): the same global batch on 1 and 2 processes gives the same losses."""
+    args = [f"data.train_path={jsonl}", *TINY, "training.max_steps=4", "training.save_steps=0",
+            "model.vocab_size=300"]
+    one = run(lmforge_cmd("train", "rlm_mhc_tiny", *args, "name=one", f"out_dir={tmp_path}",
+                          "training.batch_size=4"), cwd=REPO)
+    assert one.returncode == 0, one.stderr + one.stdout
+    # the second run reuses the first's tokenizer so both see the same tokens
+    two = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "lmforge",
+               "train", "rlm_mhc_tiny", *args, "name=two", f"out_dir={tmp_path}", "training.batch_size=2",
+               f"data.tokenizer={tmp_path / 'one' / 'tokenizer'}"], cwd=REPO)
+    assert two.returncode == 0, two.stderr + two.stdout
+    a = {r["step"]: r["train/loss"] for r in rows(tmp_path / "one") if "train/loss" in r}
+    b = {r["step"]: r["train/loss"] for r in rows(tmp_path / "two") if "train/loss" in r}
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    for s in a:
+        assert a[s] == pytest.approx(b[s], rel=1e-5, abs=1e-6)
+
+
+def test_mixing_stays_at_the_streams_precision_under_bf16_autocast():
+    """Under autocast the coefficients and the mixing must not drop to bf16: the stream keeps the plain
+    model's fp32 residual and the composite gain stays 1 to fp32 rounding (bf16 would give ~0.996)."""
+    model = mhc_model()
+    ids = torch.randint(0, 97, (2, 16))
+    seen = []
+    model.blocks[1].register_forward_hook(lambda mod, inp, out: seen.append(out[0].dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, metrics = model({"input_ids": ids, "labels": ids})
+    assert seen == [torch.float32]
+    assert abs(float(metrics["mhc/amax_composite"]) - 1.0) < 1e-5
+
+
+def test_training_warns_when_a_gain_exceeds_the_threshold(tmp_path, jsonl, monkeypatch, capsys):
+    """The loop prints the model's warnings, at most once per key per 100 logging steps. (Healthy gains
+    are ~1, so the threshold is lowered to make them fire.)"""
+    import lmforge.models.gpt as gpt
+
+    monkeypatch.setattr(gpt, "UNHEALTHY_GAIN", 0.5)
+    train(load_config("rlm_mhc_tiny", [f"out_dir={tmp_path}", f"data.train_path={jsonl}", *TINY,
+                                       "training.max_steps=4"]))
+    out = capsys.readouterr().out
+    for key in ("mhc/amax_pre", "mhc/amax_post", "mhc/amax_res", "mhc/amax_composite"):
+        assert out.count(f"{key} = ") == 1, out  # logged every step, warned once
+    assert "warning (step 1): mhc/amax_pre = 1.000 exceeds 0.5" in out
