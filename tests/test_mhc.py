@@ -464,3 +464,16 @@ def test_training_warns_when_a_gain_exceeds_the_threshold(tmp_path, jsonl, monke
     for key in ("mhc/amax_pre", "mhc/amax_post", "mhc/amax_res", "mhc/amax_composite"):
         assert out.count(f"{key} = ") == 1, out  # logged every step, warned once
     assert "warning (step 1): mhc/amax_pre = 1.000 exceeds 0.5" in out
+
+
+def test_gpt2_flavor_takes_mhc_too_and_starts_as_the_plain_model():
+    sizes = {**SIZES, "flavor": "gpt2"}
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**sizes, mhc_enabled=True)).eval()
+    plain = GPT(GPTConfig(**sizes))
+    plain.load_state_dict({k: v for k, v in model.state_dict().items() if ".hc_" not in k})
+    ids = torch.randint(0, 97, (2, 20))
+    torch.testing.assert_close(model.logits(ids), plain.eval().logits(ids), atol=1e-5, rtol=1e-5)
+    from lmforge.models.hf_compat import gpt2_state_dict_for_hf
+    with pytest.raises(LMForgeError, match="no transformers equivalent"):
+        gpt2_state_dict_for_hf(model)

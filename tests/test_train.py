@@ -366,3 +366,15 @@ def test_logged_tokens_per_second_excludes_evaluation_time(tmp_path, data_dir, m
     tokens_per_step = 4 * 32
     # with the 0.5 s evaluation counted, a one-step window could not exceed tokens_per_step / 0.5
     assert len(speeds) == 5 and min(speeds) > 4 * tokens_per_step / 0.5
+
+
+def test_resume_takes_the_learning_rate_from_the_new_config(tmp_path, data_dir):
+    """`training.lr=...` given on a resume applies from the next step (the schedule position is kept)."""
+    recipe = write_recipe(tmp_path / "r.yaml", data_dir, tmp_path / "runs",
+                          training={"max_steps": 6, "save_interval": 3, "schedule": "constant", "warmup_steps": 0})
+    train(load_config(str(recipe), ["training.max_steps=3"]))
+    train(load_config(str(recipe), ["training.lr=1e-4"]), resume=True)
+    ckpts = tmp_path / "runs" / "t" / "checkpoints"
+    for step, lr in ((3, 3e-3), (6, 1e-4)):  # what the optimizer used, not only what was logged
+        groups = torch.load(ckpts / f"step-{step:06d}" / "optimizer.pt", weights_only=False)["optimizer"]["param_groups"]
+        assert [g["lr"] for g in groups] == pytest.approx([lr] * len(groups)), step
