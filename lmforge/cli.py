@@ -292,6 +292,28 @@ def _cmd_quickstart(args) -> int:
 
 
 # ---- entry point --------------------------------------------------------------------------------
+# ---- export -------------------------------------------------------------------------------------
+def _add_export(sub) -> None:
+    p = sub.add_parser("export", help="export a checkpoint to another format (hf: transformers)",
+                       formatter_class=_formatter,
+                       description="Write a checkpoint in another tool's format. --format hf: a transformers "
+                                   "model directory (GPT2LMHeadModel or LlamaForCausalLM + tokenizer files) "
+                                   "that AutoModelForCausalLM.from_pretrained(OUT) loads.")
+    p.add_argument("checkpoint", help="a checkpoint, best/, or a run directory")
+    p.add_argument("--format", required=True, choices=["hf"], help="target format")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out")
+    p.set_defaults(func=_cmd_export)
+
+
+def _cmd_export(args) -> int:
+    from lmforge.export import export_hf
+
+    out = export_hf(args.checkpoint, args.out, overwrite=args.overwrite)
+    print(f"wrote {out}: load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from lmforge import __version__
     from lmforge.cli_data import register as register_data
@@ -309,6 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_solve(sub)
     _add_plot(sub)
     _add_bench(sub)
+    _add_export(sub)
     return parser
 
 

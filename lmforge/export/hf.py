@@ -1,0 +1,96 @@
+"""``lmforge export CKPT --format hf --out DIR``: a Hugging Face ``transformers`` model directory.
+
+The gpt2 flavor becomes ``GPT2LMHeadModel``, the llama flavor ``LlamaForCausalLM`` (both use the
+rotate-half rotary layout, so q/k rows need no permutation; ``lmforge.models.hf_compat``). The
+directory holds ``config.json``, ``model.safetensors``, ``generation_config.json`` and the tokenizer
+files, so ``AutoModelForCausalLM.from_pretrained(DIR)`` and ``AutoTokenizer.from_pretrained(DIR)``
+work without lmforge. Written into a hidden sibling and renamed into place: never half a directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from lmforge.errors import LMForgeError
+
+HF_FILES = ("config.json", "model.safetensors", "generation_config.json")
+
+
+def _gpt2_config(c) -> dict:
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": c.vocab_size,
+        "n_positions": c.n_positions, "n_ctx": c.n_positions, "n_embd": c.n_embd, "n_layer": c.n_layer,
+        "n_head": c.n_head, "n_inner": c.inner_size, "activation_function": c.activation_function,
+        "resid_pdrop": c.resid_pdrop, "embd_pdrop": c.embd_pdrop, "attn_pdrop": c.attn_pdrop,
+        "layer_norm_epsilon": c.layer_norm_epsilon, "initializer_range": c.initializer_range,
+        "tie_word_embeddings": c.tie_word_embeddings, "scale_attn_weights": True, "use_cache": True,
+    }
+
+
+def _llama_config(c) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": c.vocab_size,
+        "hidden_size": c.n_embd, "intermediate_size": c.inner_size, "num_hidden_layers": c.n_layer,
+        "num_attention_heads": c.n_head, "num_key_value_heads": c.kv_heads, "head_dim": c.head_dim,
+        "max_position_embeddings": c.n_positions, "rms_norm_eps": c.layer_norm_epsilon, "hidden_act": "silu",
+        # transformers < 5 reads rope_theta, >= 5 rope_parameters
+        "rope_theta": c.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+        "attention_bias": False, "mlp_bias": False, "attention_dropout": c.attn_pdrop,
+        "initializer_range": c.initializer_range, "tie_word_embeddings": c.tie_word_embeddings, "use_cache": True,
+    }
+
+
+def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False) -> Path:
+    """Write ``checkpoint`` (any form ``lmforge eval`` takes) as a transformers model directory."""
+    from lmforge.infer.loading import find_tokenizer
+    from lmforge.models import load_model
+    from lmforge.models.gpt import GPT
+    from lmforge.models.hf_compat import gpt2_state_dict_for_hf, llama_state_dict_for_hf
+    from lmforge.tokenizer import Tokenizer
+    from lmforge.train.checkpoint import resolve_model_dir
+
+    model_dir = resolve_model_dir(checkpoint)
+    model = load_model(model_dir)
+    if not isinstance(model, GPT):
+        raise LMForgeError(f"{model_dir} holds a {model.family!r} model, which transformers has no class for; "
+                           "--format hf exports the gpt family (gpt2 and llama flavors). lmforge's own "
+                           "checkpoint format (config.yaml + model.safetensors) always works.")
+    c = model.config
+    if c.flavor == "gpt2":
+        state, config = gpt2_state_dict_for_hf(model), _gpt2_config(c)
+    else:
+        state, config = llama_state_dict_for_hf(model), _llama_config(c)  # refuses mHC models too
+    if c.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # transformers ties it to the embedding on load
+    tokenizer = Tokenizer.load(find_tokenizer(model_dir))
+    ids = {"bos_token_id": tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id,
+           "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
+    config.update({**ids, "torch_dtype": "float32", "lmforge_source": str(model_dir)})
+
+    out = Path(out).resolve()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        if not overwrite:
+            raise LMForgeError(f"--out {out} exists and is not empty; pass --overwrite or choose another directory")
+        if not (out / "config.json").is_file():
+            raise LMForgeError(f"--out {out} is not an earlier export (no config.json); choose another directory")
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "generation_config.json").write_text(json.dumps({**ids, "do_sample": False}, indent=2) + "\n")
+        tokenizer.save(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,74 @@
+"""`lmforge export --format hf`: transformers loads the export and computes the same logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmforge.cli import main
+from lmforge.errors import LMForgeError
+from lmforge.models.gpt import GPT, GPTConfig
+from lmforge.tokenizer import Tokenizer, train_tokenizer
+
+TEXTS = ["package main\n\nimport \"fmt\"\n\nfunc main() {\n\tfmt.Println(\"hello, world\")\n}\n",
+         "The quick brown fox jumps over the lazy dog. Ünïcödé and emoji 🙂 too.",
+         "func add(a, b int) int {\n\treturn a + b // sum\n}\n"] * 20
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tok")
+    train_tokenizer(TEXTS, vocab_size=300, out_dir=out, show_progress=False)
+    return out
+
+
+def checkpoint(tmp_path, tokenizer_dir, **config):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=300, n_positions=64, n_embd=32, n_layer=2, n_head=4, **config))
+    with torch.no_grad():  # non-trivial norms and biases, so a mislaid tensor shows
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    ckpt = model.save_pretrained(tmp_path / "ckpt")
+    Tokenizer.load(tokenizer_dir).save(ckpt)
+    return model.eval(), ckpt
+
+
+@pytest.mark.parametrize("config", [
+    {"flavor": "gpt2"},
+    {"flavor": "gpt2", "activation_function": "gelu_new", "tie_word_embeddings": False},
+    {"flavor": "llama"},
+    {"flavor": "llama", "n_kv_head": 2, "tie_word_embeddings": False, "rope_theta": 500.0},
+], ids=["gpt2", "gpt2-untied", "llama", "llama-gqa-untied"])
+def test_transformers_loads_the_export_with_equal_logits(tmp_path, tokenizer_dir, config):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, ckpt = checkpoint(tmp_path, tokenizer_dir, **config)
+    assert main(["export", str(ckpt), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(hf).__name__ == ("GPT2LMHeadModel" if config["flavor"] == "gpt2" else "LlamaForCausalLM")
+    ids = torch.randint(0, 300, (3, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model.logits(ids), rtol=0, atol=1e-4)
+    hf_tok, ours = AutoTokenizer.from_pretrained(tmp_path / "hf"), Tokenizer.load(tokenizer_dir)
+    for text in TEXTS[:3]:
+        assert hf_tok(text)["input_ids"] == ours.encode(text)
+        assert hf_tok.decode(ours.encode(text)) == text
+    assert hf.config.eos_token_id == ours.eos_id
+
+
+def test_export_refuses_what_transformers_cannot_express_and_keeps_existing_output(tmp_path, tokenizer_dir):
+    _, ckpt = checkpoint(tmp_path, tokenizer_dir, flavor="llama", mhc_enabled=True)
+    from lmforge.export import export_hf
+
+    with pytest.raises(LMForgeError, match="no transformers equivalent"):
+        export_hf(ckpt, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists() and not list(tmp_path.glob(".hf.tmp-*"))
+    _, ckpt = checkpoint(tmp_path / "plain", tokenizer_dir, flavor="llama")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(LMForgeError, match="not empty"):
+        export_hf(ckpt, tmp_path / "mine")
+    with pytest.raises(LMForgeError, match="not an earlier export"):
+        export_hf(ckpt, tmp_path / "mine", overwrite=True)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
