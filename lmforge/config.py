@@ -252,15 +252,15 @@ OPTIMIZER_TYPES = ("adamw",)
 
 def _seed_aliases(out: dict[str, Any]) -> dict[str, Any]:
     """Move the guide's dotted keys to ours; `optimizer.betas` splits into beta1/beta2."""
-    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in out.items()}
-    for section in ("training",):
-        for sub in ("optimizer", "scheduler", "wandb"):
-            node = out.get(section, {}).get(sub) if isinstance(out.get(section), dict) else None
-            if node is not None and not isinstance(node, dict):
-                raise LMForgeError(f"{section}.{sub} must be a mapping (e.g. {section}.{sub}.lr=1e-4), got {node!r}")
-            if isinstance(node, dict):
-                out[section][sub] = dict(node)
-    optimizer = (out.get("training") or {}).get("optimizer") or {}
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in out.items()}  # copies: keys are popped
+    training = out.get("training") if isinstance(out.get("training"), dict) else {}
+    for sub in ("optimizer", "scheduler", "wandb"):
+        node = training.get(sub)
+        if node is not None and not isinstance(node, dict):
+            raise LMForgeError(f"training.{sub} must be a mapping (e.g. training.{sub}.lr=1e-4), got {node!r}")
+        if node is not None:
+            training[sub] = dict(node)
+    optimizer = training.get("optimizer") or {}
     if "type" in optimizer:
         kind = str(optimizer.pop("type")).lower()
         if kind not in OPTIMIZER_TYPES:
@@ -279,20 +279,17 @@ def _seed_aliases(out: dict[str, Any]) -> dict[str, Any]:
             node = node.get(part) if isinstance(node, dict) else None
         if isinstance(node, dict) and rest[-1] in node:
             _set_dotted(out, target, node.pop(rest[-1]), alias)
-    training = out.get("training")
-    if isinstance(training, dict):
-        for sub in ("optimizer", "scheduler", "wandb"):
-            if sub not in training:
-                continue
-            if training[sub]:
-                bad = sorted(training[sub])[0]
-                valid = [a.split(".")[-1] for a in SEED_ALIASES if a.startswith(f"training.{sub}.")]
-                valid += ["type", "betas"] if sub == "optimizer" else []
-                close = difflib.get_close_matches(bad, valid, n=1, cutoff=0.5)
-                hint = f" Did you mean 'training.{sub}.{close[0]}'?" if close else ""
-                raise LMForgeError(f"unknown config key 'training.{sub}.{bad}'.{hint} Valid keys here: "
-                                   + ", ".join(f"training.{sub}.{v}" for v in sorted(valid)))
-            del training[sub]
+    training = out.get("training") if isinstance(out.get("training"), dict) else {}
+    for sub in ("optimizer", "scheduler", "wandb"):
+        leftover = training.pop(sub, None)
+        if leftover:  # what no alias took: a typo
+            bad = sorted(leftover)[0]
+            valid = [a.split(".")[-1] for a in SEED_ALIASES if a.startswith(f"training.{sub}.")]
+            valid += ["type", "betas"] if sub == "optimizer" else []
+            close = difflib.get_close_matches(bad, valid, n=1, cutoff=0.5)
+            hint = f" Did you mean 'training.{sub}.{close[0]}'?" if close else ""
+            raise LMForgeError(f"unknown config key 'training.{sub}.{bad}'.{hint} Valid keys here: "
+                               + ", ".join(f"training.{sub}.{v}" for v in sorted(valid)))
     return out
 
 
@@ -326,12 +323,8 @@ def apply_aliases(values: dict[str, Any]) -> dict[str, Any]:
         if "." not in target:
             out[target] = value
             continue
-        section, key = target.split(".")
-        sec = dict(out.get(section) or {})
-        if key in sec and sec[key] != value:
-            raise LMForgeError(f"'{alias}' and '{target}' are both given with different values; keep one")
-        sec[key] = value
-        out[section] = sec
+        out[target.split(".")[0]] = dict(out.get(target.split(".")[0]) or {})  # a copy: values is not changed
+        _set_dotted(out, target, value, alias)
     return out
 
 

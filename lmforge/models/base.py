@@ -82,10 +82,10 @@ class LMForgeModel(nn.Module):
     def load_training_state(self, state: dict[str, Any]) -> None:
         """Restore what ``training_state`` returned (after the checkpoint's weights are loaded)."""
 
-    def metric_warnings(self, row: dict[str, float]) -> list[str]:
-        """Warnings about a logged row of training metrics (e.g. an unhealthy stability metric); each
-        starts with the metric's name."""
-        return []
+    def metric_warnings(self, row: dict[str, float]) -> dict[str, str]:
+        """Warnings about a logged row of training metrics (e.g. an unhealthy stability metric), by
+        the metric's name."""
+        return {}
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs (forward + backward) per token, for MFU. Default: 6 x parameters."""

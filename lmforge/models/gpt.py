@@ -484,10 +484,10 @@ class GPT(LMForgeModel):
         kinds = [(kind, b) for b in range(self.config.n_layer) for kind in ("attn", "mlp")]
         return metrics_from_gains(gains, kinds)
 
-    def metric_warnings(self, row: dict[str, float]) -> list[str]:
-        bad = {k: v for k, v in row.items() if k.startswith("mhc/amax") and v > UNHEALTHY_GAIN}
-        return [f"{k} = {v:.3f} exceeds {UNHEALTHY_GAIN}: the residual mixing amplifies the signal; watch for "
-                "loss spikes (lower training.lr, or raise model.mhc_sinkhorn_iters)" for k, v in bad.items()]
+    def metric_warnings(self, row: dict[str, float]) -> dict[str, str]:
+        return {k: f"{k} = {v:.3f} exceeds {UNHEALTHY_GAIN}: the residual mixing amplifies the signal; watch for "
+                   "loss spikes (lower training.lr, or raise model.mhc_sinkhorn_iters)"
+                for k, v in row.items() if k.startswith("mhc/amax") and v > UNHEALTHY_GAIN}
 
     # ---- tied weights -------------------------------------------------------------------
     def is_tied_key(self, key: str) -> bool:

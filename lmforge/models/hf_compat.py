@@ -18,7 +18,8 @@ def _require_flavor(model: GPT, flavor: str) -> None:
         raise LMForgeError(f"this export needs a gpt model with model.flavor={flavor}, got {got}")
     if model.config.mhc_enabled:
         raise LMForgeError("a model with mHC (model.mhc_enabled=true) has no transformers equivalent: its residual "
-                           f"stream is {model.config.mhc_flows} flows wide; only plain gpt2/llama models convert")
+                           f"stream is {model.config.mhc_flows} flows wide; only plain gpt2/llama models convert (lmforge's own "
+                           "checkpoint format, config.yaml + model.safetensors, always works)")
 
 
 def gpt2_state_dict_for_hf(model: GPT) -> dict[str, torch.Tensor]:

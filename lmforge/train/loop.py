@@ -399,8 +399,7 @@ class Trainer:
 
     def _warn(self, row: dict[str, float]) -> None:
         """The model's warnings about logged values, each at most once per 100 logging steps."""
-        for message in self.model.metric_warnings(row):
-            key = message.split(" ")[0]
+        for key, message in self.model.metric_warnings(row).items():
             last = self._warned.get(key)
             if last is None or self.step - last >= 100 * self.t.log_interval:
                 self._warned[key] = self.step
