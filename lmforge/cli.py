@@ -291,22 +291,93 @@ def _cmd_quickstart(args) -> int:
     return 0
 
 
-# ---- entry point --------------------------------------------------------------------------------
+# ---- serve / chat -------------------------------------------------------------------------------
+def _add_sampling(p, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help="longest reply, in tokens")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass; 1.0 = off")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = off")
+    p.add_argument("--seed", type=int, default=None, help="seed for reproducible replies")
+
+
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP API over a checkpoint", formatter_class=_formatter,
+                       description="Serve a gpt-family checkpoint with OpenAI's API: GET /v1/models, POST "
+                                   "/v1/completions, POST /v1/chat/completions (streaming, stop, seed, n, tools), "
+                                   "GET /health. Concurrent requests are batched. Any OpenAI client works: "
+                                   "base_url=http://HOST:PORT/v1.")
+    p.add_argument("checkpoint", help="a checkpoint, best/, or a run directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind; 0.0.0.0 exposes it to the network")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (0 = any free port)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: the "
+                   "LMFORGE_API_KEY environment variable, else no key)")
+    p.add_argument("--model-name", default=None, help="model id clients use (default RUN-step-N)")
+    p.add_argument("--max-batch-size", type=int, default=16, help="sequences decoded together; more wait in a queue")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (info logs each request)")
+    p.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args) -> int:
+    import os
+
+    from lmforge.serve.server import serve
+
+    serve(args.checkpoint, host=args.host, port=args.port, api_key=args.api_key or os.environ.get("LMFORGE_API_KEY"),
+          model_id=args.model_name, max_batch_size=args.max_batch_size, device=args.device, log_level=args.log_level)
+    return 0
+
+
+def _add_chat(sub) -> None:
+    p = sub.add_parser("chat", help="chat with a checkpoint in the terminal", formatter_class=_formatter,
+                       description="An interactive chat in the model's chat template, streaming each reply. "
+                                   "Type /reset to forget the conversation, /exit or Ctrl-D to quit, Ctrl-C to "
+                                   "stop a reply. Reads lines from a pipe too.")
+    p.add_argument("checkpoint", help="a checkpoint, best/, or a run directory")
+    p.add_argument("--system", default=None, help="a system message that opens the conversation")
+    _add_sampling(p, max_tokens=512)
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    p.set_defaults(func=_cmd_chat)
+
+
+def _cmd_chat(args) -> int:
+    from lmforge.infer.terminal_chat import chat
+
+    chat(args.checkpoint, system=args.system, max_tokens=args.max_tokens, temperature=args.temperature,
+         top_p=args.top_p, top_k=args.top_k, seed=args.seed, device=args.device)
+    return 0
+
+
 # ---- export -------------------------------------------------------------------------------------
 def _add_export(sub) -> None:
-    p = sub.add_parser("export", help="export a checkpoint to another format (hf: transformers)",
+    p = sub.add_parser("export", help="export a checkpoint to transformers (hf) or llama.cpp (gguf)",
                        formatter_class=_formatter,
-                       description="Write a checkpoint in another tool's format. --format hf: a transformers "
-                                   "model directory (GPT2LMHeadModel or LlamaForCausalLM + tokenizer files) "
-                                   "that AutoModelForCausalLM.from_pretrained(OUT) loads.")
+                       description="Write a gpt-family checkpoint in another tool's format. --format hf: a "
+                                   "transformers model directory (GPT2LMHeadModel or LlamaForCausalLM + tokenizer "
+                                   "files) that AutoModelForCausalLM.from_pretrained(OUT) loads. --format gguf: one "
+                                   "GGUF file (weights, tokenizer, chat template) for llama.cpp and its bindings. "
+                                   "HRM/TRM and mHC models have no such format: their lmforge checkpoint is the "
+                                   "export.")
     p.add_argument("checkpoint", help="a checkpoint, best/, or a run directory")
-    p.add_argument("--format", required=True, choices=["hf"], help="target format")
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out")
+    p.add_argument("--format", required=True, choices=["hf", "gguf"], help="target format")
+    p.add_argument("--out", required=True, help="output directory (hf) or file (gguf)")
+    p.add_argument("--dtype", default="f32", choices=["f32", "f16", "q8_0"],
+                   help="gguf only: weight type (norms and biases stay f32)")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier export at --out")
     p.set_defaults(func=_cmd_export)
 
 
 def _cmd_export(args) -> int:
+    if args.format == "gguf":
+        from lmforge.export.gguf import export_gguf
+
+        out = export_gguf(args.checkpoint, args.out, dtype=args.dtype, overwrite=args.overwrite)
+        print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB, {args.dtype}): load it with "
+              f"llama_cpp.Llama(model_path={str(out)!r}) or llama.cpp's llama-cli -m {out}")
+        return 0
+    if args.dtype != "f32":
+        raise LMForgeError("--dtype is for --format gguf; an hf export keeps the checkpoint's float32 weights")
     from lmforge.export import export_hf
 
     out = export_hf(args.checkpoint, args.out, overwrite=args.overwrite)
@@ -314,6 +385,8 @@ def _cmd_export(args) -> int:
     return 0
 
 
+
+# ---- entry point ---------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     from lmforge import __version__
     from lmforge.cli_data import register as register_data
@@ -332,6 +405,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plot(sub)
     _add_bench(sub)
     _add_export(sub)
+    _add_serve(sub)
+    _add_chat(sub)
     return parser
 
 

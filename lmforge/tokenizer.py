@@ -7,6 +7,7 @@ guide agree on ``bos=1, eos=2, pad=3`` without looking anything up.
 
 ``save`` writes ``tokenizer.json`` (the Rust tokenizer), ``tokenizer_config.json`` and
 ``special_tokens_map.json``, which is what ``transformers.AutoTokenizer.from_pretrained(dir)`` needs.
+The chat template (``lmforge.chat``) travels in ``tokenizer_config.json`` as ``chat_template``.
 """
 
 from __future__ import annotations
@@ -57,8 +58,11 @@ class Tokenizer:
     """
 
     def __init__(self, backend: _RustTokenizer, origin: str = "<in memory>",
-                 special_names: dict[str, str | None] | None = None):
+                 special_names: dict[str, str | None] | None = None, chat_template: str | None = None):
+        from lmforge.chat import CHAT_TEMPLATE
+
         self._backend = backend
+        self.chat_template = chat_template or CHAT_TEMPLATE
         self.origin = origin  # the file it was loaded from, for messages and overlap checks
         self._canonical = backend.to_str()  # compact serialization: file formatting never changes the hash
         native = all(backend.token_to_id(token) == i for i, token in enumerate(SPECIAL_TOKENS))
@@ -105,7 +109,8 @@ class Tokenizer:
             raise LMForgeError(
                 f"{file} is not a valid tokenizer file ({e}). Re-create it with `lmforge tokenizer train`."
             ) from e
-        return cls(backend, origin=str(file), special_names=_configured_specials(file.parent))
+        return cls(backend, origin=str(file), special_names=_configured_specials(file.parent),
+                   chat_template=_configured_chat_template(file.parent))
 
     @property
     def vocab_size(self) -> int:
@@ -147,6 +152,15 @@ class Tokenizer:
             ids = ids.tolist()
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def apply_chat_template(self, messages: list[dict], tools: list | None = None,
+                            add_generation_prompt: bool = True) -> str:
+        """The prompt text of an OpenAI-style conversation (``lmforge.chat``), ready for ``encode``."""
+        from lmforge.chat import render_chat
+
+        bos = self.special_tokens.get("bos") or ""
+        return render_chat(messages, bos, self.special_tokens["eos"], tools=tools,
+                           add_generation_prompt=add_generation_prompt, template=self.chat_template)
+
     def bytes_per_token(self, texts: Iterable[str]) -> float:
         """UTF-8 bytes per token over ``texts`` (higher = better compression)."""
         texts = list(texts)
@@ -172,6 +186,7 @@ class Tokenizer:
             # transformers must not touch spaces when decoding, or round trips break.
             "clean_up_tokenization_spaces": False,
             "model_max_length": 1_000_000_000,
+            "chat_template": self.chat_template,
         }
         _atomic_write_text(directory / TOKENIZER_FILE, self._backend.to_str(pretty=True))
         _atomic_write_text(directory / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
@@ -200,6 +215,19 @@ def _configured_specials(directory: Path) -> dict[str, str | None] | None:
                         if r in found):
         return None  # lmforge's own layout (or nothing named): decided from the vocabulary
     return found
+
+
+def _configured_chat_template(directory: Path) -> str | None:
+    """The ``chat_template`` string of a tokenizer_config.json beside the tokenizer, if any."""
+    path = directory / CONFIG_FILE
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None  # _configured_specials has already reported a broken file
+    template = data.get("chat_template") if isinstance(data, dict) else None
+    return template if isinstance(template, str) and template else None
 
 
 def _untrained_bpe() -> _RustTokenizer:

@@ -16,33 +16,51 @@ import torch
 from lmforge.errors import LMForgeError
 
 
-def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                generator: torch.Generator | None = None) -> torch.Tensor:
-    """Pick one token per row of ``[B, V]`` logits -> ``[B]`` ids.
-
-    ``temperature`` 0 = greedy (argmax); ``top_k`` 0 = off; ``top_p`` 1.0 = off (nucleus sampling:
-    keep the most likely tokens until their probability reaches ``top_p``).
-    """
+def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
     if temperature < 0:
         raise LMForgeError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     if top_k < 0:
         raise LMForgeError(f"top_k must be >= 0 (0 = off), got {top_k}")
     if not 0.0 < top_p <= 1.0:
         raise LMForgeError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
-    if top_k > 0:
-        kth = logits.topk(min(top_k, logits.size(-1)), dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        # Drop a token when the tokens ranked above it already hold top_p; the top one always stays.
-        drop = probs.cumsum(dim=-1) - probs >= top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+
+
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                uniform: torch.Tensor) -> torch.Tensor:
+    """Pick one token per row of ``[B, V]`` logits, each row with its own settings (``[B]`` tensors).
+
+    ``temperature`` 0 = greedy; ``top_k`` 0 = off; ``top_p`` 1 = off (nucleus: keep the most likely
+    tokens until their probability reaches ``top_p``). ``uniform`` holds one draw in [0, 1) per row,
+    turned into a token by the inverse CDF: the caller owns the randomness, so a request with its
+    own seed samples the same tokens whatever else is in the batch.
+    """
+    logits = logits.float()
+    greedy = temperature <= 0
+    best = logits.argmax(dim=-1)
+    if bool(greedy.all()):
+        return best
+    scaled = logits / torch.where(greedy, 1.0, temperature.float())[:, None]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.size(-1), device=logits.device)
+    outside_k = (top_k[:, None] > 0) & (ranks >= top_k[:, None])
+    probs = sorted_logits.masked_fill(outside_k, float("-inf")).softmax(dim=-1)
+    # Drop a token when the tokens ranked above it already hold top_p; the top one always stays.
+    outside_p = probs.cumsum(dim=-1) - probs >= top_p[:, None]
+    cdf = probs.masked_fill(outside_p, 0.0).cumsum(dim=-1)
+    index = (cdf < uniform[:, None] * cdf[:, -1:]).sum(dim=-1).clamp_max(logits.size(-1) - 1)
+    return torch.where(greedy, best, order.gather(-1, index[:, None]).squeeze(-1))
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """Pick one token per row of ``[B, V]`` logits -> ``[B]`` ids, all rows with the same settings
+    (``sample_rows``); the draws come from ``generator``."""
+    check_sampling(temperature, top_k, top_p)
+    n, device = logits.size(0), logits.device
+    uniform = torch.rand(n, generator=generator, device=generator.device if generator else "cpu").to(device)
+    return sample_rows(logits, torch.full((n,), float(temperature), device=device),
+                       torch.full((n,), top_k, device=device), torch.full((n,), float(top_p), device=device),
+                       uniform)
 
 
 def generate_tokens(model: Any, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.8,

@@ -27,6 +27,10 @@ def load_for_inference(checkpoint: str | Path, device: str = "auto"):
     dev = pick_device(device)
     model = load_model(model_dir, map_location=dev)
     model.eval()
+    if not hasattr(model, "new_kv_cache"):
+        raise LMForgeError(f"{model_dir} holds a {model.family!r} model, which does not generate text; this "
+                           "command takes gpt-family checkpoints (for Sudoku models use `lmforge solve` / "
+                           "`lmforge eval`)")
     tokenizer = Tokenizer.load(find_tokenizer(model_dir))
     vocab = getattr(model.config, "vocab_size", None)
     if vocab is not None and tokenizer.vocab_size > vocab:

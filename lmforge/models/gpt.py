@@ -209,7 +209,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class KVCache:
-    """Keys and values of past positions for incremental decoding.
+    """Keys and values of past positions for incremental decoding of one batch in lockstep.
 
     One preallocated ``[batch, n_kv_head, n_positions, head_dim]`` pair per layer; ``pos`` is the
     number of positions filled. Layers write at ``pos``; the model advances ``pos`` after a forward.
@@ -223,12 +223,101 @@ class KVCache:
         self.max_len = max_len
         self.pos = 0
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this block's new k/v; return k/v of all positions so far."""
-        end = self.pos + k.size(2)
+    def positions(self, T: int, device: torch.device) -> torch.Tensor:
+        """Positions of ``T`` new tokens: ``[T]``, the same for every row."""
+        return torch.arange(self.pos, self.pos + T, device=device)
+
+    def length_after(self, T: int) -> int:
+        return self.pos + T
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Store this block's new k/v; return k/v of all positions so far and the attention mask
+        (None: plain causal)."""
+        T = k.size(2)
+        end = self.pos + T
         self.k[layer][:, :, self.pos:end] = k
         self.v[layer][:, :, self.pos:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        mask = None
+        if T > 1 and end > T:
+            # A block of queries after cached positions: query i sees keys 0 .. pos + i.
+            # (SDPA's is_causal aligns the triangle top-left, which is only right without a past.)
+            mask = torch.ones(T, end, dtype=torch.bool, device=k.device).tril(diagonal=self.pos)
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end], mask
+
+    def advance(self, T: int) -> None:
+        self.pos += T
+
+
+class BatchedKVCache:
+    """A cache whose rows are independent sequences, each at its own length: continuous batching.
+
+    Rows ``0 .. active-1`` are in use; a decode step feeds one new token for each of them at its
+    own position, attending to its own past only. A sequence joins by copying its prefilled
+    single-row ``KVCache`` into row ``active`` (``add_row``) and leaves by ``remove_row``, which moves
+    the last row into the gap, so the rows in use stay contiguous and a step is one batched forward.
+    """
+
+    def __init__(self, n_layer: int, capacity: int, n_kv_head: int, max_len: int, head_dim: int,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+        shape = (capacity, n_kv_head, max_len, head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
+        self.capacity, self.max_len, self.device = capacity, max_len, self.k[0].device
+        self.lengths: list[int] = []  # per row in use: positions filled
+        self._step: tuple[torch.Tensor, torch.Tensor, int] | None = None  # (positions, mask, span)
+
+    @property
+    def active(self) -> int:
+        return len(self.lengths)
+
+    def add_row(self, prefilled: KVCache) -> int:
+        """Copy a one-row cache's filled positions into a new row; returns the row index."""
+        if self.active >= self.capacity:
+            raise LMForgeError(f"the batch is full ({self.capacity} sequences)")
+        row, n = self.active, prefilled.pos
+        for layer in range(len(self.k)):
+            self.k[layer][row, :, :n] = prefilled.k[layer][0, :, :n]
+            self.v[layer][row, :, :n] = prefilled.v[layer][0, :, :n]
+        self.lengths.append(n)
+        return row
+
+    def remove_row(self, row: int) -> None:
+        """Free ``row``; the last row moves into its place (callers reorder their own state the same way)."""
+        last = self.active - 1
+        if row != last:
+            n = self.lengths[last]
+            for layer in range(len(self.k)):
+                self.k[layer][row, :, :n] = self.k[layer][last, :, :n]
+                self.v[layer][row, :, :n] = self.v[layer][last, :, :n]
+            self.lengths[row] = n
+        self.lengths.pop()
+
+    def positions(self, T: int, device: torch.device) -> torch.Tensor:
+        """Positions of one new token per row in use: ``[active, 1]``."""
+        if T != 1:
+            raise LMForgeError("a BatchedKVCache decodes one token per row at a time; prefill with a KVCache")
+        lengths = torch.tensor(self.lengths, device=device)
+        span = max(self.lengths) + 1
+        # Row r sees its own keys 0 .. lengths[r] (the new one included), none of the rows' padding.
+        mask = (torch.arange(span, device=device) <= lengths[:, None])[:, None, None, :]
+        self._step = (lengths, mask, span)
+        return lengths[:, None]
+
+    def length_after(self, T: int) -> int:
+        return max(self.lengths) + T
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        lengths, mask, span = self._step
+        rows = torch.arange(self.active, device=k.device)
+        self.k[layer][rows, :, lengths] = k[:, :, 0]
+        self.v[layer][rows, :, lengths] = v[:, :, 0]
+        return self.k[layer][:self.active, :, :span], self.v[layer][:self.active, :, :span], mask
+
+    def advance(self, T: int) -> None:
+        self.lengths = [n + T for n in self.lengths]
+        self._step = None
 
 
 class Attention(nn.Module):
@@ -243,7 +332,7 @@ class Attention(nn.Module):
         self.resid_drop = nn.Dropout(c.resid_pdrop)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                cache: KVCache | None, layer: int) -> torch.Tensor:
+                cache: KVCache | BatchedKVCache | None, layer: int) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv(x).split(
             [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=-1)
@@ -254,20 +343,15 @@ class Attention(nn.Module):
             cos, sin = rope
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
+        mask = None
         if cache is not None:
-            k, v = cache.update(layer, k, v)
+            k, v, mask = cache.update(layer, k, v)
         if self.n_kv_head != self.n_head:
             # Query head h reads kv head h // group, the grouping HF's repeat_kv uses.
             group = self.n_head // self.n_kv_head
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        S = k.size(2)
-        mask = None
-        if T > 1 and S > T:
-            # A block of queries after cached positions: query i sees keys 0 .. (S - T) + i.
-            # (SDPA's is_causal aligns the triangle top-left, which is only right when S == T.)
-            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
         y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=T > 1 and S == T,
+            q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
             dropout_p=self.attn_pdrop if self.training else 0.0)
         return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, T, -1)))
 
@@ -389,12 +473,13 @@ class GPT(LMForgeModel):
         for the first sequence of the batch."""
         c = self.config
         T = input_ids.size(1)
-        start = kv_cache.pos if kv_cache is not None else 0
-        if start + T > c.n_positions:
+        length = kv_cache.length_after(T) if kv_cache is not None else T
+        if length > c.n_positions:
             raise LMForgeError(
-                f"sequence of {start + T} tokens is longer than model.n_positions={c.n_positions}; "
+                f"sequence of {length} tokens is longer than model.n_positions={c.n_positions}; "
                 "use a shorter data.seq_len / prompt or a model with a longer context")
-        positions = torch.arange(start, start + T, device=input_ids.device)
+        positions = (kv_cache.positions(T, input_ids.device) if kv_cache is not None
+                     else torch.arange(T, device=input_ids.device))
         x = self.tok_embed(input_ids)
         rope = None
         if self.pos_embed is not None:
@@ -416,7 +501,7 @@ class GPT(LMForgeModel):
             if collect:
                 coeffs.extend(block_coeffs)
         if kv_cache is not None:
-            kv_cache.pos += T
+            kv_cache.advance(T)
         if c.mhc_enabled:
             x = x.mean(-2)  # the flows' average: at initialisation, the plain residual stream
         return self.norm_f(x), coeffs
@@ -426,8 +511,10 @@ class GPT(LMForgeModel):
         hd = self.config.head_dim
         inv_freq = 1.0 / self.config.rope_theta ** (
             torch.arange(0, hd, 2, device=positions.device, dtype=torch.float32) / hd)
-        freqs = positions.float()[:, None] * inv_freq[None, :]  # elementwise: autocast leaves it in fp32
+        freqs = positions.float()[..., None] * inv_freq  # elementwise: autocast leaves it in fp32
         emb = torch.cat((freqs, freqs), dim=-1)
+        if positions.dim() == 2:  # per-row positions [B, T] (BatchedKVCache): broadcast over heads
+            emb = emb[:, None]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def new_kv_cache(self, batch_size: int, device: torch.device | str | None = None,
@@ -437,6 +524,13 @@ class GPT(LMForgeModel):
         p = self.tok_embed.weight
         return KVCache(c.n_layer, batch_size, c.kv_heads, c.n_positions, c.head_dim,
                        device=device or p.device, dtype=dtype or p.dtype)
+
+    def new_batched_kv_cache(self, capacity: int) -> BatchedKVCache:
+        """An empty cache for up to ``capacity`` sequences decoded together (``lmforge.infer.engine``)."""
+        c = self.config
+        p = self.tok_embed.weight
+        return BatchedKVCache(c.n_layer, capacity, c.kv_heads, c.n_positions, c.head_dim,
+                              device=p.device, dtype=p.dtype)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward), PaLM appendix B style::

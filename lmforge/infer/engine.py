@@ -1,0 +1,205 @@
+"""A generation engine that serves many requests at once by continuous batching.
+
+One background thread owns the model. Requests wait in a queue; each is prefilled on its own
+(one forward over its prompt), then joins the running batch, where every step decodes one token
+for every sequence in one forward (``BatchedKVCache``: each row at its own length). A sequence
+leaves when it ends and a waiting request takes its place at the next step, so a long reply
+never holds up a short one and no step computes padding.
+
+Results go to each request's ``on_event`` callback, called on the engine thread with
+``("token", id)``, then ``("done", finish_reason)`` or ``("error", message)``. finish_reason is
+``"stop"`` (the eos token), ``"length"`` (max_tokens, or the context is full) or ``"cancelled"``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lmforge.errors import LMForgeError
+from lmforge.infer.generate import check_sampling, sample_rows
+
+Event = tuple[str, Any]
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise LMForgeError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        check_sampling(self.temperature, self.top_k, self.top_p)
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    on_event: Callable[[Event], Any]
+    cancelled: bool = False
+    generated: int = 0
+    _generator: torch.Generator | None = field(default=None, repr=False)
+
+    def cancel(self) -> None:
+        """Stop generating for this request; it ends with ("done", "cancelled") at the next step."""
+        self.cancelled = True
+
+
+class Engine:
+    """Continuous-batching generation over ``model`` (a ``GPT``) in a background thread."""
+
+    def __init__(self, model: Any, eos_id: int, max_batch_size: int = 16, max_queue: int = 1024):
+        if max_batch_size < 1:
+            raise LMForgeError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.model = model.eval()
+        self.eos_id = eos_id
+        self.n_ctx = model.config.n_positions
+        self.max_batch_size = max_batch_size
+        self.device = next(model.parameters()).device
+        self._queue: queue.Queue[Request | None] = queue.Queue(maxsize=max_queue)
+        self._rows: list[Request] = []  # the requests in the batch, in cache row order
+        self._last: list[int] = []  # each row's latest token, the next step's input
+        self._seeds = itertools.count(torch.initial_seed() % 2**62)
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="lmforge-engine", daemon=True)
+        self._thread.start()
+
+    # ---- public -------------------------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams, on_event: Callable[[Event], Any]) -> Request:
+        """Queue a request; raises ``LMForgeError`` when it cannot fit or the queue is full."""
+        if self._closed:
+            raise LMForgeError("the engine is shut down")
+        if not prompt_ids:
+            raise LMForgeError("the prompt has no tokens")
+        if len(prompt_ids) >= self.n_ctx:
+            raise LMForgeError(f"the prompt has {len(prompt_ids)} tokens; this model's context is {self.n_ctx} "
+                               "tokens and must also hold the reply")
+        request = Request(list(prompt_ids), params, on_event)
+        try:
+            self._queue.put_nowait(request)
+        except queue.Full:
+            raise LMForgeError(f"too many requests waiting ({self._queue.maxsize}); retry later") from None
+        return request
+
+    @property
+    def waiting(self) -> int:
+        return self._queue.qsize()
+
+    @property
+    def running(self) -> int:
+        return len(self._rows)
+
+    def close(self) -> None:
+        """Finish the thread; requests still waiting are cancelled."""
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    # ---- the engine thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        self._cache = self.model.new_batched_kv_cache(self.max_batch_size)
+        while True:
+            if not self._admit():
+                break
+            if self._rows:
+                try:
+                    self._decode_step()
+                except Exception as e:  # e.g. out of memory: fail these requests, keep serving
+                    for request in self._rows:
+                        self._emit(request, ("error", f"generation failed: {e}"))
+                    self._rows, self._last = [], []
+                    self._cache = self.model.new_batched_kv_cache(self.max_batch_size)
+        for request in self._rows:
+            self._emit(request, ("done", "cancelled"))
+        while not self._queue.empty():
+            request = self._queue.get_nowait()
+            if request is not None:
+                self._emit(request, ("done", "cancelled"))
+
+    def _admit(self) -> bool:
+        """Move waiting requests into free rows (blocking while there is nothing to do).
+        Returns False when the engine is closing."""
+        while len(self._rows) < self.max_batch_size:
+            try:
+                request = self._queue.get(block=not self._rows)
+            except queue.Empty:
+                return True
+            if request is None:
+                return False
+            if request.cancelled:
+                self._emit(request, ("done", "cancelled"))
+                continue
+            try:
+                self._prefill(request)
+            except Exception as e:
+                self._emit(request, ("error", f"generation failed: {e}"))
+        return True
+
+    @torch.inference_mode()
+    def _prefill(self, request: Request) -> None:
+        seed = request.params.seed if request.params.seed is not None else next(self._seeds)
+        request._generator = torch.Generator().manual_seed(seed)
+        single = self.model.new_kv_cache(1)
+        logits = self.model.logits(torch.tensor([request.prompt_ids], device=self.device), kv_cache=single)
+        token = int(self._sample(logits[:, -1], [request])[0])
+        self._cache.add_row(single)
+        self._rows.append(request)
+        self._last.append(token)
+        self._deliver(len(self._rows) - 1, token)
+
+    @torch.inference_mode()
+    def _decode_step(self) -> None:
+        inputs = torch.tensor(self._last, device=self.device)[:, None]
+        logits = self.model.logits(inputs, kv_cache=self._cache)[:, -1]
+        tokens = self._sample(logits, self._rows).tolist()
+        # Deliver from the last row down: a removed row's place is taken by the (already handled) last one.
+        for row in range(len(self._rows) - 1, -1, -1):
+            self._last[row] = tokens[row]
+            self._deliver(row, tokens[row])
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        params = [r.params for r in requests]
+        uniform = torch.tensor([float(torch.rand((), generator=r._generator)) for r in requests])
+        dev = logits.device
+        return sample_rows(logits, torch.tensor([p.temperature for p in params], device=dev),
+                           torch.tensor([p.top_k for p in params], device=dev),
+                           torch.tensor([p.top_p for p in params], device=dev), uniform.to(dev)).cpu()
+
+    def _deliver(self, row: int, token: int) -> None:
+        """Hand ``token`` to its request, or end the request (eos, limits, cancel) and free its row."""
+        request = self._rows[row]
+        if request.cancelled:
+            reason = "cancelled"
+        elif token == self.eos_id:
+            reason = "stop"
+        else:
+            request.generated += 1
+            self._emit(request, ("token", token))
+            full = self._cache.lengths[row] + 1 >= self.n_ctx  # the next step would not fit
+            reason = "length" if request.generated >= request.params.max_tokens or full else None
+        if reason is None:
+            return
+        self._emit(request, ("done", reason))
+        self._cache.remove_row(row)
+        last = len(self._rows) - 1
+        self._rows[row], self._last[row] = self._rows[last], self._last[last]
+        self._rows.pop()
+        self._last.pop()
+
+    @staticmethod
+    def _emit(request: Request, event: Event) -> None:
+        try:
+            request.on_event(event)
+        except Exception:  # a callback that fails (a closed connection) must not stop the engine
+            request.cancelled = True

@@ -1,0 +1,1 @@
+"""``lmforge serve``: an OpenAI-compatible HTTP API over a trained checkpoint."""

@@ -1,0 +1,309 @@
+"""The HTTP side of ``lmforge serve``: OpenAI's ``/v1`` endpoints over a batching ``Engine``.
+
+Each choice of a request is one engine request; their events come back from the engine thread
+through ``loop.call_soon_threadsafe`` into an asyncio queue, so the event loop never blocks on the
+model. Streams are Server-Sent Events in OpenAI's chunk format, ending with ``data: [DONE]``.
+A client that goes away cancels its choices at the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from lmforge.chat import TOOL_CALL_OPEN, parse_tool_calls
+from lmforge.errors import LMForgeError
+from lmforge.infer.engine import Engine, SamplingParams
+from lmforge.serve.protocol import (APIError, ChatRequest, Common, CompletionRequest, bad, parse_chat,
+                                    parse_completion, parse_json)
+from lmforge.serve.text import ChoiceText
+
+
+@dataclass
+class Choice:
+    index: int
+    prompt_ids: list[int]
+    text: ChoiceText
+    finish_reason: str | None = None
+    tokens: int = 0
+    request: Any = None
+    events: list[tuple[str, str]] = field(default_factory=list)  # pieces to stream: ("text", piece)
+
+
+class Generation:
+    """The choices of one HTTP request, running on the engine."""
+
+    def __init__(self, engine: Engine, choices: list[Choice], common: Common, max_tokens: int):
+        self.engine, self.choices, self.common = engine, choices, common
+        self.max_tokens = max_tokens
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.open = len(choices)
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            for choice in self.choices:
+                c = self.common
+                seed = None if c.seed is None else c.seed + choice.index
+                params = SamplingParams(self.max_tokens, c.temperature, c.top_p, c.top_k, seed)
+
+                def on_event(event, index=choice.index):
+                    loop.call_soon_threadsafe(self.queue.put_nowait, (index, event))
+
+                choice.request = self.engine.submit(choice.prompt_ids, params, on_event)
+        except LMForgeError as e:
+            self.cancel()
+            raise APIError(429, str(e), code="server_busy") from None
+
+    def cancel(self) -> None:
+        for choice in self.choices:
+            if choice.request is not None:
+                choice.request.cancel()
+
+    async def events(self) -> AsyncIterator[tuple[Choice, str]]:
+        """Yields ``(choice, piece)`` for sendable text and ``(choice, "")`` once when a choice ends."""
+        while self.open:
+            index, (kind, value) = await self.queue.get()
+            choice = self.choices[index]
+            if choice.finish_reason is not None:
+                continue
+            if kind == "token":
+                choice.tokens += 1
+                piece = choice.text.push(value)
+                if choice.text.stopped:
+                    choice.request.cancel()
+                    piece += choice.text.finish()
+                    choice.finish_reason = "stop"
+                    self.open -= 1
+                if piece:
+                    yield choice, piece
+                if choice.finish_reason:
+                    yield choice, ""
+                continue
+            if kind == "error":
+                self.cancel()
+                raise APIError(500, str(value), code="generation_failed")
+            piece = choice.text.finish()
+            choice.finish_reason = "stop" if value == "cancelled" else value
+            self.open -= 1
+            if piece:
+                yield choice, piece
+            yield choice, ""
+
+    def usage(self) -> dict[str, int]:
+        prompt = sum(len(c.prompt_ids) for c in {id(c.prompt_ids): c for c in self.choices}.values())
+        completion = sum(c.tokens for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def create_app(engine: Engine, tokenizer: Any, model_id: str, api_key: str | None = None) -> FastAPI:
+    """The FastAPI application; ``lmforge.serve.server.serve`` runs it with uvicorn."""
+    app = FastAPI(title="lmforge serve", version="1", docs_url=None, redoc_url=None, openapi_url=None)
+    created = int(time.time())
+    n_ctx = engine.n_ctx
+
+    def error_response(e: APIError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_request: Request, e: APIError):
+        return error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, e: StarletteHTTPException):
+        message = {404: "no such endpoint; see GET /v1/models, POST /v1/completions, POST /v1/chat/completions",
+                   405: "method not allowed on this endpoint"}.get(e.status_code, str(e.detail))
+        return error_response(APIError(e.status_code, message))
+
+    @app.exception_handler(Exception)
+    async def _crash(_request: Request, e: Exception):
+        return error_response(APIError(500, f"internal error: {type(e).__name__}: {e}"))
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            token = given[7:] if given.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), api_key.encode()):
+                what = "Incorrect API key provided" if token else "Missing API key: send 'Authorization: Bearer KEY'"
+                return error_response(APIError(401, what, code="invalid_api_key"))
+        return await call_next(request)
+
+    def model_card() -> dict[str, Any]:
+        return {"id": model_id, "object": "model", "created": created, "owned_by": "lmforge",
+                "context_length": n_ctx}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": model_id, "running": engine.running, "waiting": engine.waiting}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        if name != model_id:
+            raise APIError(404, f"The model '{name}' does not exist; this server serves '{model_id}'", "model",
+                           "model_not_found")
+        return model_card()
+
+    def max_tokens_for(common: Common, prompts: list[list[int]], default: int | None) -> int:
+        longest = max(len(p) for p in prompts)
+        room = n_ctx - longest
+        if room < 1:
+            raise bad(f"This model's maximum context length is {n_ctx} tokens. However, your prompt has "
+                      f"{longest} tokens, which leaves no room for the reply; shorten the prompt.", "messages")
+        wanted = common.max_tokens if common.max_tokens is not None else min(default or room, room)
+        if longest + wanted > n_ctx:
+            raise bad(f"This model's maximum context length is {n_ctx} tokens. However, you requested "
+                      f"{longest + wanted} tokens ({longest} in the prompt, {wanted} for the completion). "
+                      f"Reduce the prompt or max_tokens (at most {room} here).", "max_tokens")
+        return wanted
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req: CompletionRequest = parse_completion(parse_json(await request.body()), model_id, tokenizer.vocab_size)
+        c = req.common
+        prompt_ids = [[tokenizer.eos_id, *tokenizer.encode(p)] if isinstance(p, str) else list(p)
+                      for p in req.prompts]
+        max_tokens = max_tokens_for(c, prompt_ids, default=16)  # OpenAI's default for completions
+        choices = [Choice(i * c.n + j, ids, ChoiceText(tokenizer, c.stop))
+                   for i, ids in enumerate(prompt_ids) for j in range(c.n)]
+        echo = [p if isinstance(p, str) else tokenizer.decode(p) for p in req.prompts]
+        gen = Generation(engine, choices, c, max_tokens)
+        gen.start()
+        rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def chunk(choice_list: list[dict], usage: dict | None = None) -> dict:
+            body = {"id": rid, "object": "text_completion", "created": now, "model": model_id, "choices": choice_list}
+            if usage is not None:
+                body["usage"] = usage
+            return body
+
+        if c.stream:
+            async def stream():
+                if req.echo:
+                    for ch in choices:
+                        yield _sse(chunk([{"index": ch.index, "text": echo[ch.index // c.n], "logprobs": None,
+                                           "finish_reason": None}]))
+                async for ch, piece in gen.events():
+                    yield _sse(chunk([{"index": ch.index, "text": piece, "logprobs": None,
+                                       "finish_reason": None if piece else ch.finish_reason}]))
+                if c.include_usage:
+                    yield _sse(chunk([], gen.usage()))
+
+            return _stream_response(stream(), gen)
+        texts = {ch.index: [] for ch in choices}
+        try:
+            async for ch, piece in gen.events():
+                texts[ch.index].append(piece)
+        finally:
+            gen.cancel()
+        return chunk([{"index": ch.index, "text": (echo[ch.index // c.n] if req.echo else "") + "".join(texts[ch.index]),
+                       "logprobs": None, "finish_reason": ch.finish_reason} for ch in choices], gen.usage())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req: ChatRequest = parse_chat(parse_json(await request.body()), model_id)
+        c = req.common
+        try:
+            prompt = tokenizer.apply_chat_template(req.messages, tools=req.tools or None)
+        except LMForgeError as e:
+            raise bad(str(e), "messages") from None
+        ids = [tokenizer.eos_id, *tokenizer.encode(prompt)]
+        max_tokens = max_tokens_for(c, [ids], default=None)
+        marker = TOOL_CALL_OPEN if req.tools else None
+        choices = [Choice(j, ids, ChoiceText(tokenizer, c.stop, hold_marker=marker)) for j in range(c.n)]
+        gen = Generation(engine, choices, c, max_tokens)
+        gen.start()
+        rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def chunk(choice_list: list[dict], usage: dict | None = None) -> dict:
+            body = {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model_id,
+                    "system_fingerprint": None, "choices": choice_list}
+            if usage is not None:
+                body["usage"] = usage
+            return body
+
+        def tool_section(ch: Choice) -> tuple[str, list]:
+            """What the held-back tool section becomes: leftover content and the calls."""
+            held = ch.text.held
+            if not held:
+                return "", []
+            return parse_tool_calls(held)
+
+        if c.stream:
+            async def stream():
+                for ch in choices:
+                    yield _sse(chunk([{"index": ch.index, "delta": {"role": "assistant", "content": ""},
+                                       "logprobs": None, "finish_reason": None}]))
+                async for ch, piece in gen.events():
+                    if piece:
+                        yield _sse(chunk([{"index": ch.index, "delta": {"content": piece}, "logprobs": None,
+                                           "finish_reason": None}]))
+                        continue
+                    content, calls = tool_section(ch)
+                    reason = ch.finish_reason
+                    if content:
+                        yield _sse(chunk([{"index": ch.index, "delta": {"content": content}, "logprobs": None,
+                                           "finish_reason": None}]))
+                    if calls:
+                        reason = "tool_calls"
+                        deltas = [{"index": k, **call.to_openai()} for k, call in enumerate(calls)]
+                        yield _sse(chunk([{"index": ch.index, "delta": {"tool_calls": deltas}, "logprobs": None,
+                                           "finish_reason": None}]))
+                    yield _sse(chunk([{"index": ch.index, "delta": {}, "logprobs": None, "finish_reason": reason}]))
+                if c.include_usage:
+                    yield _sse(chunk([], gen.usage()))
+
+            return _stream_response(stream(), gen)
+        try:
+            async for _ in gen.events():
+                pass
+        finally:
+            gen.cancel()
+        out = []
+        for ch in choices:
+            sent = ch.text.text[:ch.text.sent]
+            rest, calls = tool_section(ch)
+            message: dict[str, Any] = {"role": "assistant", "content": (sent + rest) if (sent + rest) or not calls
+                                       else None}
+            if calls:
+                message["tool_calls"] = [call.to_openai() for call in calls]
+            out.append({"index": ch.index, "message": message, "logprobs": None,
+                        "finish_reason": "tool_calls" if calls else ch.finish_reason})
+        return {"id": rid, "object": "chat.completion", "created": now, "model": model_id,
+                "system_fingerprint": None, "choices": out, "usage": gen.usage()}
+
+    return app
+
+
+def _sse(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def _stream_response(body: AsyncIterator[str], gen: Generation) -> StreamingResponse:
+    async def with_done():
+        try:
+            async for event in body:
+                yield event
+        except APIError as e:  # headers are sent already: report the error in the stream
+            yield _sse(e.body())
+        finally:
+            gen.cancel()  # a client that left, or an error: stop generating for it
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(with_done(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -1,0 +1,60 @@
+"""Load a checkpoint, start the batching engine and run the API with uvicorn."""
+
+from __future__ import annotations
+
+import ipaddress
+import sys
+from pathlib import Path
+
+from lmforge.errors import LMForgeError
+
+
+def load_engine(checkpoint: str | Path, device: str = "auto", max_batch_size: int = 16):
+    """``(engine, tokenizer, model_dir)`` for a gpt-family checkpoint."""
+    from lmforge.infer.engine import Engine
+    from lmforge.infer.loading import load_for_inference
+    from lmforge.train.checkpoint import resolve_model_dir
+
+    model, tokenizer, _ = load_for_inference(checkpoint, device)
+    return Engine(model, eos_id=tokenizer.eos_id, max_batch_size=max_batch_size), tokenizer, resolve_model_dir(checkpoint)
+
+
+def default_model_id(model_dir: Path) -> str:
+    """``runs/NAME/checkpoints/step-000100`` -> ``NAME-step-000100``; another directory -> ``PARENT-DIR``."""
+    run = model_dir.parent.parent.name if model_dir.parent.name == "checkpoints" else model_dir.parent.name
+    return f"{run}-{model_dir.name}" if run else model_dir.name
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve(checkpoint: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          model_id: str | None = None, max_batch_size: int = 16, device: str = "auto", log_level: str = "info") -> None:
+    import uvicorn
+
+    from lmforge.serve.app import create_app
+
+    if not 0 <= port < 65536:
+        raise LMForgeError(f"--port must be in 0..65535, got {port}")
+    if max_batch_size < 1:
+        raise LMForgeError(f"--max-batch-size must be >= 1, got {max_batch_size}")
+    engine, tokenizer, model_dir = load_engine(checkpoint, device, max_batch_size)
+    model_id = model_id or default_model_id(model_dir)
+    if not is_loopback(host) and not api_key:
+        print(f"lmforge serve: warning: listening on {host} without --api-key: anyone who can reach this "
+              "machine can use the model", file=sys.stderr)
+    print(f"lmforge serve: model {model_id!r} ({model_dir}), context {engine.n_ctx} tokens, up to "
+          f"{max_batch_size} sequences per batch", file=sys.stderr)
+    print(f"lmforge serve: OpenAI API at http://{host}:{port}/v1" + (" (API key required)" if api_key else ""),
+          file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(create_app(engine, tokenizer, model_id, api_key), host=host, port=port, log_level=log_level,
+                    timeout_graceful_shutdown=5)
+    finally:
+        engine.close()

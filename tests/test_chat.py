@@ -1,0 +1,118 @@
+"""The chat and tool-call format: one template, rendered the same by lmforge and transformers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lmforge.chat import CHAT_TEMPLATE, parse_tool_calls, render_chat
+from lmforge.errors import LMForgeError
+from lmforge.serve.text import ChoiceText
+from lmforge.tokenizer import Tokenizer, train_tokenizer
+
+TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read <a> file & more",
+                                           "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]
+CONVERSATION = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Open main.go, s'il vous plaît"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "main.go"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "package main\n\nfunc main() {}\n"},
+    {"role": "assistant", "content": "It is the entry point. 🙂"},
+    {"role": "user", "content": "Thanks"},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    texts = ["package main\n\nfunc main() {}\n", "You are terse. Open main.go, thanks"] * 20
+    return Tokenizer.load(train_tokenizer(texts, 300, tmp_path_factory.mktemp("tok"), show_progress=False))
+
+
+def test_turns_open_with_bos_and_role_and_close_with_eos():
+    text = render_chat([{"role": "user", "content": "hi"}], "<s>", "</s>")
+    assert text == "<s>user\nhi</s>\n<s>assistant\n"
+    text = render_chat(CONVERSATION, "<s>", "</s>", tools=TOOLS)
+    assert text.startswith("<s>system\nYou are terse.\n\nYou can call these tools.")
+    assert '\n<s>assistant\n<tool_call>{"name": "read_file", "arguments": {"path": "main.go"}}</tool_call></s>\n' in text
+    assert "<s>tool\npackage main\n\nfunc main() {}\n</s>\n" in text
+    assert json.dumps(TOOLS[0]["function"], ensure_ascii=False) in text
+    assert text.endswith("<s>user\nThanks</s>\n<s>assistant\n")
+
+
+def test_transformers_renders_the_saved_template_exactly_like_lmforge(tokenizer, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer.save(tmp_path)
+    hf = AutoTokenizer.from_pretrained(tmp_path)
+    for tools in (None, TOOLS):
+        for prompt in (True, False):
+            ours = tokenizer.apply_chat_template(CONVERSATION, tools=tools, add_generation_prompt=prompt)
+            theirs = hf.apply_chat_template(CONVERSATION, tools=tools, add_generation_prompt=prompt, tokenize=False)
+            assert theirs == ours
+    # bos and eos are single special tokens, so a turn costs two tokens of markup plus the role.
+    ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]))
+    assert ids[0] == tokenizer.bos_id and tokenizer.eos_id in ids
+
+
+def test_a_custom_template_travels_with_the_tokenizer(tokenizer, tmp_path):
+    tokenizer.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    try:
+        tokenizer.save(tmp_path)
+    finally:
+        tokenizer.chat_template = CHAT_TEMPLATE
+    loaded = Tokenizer.load(tmp_path)
+    assert loaded.apply_chat_template([{"role": "user", "content": "hi"}]) == "[user] hi\n"
+
+
+def test_tool_calls_are_parsed_and_malformed_ones_stay_text():
+    text = 'Reading. <tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>\n<tool_call>{"name": "b", "arguments": "{\\"y\\": [2]}"}</tool_call>'
+    content, calls = parse_tool_calls(text)
+    assert content == "Reading." and [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {"x": 1}), ("b", {"y": [2]})]
+    assert len({c.id for c in calls}) == 2
+    for broken in ('<tool_call>{"name": "a", "arguments": </tool_call>', '<tool_call>{"arguments": {}}</tool_call>',
+                   '<tool_call>{"name": "a", "arguments": [1]}</tool_call>', "no call at all"):
+        assert parse_tool_calls(broken) == (broken, [])
+
+
+@pytest.mark.parametrize("messages, words", [
+    ([], "non-empty list"), ([{"role": "robot", "content": "x"}], "role"),
+    ([{"role": "user", "content": 5}], "string"), ([{"role": "user"}], "no content"),
+    ([{"role": "user", "content": [{"type": "image_url"}]}], "text parts"),
+])
+def test_bad_messages_are_named(messages, words):
+    with pytest.raises(LMForgeError, match=words):
+        render_chat(messages, "<s>", "</s>")
+
+
+def test_text_parts_are_joined():
+    assert render_chat([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+                       "<s>", "</s>") == "<s>user\nab</s>\n<s>assistant\n"
+
+
+def pieces(tokenizer, text, stop, marker=None):
+    stream = ChoiceText(tokenizer, stop, hold_marker=marker)
+    out = []
+    for token in tokenizer.encode(text):
+        out.append(stream.push(token))
+        if stream.stopped:
+            break
+    out.append(stream.finish())
+    return out, stream
+
+
+def test_stop_strings_are_cut_even_across_tokens_and_never_leak(tokenizer):
+    text = "package main\n\nfunc main() {}\nEND here"
+    out, stream = pieces(tokenizer, text, ["main()", "zz"])
+    assert "".join(out) == "package main\n\nfunc " and stream.stopped
+    assert not any("main(" in p for p in out)  # a prefix of the stop string is held back, then dropped
+    out, stream = pieces(tokenizer, text, ["zz"])
+    assert "".join(out) == text and not stream.stopped
+
+
+def test_a_tool_call_section_is_held_back_for_parsing(tokenizer):
+    text = 'I will look. <tool_call>{"name": "read_file", "arguments": {"path": "main.go"}}</tool_call>'
+    out, stream = pieces(tokenizer, text, [], marker="<tool_call>")
+    assert "".join(out) == "I will look. " and stream.held.startswith("<tool_call>")
+    assert parse_tool_calls(stream.held)[1][0].name == "read_file"
