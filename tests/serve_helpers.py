@@ -69,7 +69,7 @@ class Server:
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = Path(checkpoint).parent / f"serve-{self.port}.log"
         cmd = [sys.executable, "-m", "lmforge", "serve", str(checkpoint), "--port", str(self.port),
-               "--model-name", "tiny", "--log-level", "warning", *args]
+               "--model-name", "tiny", "--log-level", "warning", "--precision", "fp32", *args]
         env = {**os.environ, "LMFORGE_API_KEY": ""}
         self.proc = subprocess.Popen(cmd, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env)
         deadline = time.time() + 60

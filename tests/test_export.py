@@ -61,7 +61,7 @@ def test_export_refuses_what_transformers_cannot_express_and_keeps_existing_outp
     _, ckpt = checkpoint(tmp_path, tokenizer_dir, flavor="llama", mhc_enabled=True)
     from lmforge.export import export_hf
 
-    with pytest.raises(LMForgeError, match="no transformers equivalent"):
+    with pytest.raises(LMForgeError, match="mHC.*transformers cannot run.*own checkpoint format.*always works"):
         export_hf(ckpt, tmp_path / "hf")
     assert not (tmp_path / "hf").exists() and not list(tmp_path.glob(".hf.tmp-*"))
     _, ckpt = checkpoint(tmp_path / "plain", tokenizer_dir, flavor="llama")
@@ -72,3 +72,16 @@ def test_export_refuses_what_transformers_cannot_express_and_keeps_existing_outp
     with pytest.raises(LMForgeError, match="not an earlier export"):
         export_hf(ckpt, tmp_path / "mine", overwrite=True)
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_cli_export_names_the_formats_a_puzzle_model_does_have(tmp_path, capsys):
+    from lmforge.models import build_model
+    from lmforge.models.trm import TRMConfig
+
+    trm = build_model(TRMConfig(seq_len=81, vocab_size=11, num_puzzle_identifiers=4, hidden_size=32, num_heads=2,
+                                L_layers=1, H_cycles=1, L_cycles=1, puzzle_emb_len=2)).save_pretrained(tmp_path / "trm")
+    for fmt in ("hf", "gguf"):
+        assert main(["export", str(trm), "--format", fmt, "--out", str(tmp_path / f"out-{fmt}")]) == 2
+        err = capsys.readouterr().err
+        assert "'trm' model" in err and "own checkpoint format" in err and "--format hf and --format gguf" in err
+    assert not list(tmp_path.glob("*out-*"))

@@ -172,7 +172,7 @@ def error_of(server, payload, path="/v1/completions", raw=None):
     ({"prompt": "x"}, 400, "model", "required"),
     ({"model": "tiny", "prompt": "x", "max_tokens": -1}, 400, "max_tokens", ">= 1"),
     ({"model": "tiny", "prompt": "x", "max_tokens": 10**6}, 400, "max_tokens", "maximum context length"),
-    ({"model": "tiny", "prompt": "word " * 300}, 400, "messages", "maximum context length"),
+    ({"model": "tiny", "prompt": "word " * 300}, 400, "prompt", "maximum context length"),
     ({"model": "tiny", "prompt": "x", "temperature": "hot"}, 400, "temperature", "number"),
     ({"model": "tiny", "prompt": "x", "max_tokens": "5"}, 400, "max_tokens", "integer"),
     ({"model": "tiny", "prompt": 5}, 400, "prompt", "string"),

@@ -17,6 +17,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from lmforge.errors import LMForgeError
+from lmforge.export.formats import check_exportable
 
 HF_FILES = ("config.json", "model.safetensors", "generation_config.json")
 
@@ -49,22 +50,18 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, overwrite: 
     """Write ``checkpoint`` (any form ``lmforge eval`` takes) as a transformers model directory."""
     from lmforge.infer.loading import find_tokenizer
     from lmforge.models import load_model
-    from lmforge.models.gpt import GPT
     from lmforge.models.hf_compat import gpt2_state_dict_for_hf, llama_state_dict_for_hf
     from lmforge.tokenizer import Tokenizer
     from lmforge.train.checkpoint import resolve_model_dir
 
     model_dir = resolve_model_dir(checkpoint)
     model = load_model(model_dir)
-    if not isinstance(model, GPT):
-        raise LMForgeError(f"{model_dir} holds a {model.family!r} model, which transformers has no class for; "
-                           "--format hf exports the gpt family (gpt2 and llama flavors). lmforge's own "
-                           "checkpoint format (config.yaml + model.safetensors) always works.")
+    check_exportable(model, model_dir, "transformers")
     c = model.config
     if c.flavor == "gpt2":
         state, config = gpt2_state_dict_for_hf(model), _gpt2_config(c)
     else:
-        state, config = llama_state_dict_for_hf(model), _llama_config(c)  # refuses mHC models too
+        state, config = llama_state_dict_for_hf(model), _llama_config(c)
     if c.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # transformers ties it to the embedding on load
     tokenizer = Tokenizer.load(find_tokenizer(model_dir))

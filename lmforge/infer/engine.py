@@ -151,7 +151,8 @@ class Engine:
         seed = request.params.seed if request.params.seed is not None else next(self._seeds)
         request._generator = torch.Generator().manual_seed(seed)
         single = self.model.new_kv_cache(1)
-        logits = self.model.logits(torch.tensor([request.prompt_ids], device=self.device), kv_cache=single)
+        logits = self.model.logits(torch.tensor([request.prompt_ids], device=self.device), kv_cache=single,
+                                   last_only=True)
         token = int(self._sample(logits[:, -1], [request])[0])
         self._cache.add_row(single)
         self._rows.append(request)
@@ -170,6 +171,8 @@ class Engine:
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = [r.params for r in requests]
+        if all(p.temperature == 0 for p in params):
+            return logits.argmax(dim=-1).cpu()
         uniform = torch.tensor([float(torch.rand((), generator=r._generator)) for r in requests])
         dev = logits.device
         return sample_rows(logits, torch.tensor([p.temperature for p in params], device=dev),

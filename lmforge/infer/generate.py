@@ -1,7 +1,7 @@
 """Autoregressive sampling with a KV cache, and streaming detokenisation.
 
 ``generate_tokens`` works with any model that has ``config`` (``n_positions``, ``bos_token_id``,
-``eos_token_id``), ``logits(input_ids, kv_cache=)`` and ``new_kv_cache(batch_size)``, like
+``eos_token_id``), ``logits(input_ids, kv_cache=, last_only=)`` and ``new_kv_cache(batch_size)``, like
 ``lmforge.models.gpt.GPT``.
 """
 
@@ -56,6 +56,8 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, 
     """Pick one token per row of ``[B, V]`` logits -> ``[B]`` ids, all rows with the same settings
     (``sample_rows``); the draws come from ``generator``."""
     check_sampling(temperature, top_k, top_p)
+    if temperature == 0:
+        return logits.argmax(dim=-1)
     n, device = logits.size(0), logits.device
     uniform = torch.rand(n, generator=generator, device=generator.device if generator else "cpu").to(device)
     return sample_rows(logits, torch.full((n,), float(temperature), device=device),
@@ -93,11 +95,13 @@ def generate_tokens(model: Any, prompt_ids: list[int], max_new_tokens: int, temp
     @torch.inference_mode()
     def step(new_ids: list[int]) -> torch.Tensor:
         was_training = model.training
-        model.eval()
+        if was_training:  # switching walks every module: only when needed
+            model.eval()
         try:
-            logits = model.logits(torch.tensor([new_ids], device=device), kv_cache=cache)
+            logits = model.logits(torch.tensor([new_ids], device=device), kv_cache=cache, last_only=True)
         finally:
-            model.train(was_training)
+            if was_training:
+                model.train()
         return logits[:, -1]
 
     logits = step(ids)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from lmforge.errors import LMForgeError
 from lmforge.models import load_model
 from lmforge.train.checkpoint import resolve_model_dir
-from lmforge.train.device import pick_device
+from lmforge.train.device import pick_device, pick_precision
 
 
 def find_tokenizer(model_dir: Path) -> Path:
@@ -19,14 +21,36 @@ def find_tokenizer(model_dir: Path) -> Path:
                        "was trained with into the checkpoint directory")
 
 
-def load_for_inference(checkpoint: str | Path, device: str = "auto"):
-    """Returns ``(model, tokenizer, device)`` with the model in eval mode."""
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+
+
+def inference_dtype(precision: str, device) -> torch.dtype:
+    """The weight dtype for generation. ``auto``: bf16 on GPUs that have it and on CPUs with bf16
+    units (AMX / AVX512-BF16), where decoding is bound by reading the weights and bf16 halves that;
+    fp32 elsewhere."""
+    if precision not in PRECISIONS:
+        raise LMForgeError(f"unknown precision {precision!r}; use one of: {', '.join(PRECISIONS)}")
+    if precision == "fp16" and device.type == "cpu":
+        raise LMForgeError("--precision fp16 is for GPUs; on a CPU use fp32, or bf16 on CPUs with bf16 units")
+    if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise LMForgeError("this GPU has no bf16 support; use --precision fp16 or fp32")
+    if precision == "auto":
+        precision = pick_precision("auto", device)
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+
+
+def load_for_inference(checkpoint: str | Path, device: str = "auto", precision: str = "fp32"):
+    """Returns ``(model, tokenizer, device)`` with the model in eval mode, its weights in ``precision``
+    (``inference_dtype``; the default fp32 is what evaluation needs)."""
     from lmforge.tokenizer import Tokenizer
 
     model_dir = resolve_model_dir(checkpoint)
     dev = pick_device(device)
+    dtype = inference_dtype(precision, dev)
     model = load_model(model_dir, map_location=dev)
     model.eval()
+    if dtype != torch.float32:
+        model.to(dtype)
     if not hasattr(model, "new_kv_cache"):
         raise LMForgeError(f"{model_dir} holds a {model.family!r} model, which does not generate text; this "
                            "command takes gpt-family checkpoints (for Sudoku models use `lmforge solve` / "

@@ -19,12 +19,12 @@ HELP = "commands: /reset forgets the conversation, /exit quits (or Ctrl-D); Ctrl
 
 
 def chat(checkpoint: str, system: str | None = None, max_tokens: int = 512, temperature: float = 0.8,
-         top_p: float = 0.95, top_k: int = 0, seed: int | None = None, device: str = "auto",
+         top_p: float = 0.95, top_k: int = 0, seed: int | None = None, device: str = "auto", precision: str = "auto",
          stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> None:
     from lmforge.serve.server import load_engine
 
     SamplingParams(max_tokens, temperature, top_p, top_k, seed)  # check the settings before loading
-    engine, tokenizer, model_dir = load_engine(checkpoint, device, max_batch_size=1)
+    engine, tokenizer, model_dir = load_engine(checkpoint, device, max_batch_size=1, precision=precision)
     interactive = stdin.isatty()
     base = [{"role": "system", "content": system}] if system else []
     history = list(base)

@@ -299,8 +299,11 @@ class BatchedKVCache:
             raise LMForgeError("a BatchedKVCache decodes one token per row at a time; prefill with a KVCache")
         lengths = torch.tensor(self.lengths, device=device)
         span = max(self.lengths) + 1
-        # Row r sees its own keys 0 .. lengths[r] (the new one included), none of the rows' padding.
-        mask = (torch.arange(span, device=device) <= lengths[:, None])[:, None, None, :]
+        # Row r sees its own keys 0 .. lengths[r] (the new one included), none of the other rows'
+        # unused tail; rows of equal length need no mask at all.
+        mask = None
+        if min(self.lengths) + 1 < span:
+            mask = (torch.arange(span, device=device) <= lengths[:, None])[:, None, None, :]
         self._step = (lengths, mask, span)
         return lengths[:, None]
 
@@ -429,6 +432,7 @@ class GPT(LMForgeModel):
         self.tie_weights()
         self._checkpointing = False
         self._mhc_gains: torch.Tensor | None = None  # from the last forward that collected them
+        self._rope_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _init_weights(self) -> None:
         std = self.config.initializer_range
@@ -459,9 +463,12 @@ class GPT(LMForgeModel):
         return loss, {"mhc/amax_pre": gains[:-1, 0].max(), "mhc/amax_post": gains[:-1, 2].max(),
                       "mhc/amax_res": gains[:-1, 4:6].max(), "mhc/amax_composite": gains[-1, :2].max()}
 
-    def logits(self, input_ids: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
-        """``[B, T]`` token ids -> ``[B, T, vocab]`` logits; with ``kv_cache`` the ids continue the cached ones."""
-        return self.lm_head(self.hidden_states(input_ids, kv_cache))
+    def logits(self, input_ids: torch.Tensor, kv_cache: KVCache | BatchedKVCache | None = None,
+               last_only: bool = False) -> torch.Tensor:
+        """``[B, T]`` token ids -> ``[B, T, vocab]`` logits (``[B, 1, vocab]`` for the last position only
+        with ``last_only``, what generation needs); with ``kv_cache`` the ids continue the cached ones."""
+        hidden = self.hidden_states(input_ids, kv_cache)
+        return self.lm_head(hidden[:, -1:] if last_only else hidden)
 
     def hidden_states(self, input_ids: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
         """``[B, T]`` token ids -> ``[B, T, n_embd]`` final-norm outputs, the LM head's input."""
@@ -507,15 +514,20 @@ class GPT(LMForgeModel):
         return self.norm_f(x), coeffs
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # Computed per call in fp32 (cheap) instead of cached in a buffer that model.to(bf16) would round.
-        hd = self.config.head_dim
-        inv_freq = 1.0 / self.config.rope_theta ** (
-            torch.arange(0, hd, 2, device=positions.device, dtype=torch.float32) / hd)
-        freqs = positions.float()[..., None] * inv_freq  # elementwise: autocast leaves it in fp32
-        emb = torch.cat((freqs, freqs), dim=-1)
+        # The cos/sin table is built once per device in fp32 and kept outside the module's buffers,
+        # so model.to(bf16) cannot round it; rows are picked per call (one gather, cheap when decoding).
+        table = self._rope_tables.get(positions.device)
+        if table is None:
+            hd = self.config.head_dim
+            inv_freq = 1.0 / self.config.rope_theta ** (
+                torch.arange(0, hd, 2, device=positions.device, dtype=torch.float32) / hd)
+            freqs = torch.arange(self.config.n_positions, device=positions.device, dtype=torch.float32)[:, None] * inv_freq
+            emb = torch.cat((freqs, freqs), dim=-1)
+            table = self._rope_tables[positions.device] = (emb.cos(), emb.sin())
+        cos, sin = table[0][positions].to(dtype), table[1][positions].to(dtype)
         if positions.dim() == 2:  # per-row positions [B, T] (BatchedKVCache): broadcast over heads
-            emb = emb[:, None]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+            cos, sin = cos[:, None], sin[:, None]
+        return cos, sin
 
     def new_kv_cache(self, batch_size: int, device: torch.device | str | None = None,
                      dtype: torch.dtype | None = None) -> KVCache:

@@ -159,12 +159,12 @@ def create_app(engine: Engine, tokenizer: Any, model_id: str, api_key: str | Non
                            "model_not_found")
         return model_card()
 
-    def max_tokens_for(common: Common, prompts: list[list[int]], default: int | None) -> int:
+    def max_tokens_for(common: Common, prompts: list[list[int]], default: int | None, prompt_param: str) -> int:
         longest = max(len(p) for p in prompts)
         room = n_ctx - longest
         if room < 1:
             raise bad(f"This model's maximum context length is {n_ctx} tokens. However, your prompt has "
-                      f"{longest} tokens, which leaves no room for the reply; shorten the prompt.", "messages")
+                      f"{longest} tokens, which leaves no room for the reply; shorten the prompt.", prompt_param)
         wanted = common.max_tokens if common.max_tokens is not None else min(default or room, room)
         if longest + wanted > n_ctx:
             raise bad(f"This model's maximum context length is {n_ctx} tokens. However, you requested "
@@ -178,7 +178,7 @@ def create_app(engine: Engine, tokenizer: Any, model_id: str, api_key: str | Non
         c = req.common
         prompt_ids = [[tokenizer.eos_id, *tokenizer.encode(p)] if isinstance(p, str) else list(p)
                       for p in req.prompts]
-        max_tokens = max_tokens_for(c, prompt_ids, default=16)  # OpenAI's default for completions
+        max_tokens = max_tokens_for(c, prompt_ids, default=16, prompt_param="prompt")  # 16: OpenAI's default
         choices = [Choice(i * c.n + j, ids, ChoiceText(tokenizer, c.stop))
                    for i, ids in enumerate(prompt_ids) for j in range(c.n)]
         echo = [p if isinstance(p, str) else tokenizer.decode(p) for p in req.prompts]
@@ -223,7 +223,7 @@ def create_app(engine: Engine, tokenizer: Any, model_id: str, api_key: str | Non
         except LMForgeError as e:
             raise bad(str(e), "messages") from None
         ids = [tokenizer.eos_id, *tokenizer.encode(prompt)]
-        max_tokens = max_tokens_for(c, [ids], default=None)
+        max_tokens = max_tokens_for(c, [ids], default=None, prompt_param="messages")
         marker = TOOL_CALL_OPEN if req.tools else None
         choices = [Choice(j, ids, ChoiceText(tokenizer, c.stop, hold_marker=marker)) for j in range(c.n)]
         gen = Generation(engine, choices, c, max_tokens)
