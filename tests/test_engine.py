@@ -103,3 +103,28 @@ def test_bad_requests_are_refused_before_they_run(call, words):
             call(engine)
     finally:
         engine.close()
+
+
+def test_the_loop_can_run_on_the_callers_thread_until_closed():
+    model = make_model("llama")
+    engine = Engine(model, eos_id=-1, max_batch_size=2, background=False)  # as `lmforge serve` runs it
+    out, ends = {0: [], 1: []}, []
+
+    def on_event(i):
+        def f(event):
+            if event[0] == "token":
+                out[i].append(event[1])
+            else:
+                ends.append(event[1])
+                if len(ends) == 2:
+                    engine.close()
+        return f
+
+    engine.submit([5, 6, 7], SamplingParams(12, temperature=0), on_event(0))
+    engine.submit([8], SamplingParams(7, temperature=0), on_event(1))
+    engine.run()  # returns once close() is called
+    assert out[0] == list(generate_tokens(model, [5, 6, 7], 12, temperature=0, eos_id=-1))
+    assert out[1] == list(generate_tokens(model, [8], 7, temperature=0, eos_id=-1))
+    assert ends == ["length", "length"]
+    with pytest.raises(LMForgeError, match="shut down"):
+        engine.submit([1], SamplingParams(1), print)

@@ -1,6 +1,8 @@
 """A generation engine that serves many requests at once by continuous batching.
 
-One background thread owns the model. Requests wait in a queue; each is prefilled on its own
+One thread owns the model: a background thread by default, or the caller's with ``run()`` (``lmforge
+serve`` runs it on the main thread and the HTTP server beside it: PyTorch's CPU kernels ran 10-25%
+slower in a secondary thread here, benchmarks/RESULTS.md). Requests wait in a queue; each is prefilled on its own
 (one forward over its prompt), then joins the running batch, where every step decodes one token
 for every sequence in one forward (``BatchedKVCache``: each row at its own length). A sequence
 leaves when it ends and a waiting request takes its place at the next step, so a long reply
@@ -59,7 +61,8 @@ class Request:
 class Engine:
     """Continuous-batching generation over ``model`` (a ``GPT``) in a background thread."""
 
-    def __init__(self, model: Any, eos_id: int, max_batch_size: int = 16, max_queue: int = 1024):
+    def __init__(self, model: Any, eos_id: int, max_batch_size: int = 16, max_queue: int = 1024,
+                 background: bool = True):
         if max_batch_size < 1:
             raise LMForgeError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model.eval()
@@ -72,8 +75,10 @@ class Engine:
         self._last: list[int] = []  # each row's latest token, the next step's input
         self._seeds = itertools.count(torch.initial_seed() % 2**62)
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="lmforge-engine", daemon=True)
-        self._thread.start()
+        self._thread = None
+        if background:
+            self._thread = threading.Thread(target=self.run, name="lmforge-engine", daemon=True)
+            self._thread.start()
 
     # ---- public -------------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, on_event: Callable[[Event], Any]) -> Request:
@@ -101,13 +106,17 @@ class Engine:
         return len(self._rows)
 
     def close(self) -> None:
-        """Finish the thread; requests still waiting are cancelled."""
+        """Stop the loop (``run`` returns); requests still waiting are cancelled."""
+        if self._closed:
+            return
         self._closed = True
         self._queue.put(None)
-        self._thread.join(timeout=30)
+        if self._thread is not None:
+            self._thread.join(timeout=30)
 
-    # ---- the engine thread ----------------------------------------------------------------------
-    def _run(self) -> None:
+    # ---- the engine loop ------------------------------------------------------------------------
+    def run(self) -> None:
+        """Serve requests in this thread until ``close``; only for an engine made with background=False."""
         self._cache = self.model.new_batched_kv_cache(self.max_batch_size)
         while True:
             if not self._admit():

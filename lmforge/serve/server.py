@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import ipaddress
 import sys
+import threading
 from pathlib import Path
 
 from lmforge.errors import LMForgeError
 
 
-def load_engine(checkpoint: str | Path, device: str = "auto", max_batch_size: int = 16, precision: str = "auto"):
+def load_engine(checkpoint: str | Path, device: str = "auto", max_batch_size: int = 16, precision: str = "auto",
+                background: bool = True):
     """``(engine, tokenizer, model_dir)`` for a gpt-family checkpoint."""
     from lmforge.infer.engine import Engine
     from lmforge.infer.loading import load_for_inference
     from lmforge.train.checkpoint import resolve_model_dir
 
     model, tokenizer, _ = load_for_inference(checkpoint, device, precision)
-    return Engine(model, eos_id=tokenizer.eos_id, max_batch_size=max_batch_size), tokenizer, resolve_model_dir(checkpoint)
+    engine = Engine(model, eos_id=tokenizer.eos_id, max_batch_size=max_batch_size, background=background)
+    return engine, tokenizer, resolve_model_dir(checkpoint)
 
 
 def default_model_id(model_dir: Path) -> str:
@@ -45,7 +48,7 @@ def serve(checkpoint: str | Path, host: str = "127.0.0.1", port: int = 8000, api
         raise LMForgeError(f"--port must be in 0..65535, got {port}")
     if max_batch_size < 1:
         raise LMForgeError(f"--max-batch-size must be >= 1, got {max_batch_size}")
-    engine, tokenizer, model_dir = load_engine(checkpoint, device, max_batch_size, precision)
+    engine, tokenizer, model_dir = load_engine(checkpoint, device, max_batch_size, precision, background=False)
     model_id = model_id or default_model_id(model_dir)
     if not is_loopback(host) and not api_key:
         print(f"lmforge serve: warning: listening on {host} without --api-key: anyone who can reach this "
@@ -55,8 +58,24 @@ def serve(checkpoint: str | Path, host: str = "127.0.0.1", port: int = 8000, api
           f"tokens, up to {max_batch_size} sequences per batch", file=sys.stderr)
     print(f"lmforge serve: OpenAI API at http://{host}:{port}/v1" + (" (API key required)" if api_key else ""),
           file=sys.stderr, flush=True)
-    try:
-        uvicorn.run(create_app(engine, tokenizer, model_id, api_key), host=host, port=port, log_level=log_level,
-                    timeout_graceful_shutdown=5)
-    finally:
+    # The model runs on this (main) thread, the HTTP server on another: PyTorch's CPU kernels ran
+    # 10-25% slower on a secondary thread (benchmarks/RESULTS.md), the event loop does not care.
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, tokenizer, model_id, api_key), host=host, port=port,
+                                           log_level=log_level, timeout_graceful_shutdown=5))
+    http = threading.Thread(target=server.run, name="lmforge-http", daemon=True)
+
+    def stop_engine_when_http_ends() -> None:
+        http.join()
         engine.close()
+
+    http.start()
+    threading.Thread(target=stop_engine_when_http_ends, daemon=True).start()
+    try:
+        engine.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.should_exit = True
+        http.join(timeout=10)
+    if not server.started:
+        raise LMForgeError(f"could not listen on {host}:{port} (is the port in use? pick another with --port)")
