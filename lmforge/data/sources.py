@@ -86,7 +86,7 @@ def iter_documents(paths: Sequence[str | Path], include: Sequence[str] = DEFAULT
         path = Path(raw)
         kind = source_kind(path)
         if kind == "directory":
-            docs = _iter_tree(path, include, exclude_tests, stats)
+            docs = iter_tree(path, include, exclude_tests, stats)
         elif kind == "jsonl":
             docs = _iter_jsonl(path, text_field)
         elif kind == "parquet":
@@ -131,7 +131,7 @@ def _path_skip_reason(rel: Path, exclude_tests: bool) -> str | None:
     return None
 
 
-def _iter_tree(root: Path, include: Sequence[str], exclude_tests: bool,
+def iter_tree(root: Path, include: Sequence[str], exclude_tests: bool,
                stats: FilterStats) -> Iterator[Document]:
     for pattern in include:
         if not pattern or Path(pattern).is_absolute():
