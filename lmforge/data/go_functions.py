@@ -72,7 +72,7 @@ def _text(node) -> str:
     return node.text.decode("utf-8")
 
 
-def _statements(block) -> list:
+def statements_of(block) -> list:
     """The statements directly inside a ``block`` node (comments and empty statements dropped)."""
     items = []
     for child in block.named_children:
@@ -104,7 +104,7 @@ def _outline(stmt) -> str:
     if kind == "if_statement":
         init = field("initializer")
         item = "if " + (_outline(init) + "; " if init is not None else "") + _compact(_text(field("condition")))
-        body = _statements(field("consequence"))
+        body = statements_of(field("consequence"))
         if len(body) == 1 and body[0].type in ("return_statement", "break_statement", "continue_statement",
                                                "goto_statement"):
             item += " → " + body[0].type.removesuffix("_statement")
@@ -157,7 +157,7 @@ def _outline(stmt) -> str:
 def plan_of(body) -> str:
     """The plan of a function body (a tree-sitter ``block``): one item per top-level statement, joined
     by `` | ``; the same body always gives the same plan."""
-    return " | ".join(_outline(s) for s in _statements(body))
+    return " | ".join(_outline(s) for s in statements_of(body))
 
 
 # ---- functions ------------------------------------------------------------------------------------
