@@ -315,7 +315,8 @@ def _add_serve(sub) -> None:
     p.add_argument("--port", type=int, default=8000, help="TCP port (0 = any free port)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: the "
                    "LMFORGE_API_KEY environment variable, else no key)")
-    p.add_argument("--model-name", default=None, help="model id clients use (default RUN-step-N)")
+    p.add_argument("--model-name", default=None,
+                   help="model id clients use (default RUN-CHECKPOINT, e.g. go_coder_tiny-best)")
     p.add_argument("--max-batch-size", type=int, default=16, help="sequences decoded together; more wait in a queue")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help=PRECISION_HELP)
