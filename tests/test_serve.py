@@ -174,6 +174,7 @@ def error_of(server, payload, path="/v1/completions", raw=None):
     ({"model": "tiny", "prompt": "x", "max_tokens": 10**6}, 400, "max_tokens", "maximum context length"),
     ({"model": "tiny", "prompt": "word " * 300}, 400, "prompt", "maximum context length"),
     ({"model": "tiny", "prompt": "x", "temperature": "hot"}, 400, "temperature", "number"),
+    ({"model": "tiny", "prompt": "x", "temperature": float("nan")}, 400, "temperature", "number"),
     ({"model": "tiny", "prompt": "x", "max_tokens": "5"}, 400, "max_tokens", "integer"),
     ({"model": "tiny", "prompt": 5}, 400, "prompt", "string"),
     ({"model": "tiny", "prompt": [1, 99999]}, 400, "prompt", "vocabulary"),
@@ -250,3 +251,38 @@ def test_terminal_chat_refuses_bad_settings(checkpoint):
     r = subprocess.run([sys.executable, "-m", "lmforge", "chat", str(checkpoint), "--top-p", "0"],
                        input="", capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "top_p" in r.stderr
+
+
+def test_a_client_that_gives_up_on_a_whole_reply_frees_its_row(checkpoint):
+    import time
+
+    import uvicorn
+
+    from lmforge.infer.engine import Engine
+    from lmforge.serve.app import create_app
+
+    from .serve_helpers import free_port
+
+    model, tokenizer, _ = load_for_inference(checkpoint, "cpu", "fp32")
+    real_logits = model.logits
+    model.logits = lambda *a, **k: (time.sleep(0.05), real_logits(*a, **k))[1]  # 200 tokens: 10 s
+    engine = Engine(model, eos_id=-1, max_batch_size=2)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, tokenizer, "tiny"), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=0.5,
+                       json={"model": "tiny", "prompt": "func", "max_tokens": 200})
+        deadline = time.time() + 3
+        while engine.running and time.time() < deadline:
+            time.sleep(0.1)
+        assert engine.running == 0  # cancelled, not decoded to the end
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        engine.close()

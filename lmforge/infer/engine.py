@@ -30,6 +30,14 @@ from lmforge.infer.generate import check_sampling, sample_rows
 Event = tuple[str, Any]
 
 
+class QueueFull(LMForgeError):
+    """Too many requests are waiting: a retry later can succeed (HTTP 429)."""
+
+
+class EngineClosed(LMForgeError):
+    """The engine is shutting down (HTTP 503)."""
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int
@@ -75,6 +83,7 @@ class Engine:
         self._last: list[int] = []  # each row's latest token, the next step's input
         self._seeds = itertools.count(torch.initial_seed() % 2**62)
         self._closed = False
+        self._lock = threading.Lock()  # orders submit() against close(): no request slips past the final drain
         self._thread = None
         if background:
             self._thread = threading.Thread(target=self.run, name="lmforge-engine", daemon=True)
@@ -82,19 +91,21 @@ class Engine:
 
     # ---- public -------------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, on_event: Callable[[Event], Any]) -> Request:
-        """Queue a request; raises ``LMForgeError`` when it cannot fit or the queue is full."""
-        if self._closed:
-            raise LMForgeError("the engine is shut down")
+        """Queue a request; raises ``LMForgeError`` when it cannot fit (``QueueFull`` when too many wait,
+        ``EngineClosed`` after ``close``)."""
         if not prompt_ids:
             raise LMForgeError("the prompt has no tokens")
         if len(prompt_ids) >= self.n_ctx:
             raise LMForgeError(f"the prompt has {len(prompt_ids)} tokens; this model's context is {self.n_ctx} "
                                "tokens and must also hold the reply")
         request = Request(list(prompt_ids), params, on_event)
-        try:
-            self._queue.put_nowait(request)
-        except queue.Full:
-            raise LMForgeError(f"too many requests waiting ({self._queue.maxsize}); retry later") from None
+        with self._lock:
+            if self._closed:
+                raise EngineClosed("the engine is shut down")
+            try:
+                self._queue.put_nowait(request)
+            except queue.Full:
+                raise QueueFull(f"too many requests waiting ({self._queue.maxsize}); retry later") from None
         return request
 
     @property
@@ -106,19 +117,38 @@ class Engine:
         return len(self._rows)
 
     def close(self) -> None:
-        """Stop the loop (``run`` returns); requests still waiting are cancelled."""
-        if self._closed:
-            return
-        self._closed = True
-        self._queue.put(None)
+        """Stop the loop at its next step (``run`` returns); running and waiting requests end with
+        ("done", "cancelled")."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self._queue.put_nowait(None)  # wakes a loop that waits for work
+        except queue.Full:
+            pass  # a full queue means the loop is busy: it sees _closed at its next step
         if self._thread is not None:
             self._thread.join(timeout=30)
+
+    def cancel_all(self) -> None:
+        """End every running and waiting request with ("done", "cancelled"); for a loop that was
+        interrupted (Ctrl-C) and will not run again."""
+        for request in self._rows:
+            self._emit(request, ("done", "cancelled"))
+        self._rows, self._last = [], []
+        while True:
+            try:
+                request = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if request is not None:
+                self._emit(request, ("done", "cancelled"))
 
     # ---- the engine loop ------------------------------------------------------------------------
     def run(self) -> None:
         """Serve requests in this thread until ``close``; only for an engine made with background=False."""
         self._cache = self.model.new_batched_kv_cache(self.max_batch_size)
-        while True:
+        while not self._closed:
             if not self._admit():
                 break
             if self._rows:
@@ -129,12 +159,7 @@ class Engine:
                         self._emit(request, ("error", f"generation failed: {e}"))
                     self._rows, self._last = [], []
                     self._cache = self.model.new_batched_kv_cache(self.max_batch_size)
-        for request in self._rows:
-            self._emit(request, ("done", "cancelled"))
-        while not self._queue.empty():
-            request = self._queue.get_nowait()
-            if request is not None:
-                self._emit(request, ("done", "cancelled"))
+        self.cancel_all()
 
     def _admit(self) -> bool:
         """Move waiting requests into free rows (blocking while there is nothing to do).
@@ -144,7 +169,9 @@ class Engine:
                 request = self._queue.get(block=not self._rows)
             except queue.Empty:
                 return True
-            if request is None:
+            if request is None or self._closed:
+                if request is not None:
+                    self._emit(request, ("done", "cancelled"))
                 return False
             if request.cancelled:
                 self._emit(request, ("done", "cancelled"))

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -17,6 +18,8 @@ from lmforge.errors import LMForgeError
 
 
 def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+    if not (math.isfinite(temperature) and math.isfinite(top_p)):
+        raise LMForgeError(f"temperature and top_p must be finite numbers, got {temperature} and {top_p}")
     if temperature < 0:
         raise LMForgeError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     if top_k < 0:

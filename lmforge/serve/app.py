@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmforge.chat import TOOL_CALL_OPEN, parse_tool_calls
 from lmforge.errors import LMForgeError
-from lmforge.infer.engine import Engine, SamplingParams
+from lmforge.infer.engine import Engine, EngineClosed, QueueFull, SamplingParams
 from lmforge.serve.protocol import (APIError, ChatRequest, Common, CompletionRequest, bad, parse_chat,
                                     parse_completion, parse_json)
 from lmforge.serve.text import ChoiceText
@@ -61,9 +61,15 @@ class Generation:
                     loop.call_soon_threadsafe(self.queue.put_nowait, (index, event))
 
                 choice.request = self.engine.submit(choice.prompt_ids, params, on_event)
-        except LMForgeError as e:
+        except QueueFull as e:
             self.cancel()
             raise APIError(429, str(e), code="server_busy") from None
+        except EngineClosed as e:
+            self.cancel()
+            raise APIError(503, str(e), code="shutting_down") from None
+        except LMForgeError as e:  # settings the sampler refuses
+            self.cancel()
+            raise bad(str(e)) from None
 
     def cancel(self) -> None:
         for choice in self.choices:
@@ -100,6 +106,25 @@ class Generation:
                 yield choice, piece
             yield choice, ""
 
+    async def collect(self, request: Request) -> dict[int, list[str]]:
+        """All text of every choice (for a reply that is not streamed); the choices are cancelled
+        if the client disconnects before they finish."""
+        texts: dict[int, list[str]] = {c.index: [] for c in self.choices}
+
+        async def watch() -> None:
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.25)
+            self.cancel()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            async for choice, piece in self.events():
+                texts[choice.index].append(piece)
+        finally:
+            watcher.cancel()
+            self.cancel()
+        return texts
+
     def usage(self) -> dict[str, int]:
         prompt = sum(len(c.prompt_ids) for c in {id(c.prompt_ids): c for c in self.choices}.values())
         completion = sum(c.tokens for c in self.choices)
@@ -112,8 +137,9 @@ def create_app(engine: Engine, tokenizer: Any, model_id: str, api_key: str | Non
     created = int(time.time())
     n_ctx = engine.n_ctx
 
-    def error_response(e: APIError) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    def error_response(e: APIError, headers: dict | None = None) -> JSONResponse:
+        if e.status == 401:
+            headers = {"WWW-Authenticate": "Bearer"}
         return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
     @app.exception_handler(APIError)
@@ -124,21 +150,14 @@ def create_app(engine: Engine, tokenizer: Any, model_id: str, api_key: str | Non
     async def _http_error(_request: Request, e: StarletteHTTPException):
         message = {404: "no such endpoint; see GET /v1/models, POST /v1/completions, POST /v1/chat/completions",
                    405: "method not allowed on this endpoint"}.get(e.status_code, str(e.detail))
-        return error_response(APIError(e.status_code, message))
+        return error_response(APIError(e.status_code, message), headers=getattr(e, "headers", None))  # 405: Allow
 
     @app.exception_handler(Exception)
     async def _crash(_request: Request, e: Exception):
         return error_response(APIError(500, f"internal error: {type(e).__name__}: {e}"))
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            token = given[7:] if given.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), api_key.encode()):
-                what = "Incorrect API key provided" if token else "Missing API key: send 'Authorization: Bearer KEY'"
-                return error_response(APIError(401, what, code="invalid_api_key"))
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(APIKeyCheck, api_key=api_key, reject=error_response)
 
     def model_card() -> dict[str, Any]:
         return {"id": model_id, "object": "model", "created": created, "owned_by": "lmforge",
@@ -205,12 +224,7 @@ def create_app(engine: Engine, tokenizer: Any, model_id: str, api_key: str | Non
                     yield _sse(chunk([], gen.usage()))
 
             return _stream_response(stream(), gen)
-        texts = {ch.index: [] for ch in choices}
-        try:
-            async for ch, piece in gen.events():
-                texts[ch.index].append(piece)
-        finally:
-            gen.cancel()
+        texts = await gen.collect(request)
         return chunk([{"index": ch.index, "text": (echo[ch.index // c.n] if req.echo else "") + "".join(texts[ch.index]),
                        "logprobs": None, "finish_reason": ch.finish_reason} for ch in choices], gen.usage())
 
@@ -269,11 +283,7 @@ def create_app(engine: Engine, tokenizer: Any, model_id: str, api_key: str | Non
                     yield _sse(chunk([], gen.usage()))
 
             return _stream_response(stream(), gen)
-        try:
-            async for _ in gen.events():
-                pass
-        finally:
-            gen.cancel()
+        await gen.collect(request)
         out = []
         for ch in choices:
             sent = ch.text.text[:ch.text.sent]
@@ -288,6 +298,24 @@ def create_app(engine: Engine, tokenizer: Any, model_id: str, api_key: str | Non
                 "system_fingerprint": None, "choices": out, "usage": gen.usage()}
 
     return app
+
+
+class APIKeyCheck:
+    """Plain ASGI middleware: ``/v1`` requests need ``Authorization: Bearer KEY``. (Starlette's
+    ``BaseHTTPMiddleware`` would hide client disconnects from the endpoints.)"""
+
+    def __init__(self, app, api_key: str, reject):
+        self.app, self.key, self.reject = app, api_key.encode(), reject
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            token = given[7:] if given[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(token, self.key):
+                what = "Incorrect API key provided" if token else "Missing API key: send 'Authorization: Bearer KEY'"
+                await self.reject(APIError(401, what, code="invalid_api_key"))(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _sse(data: dict) -> str:

@@ -9,6 +9,7 @@ rather than silently ignored; unknown fields are refused as OpenAI does.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,7 +64,7 @@ def _float(body: dict, name: str, default: float, lo: float, hi: float, lo_open:
     value = body.get(name, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise bad(f"'{name}' must be a number, got {json.dumps(value)}", name)
     if value > hi or value < lo or (lo_open and value == lo):
         raise bad(f"'{name}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}", name)

@@ -73,7 +73,7 @@ def serve(checkpoint: str | Path, host: str = "127.0.0.1", port: int = 8000, api
     try:
         engine.run()
     except KeyboardInterrupt:
-        pass
+        engine.cancel_all()  # open streams end with their finish chunk instead of a reset
     finally:
         server.should_exit = True
         http.join(timeout=10)
