@@ -186,8 +186,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass; 1.0 = off")
     p.add_argument("--seed", type=int, default=None, help="seed for reproducible samples")
     p.add_argument("--no-stop-at-eos", action="store_true", help="keep going past the end-of-document token")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
-    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help=PRECISION_HELP)
+    _add_inference_device(p)
     p.set_defaults(func=_cmd_generate)
 
 
@@ -296,6 +295,11 @@ def _cmd_quickstart(args) -> int:
 
 
 # ---- serve / chat -------------------------------------------------------------------------------
+def _add_inference_device(p) -> None:
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help=PRECISION_HELP)
+
+
 def _add_sampling(p, max_tokens: int) -> None:
     p.add_argument("--max-tokens", type=int, default=max_tokens, help="longest reply, in tokens")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
@@ -318,8 +322,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--model-name", default=None,
                    help="model id clients use (default RUN-CHECKPOINT, e.g. go_coder_tiny-best)")
     p.add_argument("--max-batch-size", type=int, default=16, help="sequences decoded together; more wait in a queue")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
-    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help=PRECISION_HELP)
+    _add_inference_device(p)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (info logs each request)")
     p.set_defaults(func=_cmd_serve)
@@ -344,8 +347,7 @@ def _add_chat(sub) -> None:
     p.add_argument("checkpoint", help="a checkpoint, best/, or a run directory")
     p.add_argument("--system", default=None, help="a system message that opens the conversation")
     _add_sampling(p, max_tokens=512)
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
-    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help=PRECISION_HELP)
+    _add_inference_device(p)
     p.set_defaults(func=_cmd_chat)
 
 

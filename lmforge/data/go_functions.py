@@ -35,6 +35,7 @@ from pathlib import Path
 
 from lmforge.data.sources import FilterStats, iter_tree
 from lmforge.errors import LMForgeError
+from lmforge.files import atomic_directory
 
 PLAN_VERSION = 1  # bump when plan_of changes: plans of different versions must not be mixed
 SPLITS = ("train", "val", "test")
@@ -295,10 +296,7 @@ def extract_go_functions(src_dir: str | os.PathLike, out: str | os.PathLike, inc
 
     per_package = Counter(fn.package for fn in functions)
     assignment = split_packages(per_package, val_fraction, test_fraction)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_directory(out) as tmp:
         handles = {split: open(tmp / f"{split}.jsonl", "w", encoding="utf-8") for split in SPLITS}
         counts = Counter()
         try:
@@ -317,12 +315,6 @@ def extract_go_functions(src_dir: str | os.PathLike, out: str | os.PathLike, inc
             "skipped": dict(sorted(skipped.items())), "gofmt_rejected": dict(sorted(rejected.items())),
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return meta
 
 

@@ -16,7 +16,6 @@ import hashlib
 import itertools
 import json
 import os
-import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -30,6 +29,7 @@ from lmforge.data.loader import DTYPES, FORMAT, META_FILE, VERSION
 from lmforge.data.sources import DEFAULT_INCLUDE, FilterStats, iter_documents, source_kind
 from lmforge.errors import LMForgeError
 from lmforge.tokenizer import Tokenizer, check_out_dir, train_tokenizer
+from lmforge.files import atomic_directory
 
 SPLITS = ("train", "val")
 ENCODE_BATCH_BYTES = 1 << 20  # text per encode_batch call: its Encodings are far larger than the text
@@ -163,21 +163,6 @@ def _check_out_dir(out: Path, overwrite: bool, sources: Sequence[str | Path], to
                 "only replaces earlier `lmforge data prepare` output. Choose another --out directory.")
 
 
-def _move_into_place(tmp: Path, out: Path) -> None:
-    """Replace ``out`` by the complete ``tmp``; the old data is deleted only after the swap."""
-    if not out.exists():
-        os.rename(tmp, out)
-        return
-    old = out.with_name(f".{out.name}.old-{os.getpid()}")
-    os.rename(out, old)
-    try:
-        os.rename(tmp, out)
-    except BaseException:
-        os.rename(old, out)  # put the previous data back where the user left it
-        raise
-    shutil.rmtree(old)
-
-
 def _write_splits(tmp: Path, sources: Sequence[str | Path], read_opts: dict, survey: _Survey,
                   is_val: np.ndarray, tok: Tokenizer, dtype: np.dtype, shard_tokens: int,
                   show_progress: bool) -> dict[str, list[dict]]:
@@ -237,11 +222,7 @@ def prepare_data(sources: Sequence[str | Path], out_dir: str | Path, tokenizer: 
     is_val[survey.keep] = assign_heldout(survey.keys[survey.keep], val_fraction)
     dtype_name = "uint16" if tok.vocab_size <= 2**16 else "uint32"
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with atomic_directory(out) as tmp:
         shards = _write_splits(tmp, sources, read_opts, survey, is_val, tok, DTYPES[dtype_name],
                                shard_tokens, show_progress)
         splits = {}
@@ -261,10 +242,6 @@ def prepare_data(sources: Sequence[str | Path], out_dir: str | Path, tokenizer: 
         }
         tok.save(tmp)
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        _move_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return meta
 
 

@@ -29,7 +29,6 @@ import json
 import math
 import multiprocessing as mp
 import os
-import shutil
 import sys
 from collections import Counter
 from collections.abc import Sequence
@@ -40,9 +39,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from lmforge.data.prepare import _move_into_place
 from lmforge.data.puzzles import rating_histogram
 from lmforge.errors import LMForgeError
+from lmforge.files import atomic_directory
 
 # ---- the solver: bitmask candidates, naked singles, most-constrained cell ------------------------------
 # Digit d (1..9) is bit 1 << (d - 1) of a 9-bit mask; rows/cols/boxes hold the masks of digits used.
@@ -575,18 +574,10 @@ def build_sudoku_dataset(out_dir: str | Path, train: Sequence[Puzzle], test: Seq
     record = {"format": "lmforge-sudoku", "version": 1, **(provenance or {}), **summary,
               "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with atomic_directory(out) as tmp:
         _write_split(tmp / "train", tq, ta, tr, group)
         _write_split(tmp / "test", eq, ea, er, 1)
         (tmp / "identifiers.json").write_text(json.dumps(["<blank>"]) + "\n", encoding="utf-8")
         (tmp / OUT_MARKER).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-        _move_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     summary["out"] = str(out)
     return summary

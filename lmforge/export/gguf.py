@@ -62,26 +62,27 @@ def _gpt2_tensors(model) -> dict[str, torch.Tensor]:
     return out
 
 
+# transformers' Llama names -> llama.cpp's, per block (hf_compat has already split the fused projections).
+_LLAMA_BLOCK_NAMES = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
 def _llama_tensors(model) -> dict[str, torch.Tensor]:
+    """The HF layout (``llama_state_dict_for_hf``) under llama.cpp's names, q/k rows reordered."""
+    from lmforge.models.hf_compat import llama_state_dict_for_hf
+
     c = model.config
-    sd = {k: v.detach().float() for k, v in model.state_dict().items()}
-    out = {"token_embd.weight": sd["tok_embed.weight"], "output_norm.weight": sd["norm_f.weight"]}
-    q_rows, kv_rows = c.n_head * c.head_dim, c.kv_heads * c.head_dim
+    hf = {k: v.float() for k, v in llama_state_dict_for_hf(model).items()}
+    out = {"token_embd.weight": hf["model.embed_tokens.weight"], "output_norm.weight": hf["model.norm.weight"]}
     for i in range(c.n_layer):
-        p, b = f"blocks.{i}.", f"blk.{i}."
-        q, k, v = sd[p + "attn.qkv.weight"].split([q_rows, kv_rows, kv_rows])
-        gate, up = sd[p + "mlp.gate_up.weight"].chunk(2)
-        out.update({
-            b + "attn_norm.weight": sd[p + "norm_1.weight"],
-            b + "attn_q.weight": _rope_pairs_adjacent(q, c.n_head),
-            b + "attn_k.weight": _rope_pairs_adjacent(k, c.kv_heads),
-            b + "attn_v.weight": v,
-            b + "attn_output.weight": sd[p + "attn.proj.weight"],
-            b + "ffn_norm.weight": sd[p + "norm_2.weight"],
-            b + "ffn_gate.weight": gate,
-            b + "ffn_up.weight": up,
-            b + "ffn_down.weight": sd[p + "mlp.proj.weight"],
-        })
+        for theirs, ours in _LLAMA_BLOCK_NAMES.items():
+            weight = hf[f"model.layers.{i}.{theirs}.weight"]
+            if ours in ("attn_q", "attn_k"):
+                weight = _rope_pairs_adjacent(weight, c.n_head if ours == "attn_q" else c.kv_heads)
+            out[f"blk.{i}.{ours}.weight"] = weight
     return out
 
 

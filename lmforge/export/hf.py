@@ -4,20 +4,20 @@ The gpt2 flavor becomes ``GPT2LMHeadModel``, the llama flavor ``LlamaForCausalLM
 rotate-half rotary layout, so q/k rows need no permutation; ``lmforge.models.hf_compat``). The
 directory holds ``config.json``, ``model.safetensors``, ``generation_config.json`` and the tokenizer
 files, so ``AutoModelForCausalLM.from_pretrained(DIR)`` and ``AutoTokenizer.from_pretrained(DIR)``
-work without lmforge. Written into a hidden sibling and renamed into place: never half a directory.
+work without lmforge. Written into a hidden sibling and renamed into place (``lmforge.files``): never half a directory.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 from safetensors.torch import save_file
 
 from lmforge.errors import LMForgeError
 from lmforge.export.formats import check_exportable
+from lmforge.files import atomic_directory
 
 HF_FILES = ("config.json", "model.safetensors", "generation_config.json")
 
@@ -75,19 +75,10 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, overwrite: 
             raise LMForgeError(f"--out {out} exists and is not empty; pass --overwrite or choose another directory")
         if not (out / "config.json").is_file():
             raise LMForgeError(f"--out {out} is not an earlier export (no config.json); choose another directory")
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_directory(out) as tmp:
         save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps({**ids, "do_sample": False}, indent=2) + "\n")
         tokenizer.save(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

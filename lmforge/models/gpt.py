@@ -265,7 +265,7 @@ class BatchedKVCache:
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
         self.capacity, self.max_len, self.device = capacity, max_len, self.k[0].device
         self.lengths: list[int] = []  # per row in use: positions filled
-        self._step: tuple[torch.Tensor, torch.Tensor, int] | None = None  # (positions, mask, span)
+        self._step: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int] | None = None  # rows, lengths, mask, span
 
     @property
     def active(self) -> int:
@@ -304,7 +304,7 @@ class BatchedKVCache:
         mask = None
         if min(self.lengths) + 1 < span:
             mask = (torch.arange(span, device=device) <= lengths[:, None])[:, None, None, :]
-        self._step = (lengths, mask, span)
+        self._step = (torch.arange(self.active, device=device), lengths, mask, span)
         return lengths[:, None]
 
     def length_after(self, T: int) -> int:
@@ -312,8 +312,7 @@ class BatchedKVCache:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        lengths, mask, span = self._step
-        rows = torch.arange(self.active, device=k.device)
+        rows, lengths, mask, span = self._step
         self.k[layer][rows, :, lengths] = k[:, :, 0]
         self.v[layer][rows, :, lengths] = v[:, :, 0]
         return self.k[layer][:self.active, :, :span], self.v[layer][:self.active, :, :span], mask
