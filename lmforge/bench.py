@@ -221,6 +221,13 @@ def run_bench(recipe: str, overrides: list[str], steps: int = 20, warmup: int = 
     if steps < 1 or warmup < 0:
         raise LMForgeError("--steps must be >= 1 and --warmup >= 0")
     cfg = load_config(recipe, overrides)
+    from lmforge.train import model_class_of
+
+    kind = getattr(model_class_of(cfg.model), "data_kind", "tokens")
+    if kind != "tokens":
+        raise LMForgeError(f"lmforge bench times language models on random token windows; {recipe!r} trains on "
+                           f"{kind.replace('_', ' ')}. Its throughput is logged during training (train/tokens_per_s, "
+                           "train/mfu); benchmarks/ holds its own scripts (sudoku_cpu.py, hrgc_vs_plain.py)")
     if getattr(cfg.model, "vocab_size", 1) == 0:
         cfg.model.vocab_size = vocab_size
     devinfo = setup_device(cfg.training.device, cfg.training.precision, cfg.training.peak_flops)

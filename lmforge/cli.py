@@ -91,7 +91,11 @@ def _add_eval(sub) -> None:
     p.add_argument("--batch-size", type=int, default=None, help="windows (default 8) or puzzles (default 256) "
                    "per forward pass")
     p.add_argument("--max-tokens", type=int, default=None, help="evaluate only the first N tokens")
-    p.add_argument("--limit", type=int, default=0, help="puzzle models: score only the first N puzzles (0 = all)")
+    p.add_argument("--limit", type=int, default=0, help="puzzle and HRGC models: score only the first N puzzles / "
+                   "functions (0 = all)")
+    p.add_argument("--max-iterations", type=int, default=0, help="HRGC: attempts per function at most (0 = the "
+                   "model's max_refinement_iterations)")
+    p.add_argument("--no-compile", action="store_true", help="HRGC: skip the `go build` check of each answer")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
     p.set_defaults(func=_cmd_eval)
@@ -99,10 +103,12 @@ def _add_eval(sub) -> None:
 
 def _cmd_eval(args) -> int:
     from lmforge.eval.lm import evaluate
-    from lmforge.infer.puzzle import is_puzzle_checkpoint
+    from lmforge.infer.puzzle import checkpoint_family, is_puzzle_checkpoint
 
     if is_puzzle_checkpoint(args.checkpoint):
         return _cmd_eval_puzzles(args)
+    if checkpoint_family(args.checkpoint) == "hrgc":
+        return _cmd_eval_hrgc(args)
 
     m = evaluate(args.checkpoint, args.data, split=args.split or "val", seq_len=args.seq_len,
                  batch_size=8 if args.batch_size is None else args.batch_size,
@@ -113,6 +119,32 @@ def _cmd_eval(args) -> int:
     else:
         bpb = f"  bits/byte {m['bpb']:.4f}" if "bpb" in m else ""
         print(f"{m['data']}: {int(m['tokens']):,} tokens  loss {m['loss']:.4f}  perplexity {m['ppl']:.3f}{bpb}")
+    return 0
+
+
+def _cmd_eval_hrgc(args) -> int:
+    from lmforge.eval.hrgc import evaluate_hrgc
+
+    if args.limit < 0 or args.max_iterations < 0:
+        raise LMForgeError("--limit and --max-iterations must be >= 0")
+    m = evaluate_hrgc(args.checkpoint, args.data, split=args.split or "test", limit=args.limit, device=args.device,
+                      max_iterations=args.max_iterations or None, compile_check=not args.no_compile)
+    if args.json:
+        print(json.dumps(m))
+        return 0
+    print(f"{m['data']}: {m['functions']} functions" + (f" ({m['skipped']} too long, skipped)" if m["skipped"] else ""))
+    rows = [("parses", "parse_rate"), ("parses at the first attempt", "first_attempt_parse_rate"),
+            ("compiles in its package", "compile_rate"), ("follows its plan", "plan_follow_rate"),
+            ("code exact match", "code_exact"), ("plan exact match", "plan_exact")]
+    for label, key in rows:
+        if key in m:
+            print(f"  {label:30s} {100 * m[key]:6.2f}%")
+    for label, key in (("AST similarity", "ast_similarity"), ("plan token accuracy", "plan_token_accuracy"),
+                       ("average iterations", "avg_iterations")):
+        if key in m:
+            print(f"  {label:30s} {m[key]:6.3f}")
+    if "head_accuracy" in m:
+        print(f"  {'refinement-head accuracy':30s} {100 * m['head_accuracy']:6.2f}% ({m['head_states']} labelled states)")
     return 0
 
 
@@ -186,6 +218,11 @@ def _add_generate(sub) -> None:
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass; 1.0 = off")
     p.add_argument("--seed", type=int, default=None, help="seed for reproducible samples")
     p.add_argument("--no-stop-at-eos", action="store_true", help="keep going past the end-of-document token")
+    p.add_argument("--spec", default=None, help="HRGC models: a Go doc comment and signature to implement "
+                   "(\\n for newlines), run through plan -> code -> parse -> head -> refine")
+    p.add_argument("--spec-file", default=None, help="HRGC models: read the spec from this file")
+    p.add_argument("--max-iterations", type=int, default=0, help="HRGC: attempts at most (0 = the model's "
+                   "max_refinement_iterations)")
     _add_inference_device(p)
     p.set_defaults(func=_cmd_generate)
 
@@ -196,10 +233,14 @@ def _cmd_generate(args) -> int:
     from lmforge.infer.generate import generate_text
     from lmforge.infer.loading import load_for_inference
 
+    from lmforge.infer.puzzle import checkpoint_family
+
     if args.max_new_tokens < 1:
         raise LMForgeError("--max-new-tokens must be >= 1")
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
         raise LMForgeError("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0")
+    if args.spec is not None or args.spec_file or checkpoint_family(args.checkpoint) == "hrgc":
+        return _generate_go_function(args)
     prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")  # shells pass "\n" literally
     if args.prompt_file:
         try:
@@ -218,6 +259,56 @@ def _cmd_generate(args) -> int:
                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_at_eos=not args.no_stop_at_eos,
                   stream=stream)
     sys.stdout.write("\n")
+    return 0
+
+
+def _generate_go_function(args) -> int:
+    """`generate --spec`: an HRGC model's plan, each attempt with the validator's and the head's
+    verdicts, and the iterations used."""
+    from pathlib import Path
+
+    from lmforge.infer.hrgc import Writer
+    from lmforge.infer.loading import load_for_inference
+
+    if args.spec_file:
+        try:
+            spec = Path(args.spec_file).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise LMForgeError(f"cannot read --spec-file {args.spec_file}: {e}") from e
+    elif args.spec is not None:
+        spec = args.spec.replace("\\n", "\n").replace("\\t", "\t")
+    else:
+        raise LMForgeError(f"{args.checkpoint} is an HRGC model: give it a Go spec with --spec '// doc\\nfunc "
+                           "name(args) results' or --spec-file FILE")
+    if args.max_iterations < 0:
+        raise LMForgeError("--max-iterations must be >= 0")
+    model, tokenizer, _ = load_for_inference(args.checkpoint, args.device, args.precision, family="hrgc")
+    writer = Writer(model, tokenizer, max_iterations=args.max_iterations or None, temperature=args.temperature,
+                    top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    shown = []
+
+    def show(kind: str, value) -> None:
+        if kind == "plan":
+            if model.config.hierarchical:
+                print(f"plan: {value or '(empty)'}")
+            return
+        if any(a is value for a in shown):
+            return
+        shown.append(value)
+        print(f"\n--- attempt {len(shown)} ---\n{value.code}")
+        print(f"validator: {value.verdict or 'ok (parses' + (', follows the plan)' if model.config.hierarchical else ')')}")
+        if value.head:
+            probs = ", ".join(f"{n} {p:.2f}" for n, p in zip(("continue", "refine", "done"), value.head_probs))
+            print(f"head: {value.head} ({probs}) -> {value.action}")
+        sys.stdout.flush()
+
+    written = writer.write(spec, max_new_tokens=args.max_new_tokens, on_event=show)
+    answer = written.answer
+    print(f"\niterations used: {written.iterations} of {writer.max_iterations if model.config.hierarchical else 1} "
+          f"({written.stopped})")
+    print(f"answer: attempt {written.attempts.index(answer) + 1} "
+          f"({'parses' if answer.parses else 'does not parse'})")
+    print(f"{spec.rstrip()} {answer.code}")
     return 0
 
 

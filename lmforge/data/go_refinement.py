@@ -46,7 +46,7 @@ def _signature(spec: str) -> str:
     return "\n".join(lines)
 
 
-def _parse_body(parser, spec: str, code: str):
+def parse_body(parser, spec: str, code: str):
     """``(tree, body node or None, offset of the body in the parsed source)``."""
     prefix = "package p\n\n" + _signature(spec) + " "
     src = (prefix + code + "\n").encode("utf-8")
@@ -69,7 +69,7 @@ def _first_error(node):
 def validate(parser, spec: str, code: str, plan: str | None = None) -> str:
     """The validator's verdict on ``code`` as the body of ``spec``: "" when it parses (and, given a
     plan, follows it), else a message naming the first problem."""
-    tree, body, _ = _parse_body(parser, spec, code)
+    tree, body, _ = parse_body(parser, spec, code)
     if tree.root_node.has_error or body is None:
         error = _first_error(tree.root_node) or tree.root_node
         line = error.start_point[0] - 1  # the package clause and a blank line come first
@@ -155,7 +155,7 @@ def corrupt(parser, fn: GoFunction, kind: str, rng: random.Random) -> tuple[str,
 
 def prefix_cut(parser, fn: GoFunction, rng: random.Random) -> str | None:
     """The body cut right after one of its top-level statements (not the last): an unfinished attempt."""
-    _, body, offset = _parse_body(parser, fn.spec, fn.code)
+    _, body, offset = parse_body(parser, fn.spec, fn.code)
     if body is None:
         return None
     statements = statements_of(body)

@@ -39,9 +39,11 @@ def inference_dtype(precision: str, device) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
 
 
-def load_for_inference(checkpoint: str | Path, device: str = "auto", precision: str = "fp32"):
+def load_for_inference(checkpoint: str | Path, device: str = "auto", precision: str = "fp32",
+                       family: str = "gpt"):
     """Returns ``(model, tokenizer, device)`` with the model in eval mode, its weights in ``precision``
-    (``inference_dtype``; the default fp32 is what evaluation needs)."""
+    (``inference_dtype``; the default fp32 is what evaluation needs). ``family="hrgc"`` loads an HRGC
+    model (``lmforge.infer.hrgc``) instead of a text generator."""
     from lmforge.tokenizer import Tokenizer
 
     model_dir = resolve_model_dir(checkpoint)
@@ -51,10 +53,12 @@ def load_for_inference(checkpoint: str | Path, device: str = "auto", precision: 
     model.eval()
     if dtype != torch.float32:
         model.to(dtype)
-    if not hasattr(model, "new_kv_cache"):
+    if family == "hrgc" and model.family != "hrgc":
+        raise LMForgeError(f"{model_dir} holds a {model.family!r} model, not an HRGC model")
+    if family != "hrgc" and not hasattr(model, "new_kv_cache"):
         raise LMForgeError(f"{model_dir} holds a {model.family!r} model, which does not generate text; this "
                            "command takes gpt-family checkpoints (for Sudoku models use `lmforge solve` / "
-                           "`lmforge eval`)")
+                           "`lmforge eval`; for HRGC models `lmforge generate CKPT --spec ...`)")
     tokenizer = Tokenizer.load(find_tokenizer(model_dir))
     vocab = getattr(model.config, "vocab_size", None)
     if vocab is not None and tokenizer.vocab_size > vocab:

@@ -14,15 +14,21 @@ from lmforge.errors import LMForgeError
 PUZZLE_FAMILIES = ("hrm", "trm", "puzzle_transformer")
 
 
-def is_puzzle_checkpoint(path: str | Path) -> bool:
-    """Whether a checkpoint (or run directory) holds a puzzle model, from its config alone."""
+def checkpoint_family(path: str | Path) -> str | None:
+    """The model family a checkpoint (or run directory) holds, from its config alone; None when it
+    cannot be read (the caller's loading path then reports what is wrong)."""
     from lmforge.train.checkpoint import resolve_model_dir
 
     try:
         config = yaml.safe_load((resolve_model_dir(path) / "config.yaml").read_text()) or {}
     except (LMForgeError, OSError, yaml.YAMLError):
-        return False  # the language-model path reports what is wrong with it
-    return config.get("family") in PUZZLE_FAMILIES
+        return None
+    return config.get("family") if isinstance(config, dict) else None
+
+
+def is_puzzle_checkpoint(path: str | Path) -> bool:
+    """Whether a checkpoint (or run directory) holds a puzzle model."""
+    return checkpoint_family(path) in PUZZLE_FAMILIES
 
 
 def solve_sudoku(checkpoint: str | Path, puzzle: str, max_steps: int | None = None, early_halt: bool = True,

@@ -59,7 +59,7 @@ def _registry_items():
 
 def _load_builtin() -> None:
     # Importing a family module registers it; keep this list the one place families are named.
-    from lmforge.models import gpt, hrm, puzzle_transformer, trm  # noqa: F401
+    from lmforge.models import gpt, hrgc, hrm, puzzle_transformer, trm  # noqa: F401
 
 
 __all__ = ["LMForgeModel", "build_model", "load_model", "register", "families", "model_class",

@@ -463,18 +463,21 @@ class GPT(LMForgeModel):
                       "mhc/amax_res": gains[:-1, 4:6].max(), "mhc/amax_composite": gains[-1, :2].max()}
 
     def logits(self, input_ids: torch.Tensor, kv_cache: KVCache | BatchedKVCache | None = None,
-               last_only: bool = False) -> torch.Tensor:
+               last_only: bool = False, extra_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, T]`` token ids -> ``[B, T, vocab]`` logits (``[B, 1, vocab]`` for the last position only
         with ``last_only``, what generation needs); with ``kv_cache`` the ids continue the cached ones."""
-        hidden = self.hidden_states(input_ids, kv_cache)
+        hidden = self.hidden_states(input_ids, kv_cache, extra_embeds)
         return self.lm_head(hidden[:, -1:] if last_only else hidden)
 
-    def hidden_states(self, input_ids: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
-        """``[B, T]`` token ids -> ``[B, T, n_embd]`` final-norm outputs, the LM head's input."""
-        return self._trunk(input_ids, kv_cache)[0]
+    def hidden_states(self, input_ids: torch.Tensor, kv_cache: KVCache | None = None,
+                      extra_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, T]`` token ids -> ``[B, T, n_embd]`` final-norm outputs, the LM head's input.
+        ``extra_embeds`` (``[B, T, n_embd]``) is added to the token embeddings: how another module
+        conditions this one (HRGC's planner states at the generator's plan positions)."""
+        return self._trunk(input_ids, kv_cache, extra_embeds=extra_embeds)[0]
 
-    def _trunk(self, input_ids: torch.Tensor, kv_cache: KVCache | None,
-               collect: bool = False) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]:
+    def _trunk(self, input_ids: torch.Tensor, kv_cache: KVCache | None, collect: bool = False,
+               extra_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]:
         """Final-norm hidden states and (``collect``, mHC only) every sub-layer's mixing coefficients
         for the first sequence of the batch."""
         c = self.config
@@ -487,6 +490,8 @@ class GPT(LMForgeModel):
         positions = (kv_cache.positions(T, input_ids.device) if kv_cache is not None
                      else torch.arange(T, device=input_ids.device))
         x = self.tok_embed(input_ids)
+        if extra_embeds is not None:
+            x = x + extra_embeds.to(x.dtype)
         rope = None
         if self.pos_embed is not None:
             x = x + self.pos_embed(positions)

@@ -16,7 +16,8 @@ from lmforge.errors import LMForgeError
 from lmforge.models import build_model, model_class
 from lmforge.tokenizer import CONFIG_FILE, SPECIAL_MAP_FILE, TOKENIZER_FILE
 from lmforge.train import checkpoint as ckpt
-from lmforge.train.data import build_puzzle_data, build_token_data, prepare_train_path, token_data_dir
+from lmforge.train.data import (build_go_function_data, build_puzzle_data, build_token_data, prepare_train_path,
+                                token_data_dir)
 from lmforge.train.device import setup_device
 from lmforge.train.distributed import DistInfo, barrier, init_distributed, shutdown
 from lmforge.train.loop import DataBundle, Trainer, TrainResult
@@ -56,10 +57,12 @@ def _train(cfg: RunConfig, resume: bool | str, distinfo: DistInfo) -> TrainResul
             print("note: DISABLE_COMPILE is set: training.compile=false")
     _resolve_batch(cfg, distinfo)
 
-    puzzles = getattr(model_class_of(cfg.model), "data_kind", "tokens") == "puzzles"
+    data_kind = getattr(model_class_of(cfg.model), "data_kind", "tokens")
     tokenizer_path = None
-    if puzzles:
+    if data_kind == "puzzles":
         data = build_puzzle_data(cfg, distinfo)
+    elif data_kind == "go_functions":
+        data, tokenizer_path = build_go_function_data(cfg, distinfo)
     else:
         n_positions = getattr(cfg.model, "n_positions", None)
         if n_positions is not None and cfg.data.seq_len > n_positions:

@@ -157,3 +157,70 @@ def puzzle_eval_metrics(means: dict[str, float]) -> dict[str, float]:
             out[f"exact_accuracy_{name}"] = means[f"difficulty/{name}/exact"] / share
             out[f"share_{name}"] = share
     return out
+
+
+def build_go_function_data(cfg: RunConfig, distinfo: DistInfo) -> tuple[DataBundle, Path]:
+    """HRGC's data: ``lmforge data go-functions`` records (train + val splits) tokenized with
+    data.tokenizer, or with a byte-level BPE trained on the train split into RUN_DIR/data (reused on
+    resume). Fills model.vocab_size (when 0) and the special-token ids from the tokenizer."""
+    from lmforge.data.go_functions import go_parser, read_go_functions
+    from lmforge.data.hrgc_data import EncodedFunctions, HRGCEvalLoader, HRGCTrainLoader, SequenceFormat
+    from lmforge.tokenizer import Tokenizer, train_tokenizer
+
+    path, m, t = Path(cfg.data.path), cfg.model, cfg.training
+    if not cfg.data.path:
+        raise LMForgeError("data.path is not set: point it at a directory made by `lmforge data go-functions "
+                           "SRC_DIR --out DIR` (e.g. data.path=data/go-functions)")
+    if not (path / "train.jsonl").is_file():
+        raise LMForgeError(f"{path} has no train.jsonl: build it with `lmforge data go-functions SRC_DIR --out {path}`")
+    train_functions = list(read_go_functions(path / "train.jsonl"))
+    if cfg.data.tokenizer:
+        tokenizer_path = Path(cfg.data.tokenizer)
+        tokenizer_path = tokenizer_path / "tokenizer.json" if tokenizer_path.is_dir() else tokenizer_path
+        if not tokenizer_path.is_file():
+            raise LMForgeError(f"data.tokenizer={cfg.data.tokenizer}: no tokenizer.json there")
+    else:
+        tokenizer_path = cfg.run_dir / "data" / "tokenizer.json"
+        if distinfo.is_main and not tokenizer_path.is_file():
+            vocab = m.vocab_size or DEFAULT_TRAINED_VOCAB
+            print(f"data: no data.tokenizer given: training a {vocab}-token byte-level BPE on {path}/train.jsonl")
+            texts = (f"{f.spec}\n{f.plan}\n{f.code}" for f in train_functions)
+            train_tokenizer(texts, vocab, tokenizer_path.parent, show_progress=cfg.logging.progress_bar, overwrite=True)
+        barrier(distinfo)
+    tok = Tokenizer.load(tokenizer_path)
+    if m.vocab_size == 0:
+        m.vocab_size = tok.vocab_size
+    elif m.vocab_size < tok.vocab_size:
+        raise LMForgeError(f"model.vocab_size={m.vocab_size} but the tokenizer {tokenizer_path} has {tok.vocab_size} "
+                           f"tokens: set model.vocab_size={tok.vocab_size} (or 0 to take it from the tokenizer)")
+    m.eos_token_id, m.pad_token_id = tok.eos_id, tok.pad_id
+    m.bos_token_id = tok.eos_id if tok.bos_id is None else tok.bos_id
+
+    fmt = SequenceFormat(tok, m.hierarchical)
+    parser = go_parser()
+    planner_n, generator_n = m.planner_config.n_positions, m.generator_config.n_positions
+    train_data = EncodedFunctions(train_functions, fmt, planner_n, generator_n)
+    mb = t.micro_batch_size
+    train = HRGCTrainLoader(train_data, parser, mb, cfg.seed, distinfo.rank, distinfo.world_size, t.grad_accum_steps,
+                            m.refinement_warmup, m.own_failure_share)
+    val, val_data = None, None
+    if (path / "val.jsonl").is_file():
+        val_data = EncodedFunctions(list(read_go_functions(path / "val.jsonl")), fmt, planner_n, generator_n)
+        if len(val_data) >= 1:
+            val = HRGCEvalLoader(val_data, parser, mb, cfg.seed, distinfo.rank, distinfo.world_size)
+    if val is None and distinfo.is_main:
+        print(f"note: {path} has no val.jsonl with functions that fit; evaluation is off")
+    probe = None
+    if m.validation_frequency > 0:
+        from lmforge.infer.hrgc import WritingProbe
+
+        probe = WritingProbe(train, tok, parser, m.validation_samples, cfg.seed)
+    skipped = train_data.too_long + (val_data.too_long if val_data is not None else 0)
+    description = (f"{path}: {len(train_data):,} train functions"
+                   + (f", {len(val_data):,} val" if val_data is not None else "")
+                   + (f" ({skipped:,} longer than the contexts left out)" if skipped else ""))
+    mean_tokens = float(train_data.lengths.mean()) if len(train_data) else 0.0
+    bundle = DataBundle(train=train, val=val, tokens_per_micro_batch=max(1, round(mb * mean_tokens)),
+                        seq_len=generator_n, description=description, examples_per_epoch=len(train_data),
+                        eval_weight_by_rows=True, probe=probe, probe_interval=m.validation_frequency)
+    return bundle, tokenizer_path

@@ -47,6 +47,8 @@ class DataBundle:
     examples_per_epoch: int = 0  # what one epoch of `training.epochs` counts (all processes together)
     tokens_per_example: int = 0  # > 0: also log examples/s (puzzles: cells per puzzle)
     eval_weight_by_rows: bool = False  # True: eval means are per example (puzzles), else per label token
+    probe: Callable[[Any, int], dict[str, float]] | None = None  # (model, step) -> metrics, on rank 0
+    probe_interval: int = 0  # steps between probes (e.g. HRGC writes functions and parses them)
 
 
 @dataclass
@@ -135,7 +137,9 @@ class Trainer:
             self.fwd_model = torch.compile(model)
         if distinfo.enabled:
             ids = [devinfo.device.index] if devinfo.device.type == "cuda" else None
-            self.fwd_model = torch.nn.parallel.DistributedDataParallel(self.fwd_model, device_ids=ids)
+            self.fwd_model = torch.nn.parallel.DistributedDataParallel(
+                self.fwd_model, device_ids=ids,
+                find_unused_parameters=getattr(model, "ddp_find_unused_parameters", False))
 
     # ---- resume ---------------------------------------------------------------------------
     def load_checkpoint(self, path: Path) -> None:
@@ -359,6 +363,9 @@ class Trainer:
                     paused = time.perf_counter()
                     if (t.eval_interval and self.step % t.eval_interval == 0) or last:
                         eval_metrics = self._eval_and_keep_best(logger, bar)
+                    if self.data.probe is not None and self.data.probe_interval and (
+                            self.step % self.data.probe_interval == 0 or last) and is_main:
+                        self._probe(logger)
                     if (t.save_interval and self.step % t.save_interval == 0) or last:
                         self.save_checkpoint()
                     window_t0 += time.perf_counter() - paused  # tokens/s and MFU count training time only
@@ -396,6 +403,19 @@ class Trainer:
                 ckpt.write_best(self.ckpt_root, self._write_model_dir)
             barrier(self.dist)
         return metrics
+
+    @torch.no_grad()
+    def _probe(self, logger: MetricsLogger | None) -> None:
+        """The data's probe on the current weights (rank 0 only; the others wait at the next sync)."""
+        self.model.eval()
+        try:
+            with self.model.averaged_weights(), self.dev.autocast():
+                metrics = self.data.probe(self.model, self.step)
+        finally:
+            self.model.train()
+        if logger:
+            logger.log(self.step, metrics)
+        tqdm.write(f"step {self.step}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
 
     def _warn(self, row: dict[str, float]) -> None:
         """The model's warnings about logged values, each at most once per 100 logging steps."""

@@ -1,0 +1,248 @@
+"""HRGC inference: spec -> plan -> code -> validate -> head -> (continue | refine | done), repeated.
+
+One iteration is one attempt. After each attempt the validator (the real Go parser, and the plan)
+gives its verdict and the head its label:
+
+* **done** ends the loop — unless validation is on and the validator rejects the attempt, in which
+  case the parser's word wins and the attempt is refined;
+* **continue** samples more code after the attempt (an unfinished body); if the model adds nothing
+  the attempt is refined instead;
+* **refine** writes a new attempt from ``spec, plan, attempt, validator message``.
+
+The answer is the latest attempt the validator accepts, else the latest that parses, else the last.
+The plain baseline (``hierarchical: false``) makes one attempt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from lmforge.data.go_refinement import validate
+from lmforge.data.hrgc_data import SequenceFormat
+from lmforge.errors import LMForgeError
+from lmforge.infer.generate import check_sampling, sample_next
+from lmforge.models.hrgc import HEAD_LABELS
+
+HEAD_SAYS_WRONG = "the refinement head judged the attempt wrong"
+
+
+@dataclass
+class Attempt:
+    code: str
+    verdict: str  # the validator's message; "" = accepted
+    parses: bool
+    finished: bool  # ended with </s> (not cut by the context)
+    head: str = ""  # the head's label ("" for the plain model)
+    head_probs: tuple[float, ...] = ()
+    action: str = ""  # what the loop did next: done | refine | continue | stop
+
+
+@dataclass
+class Written:
+    spec: str
+    plan: str
+    attempts: list[Attempt] = field(default_factory=list)
+    stopped: str = ""  # done | iteration cap | context full | one attempt (plain model)
+
+    @property
+    def iterations(self) -> int:
+        return len(self.attempts)
+
+    @property
+    def answer(self) -> Attempt:
+        for accept in (lambda a: not a.verdict, lambda a: a.parses, lambda a: True):
+            for a in reversed(self.attempts):
+                if accept(a):
+                    return a
+        raise LMForgeError("no attempt was made")
+
+
+def check_spec(spec: str) -> None:
+    """A spec must end in a Go signature (``func name(...)``), optionally after ``//`` comment lines."""
+    lines = [ln.strip() for ln in spec.strip().split("\n") if ln.strip()]
+    body = [ln for ln in lines if not ln.startswith("//")]
+    if not body or not body[0].startswith("func "):
+        raise LMForgeError(
+            "the spec has no Go signature: give the doc comment (optional) and the function's signature, e.g. "
+            "--spec '// readFile reads a file.\\nfunc readFile(path string) ([]byte, error)'")
+    if "{" in "\n".join(body):
+        raise LMForgeError("the spec holds a body ('{'): give only the doc comment and the signature; "
+                           "the model writes the body")
+
+
+class Writer:
+    """Writes Go function bodies with a trained HRGC (or plain baseline) model."""
+
+    def __init__(self, model, tokenizer, parser=None, max_iterations: int | None = None,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None):
+        from lmforge.data.go_functions import go_parser
+
+        check_sampling(temperature, top_k, top_p)
+        self.model, self.tokenizer = model, tokenizer
+        self.cfg = model.config
+        self.fmt = SequenceFormat(tokenizer, self.cfg.hierarchical)
+        self.parser = parser or go_parser()
+        self.max_iterations = max_iterations or self.cfg.max_refinement_iterations
+        if self.max_iterations < 1:
+            raise LMForgeError(f"max iterations must be >= 1, got {self.max_iterations}")
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.device = next(model.parameters()).device
+        self.generator = torch.Generator(device="cpu")
+        if seed is not None:
+            self.generator.manual_seed(seed)
+
+    # ---- sampling -------------------------------------------------------------------------
+    @torch.no_grad()
+    def _sample(self, gpt, ids: list[int], extra: torch.Tensor | None, max_new: int) -> tuple[list[int], bool]:
+        """Tokens after ``ids`` until </s> (finished) or the context / ``max_new`` runs out."""
+        room = min(max_new, gpt.config.n_positions - len(ids))
+        if room <= 0:
+            return [], False
+        cache = gpt.new_kv_cache(1)
+        logits = gpt.logits(torch.tensor([ids], device=self.device), kv_cache=cache, last_only=True,
+                            extra_embeds=extra)
+        out: list[int] = []
+        while True:
+            token = int(sample_next(logits[:, -1], self.temperature, self.top_k, self.top_p, self.generator))
+            if token == self.fmt.eos:
+                return out, True
+            out.append(token)
+            if len(out) >= room:
+                return out, False
+            logits = gpt.logits(torch.tensor([[token]], device=self.device), kv_cache=cache, last_only=True)
+
+    def _extra(self, planner_hidden, prefix_len: int, length: int) -> torch.Tensor | None:
+        if planner_hidden is None:
+            return None
+        return self.model.condition(planner_hidden, torch.tensor([prefix_len], device=self.device), length)
+
+    @torch.no_grad()
+    def _judge(self, prefix: list[int], planner_hidden, attempt: list[int]) -> tuple[str, tuple[float, ...]]:
+        ids = self.fmt.judge_prompt(prefix, attempt)
+        if len(ids) > self.model.generator.config.n_positions:
+            return "", ()
+        hidden = self.model.generator.hidden_states(torch.tensor([ids], device=self.device),
+                                                    extra_embeds=self._extra(planner_hidden, len(prefix), len(ids)))
+        probs = self.model.judge(hidden[:, -1]).softmax(-1)[0].tolist()
+        return HEAD_LABELS[max(range(len(probs)), key=probs.__getitem__)], tuple(probs)
+
+    def _attempt(self, spec: str, plan: str, ids: list[int], finished: bool) -> Attempt:
+        code = self.tokenizer.decode(ids)
+        syntax = validate(self.parser, spec, code)
+        verdict = syntax or (validate(self.parser, spec, code, plan) if self.cfg.hierarchical else "")
+        return Attempt(code=code, verdict=verdict, parses=not syntax, finished=finished)
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def write(self, spec: str, max_new_tokens: int = 0,
+              on_event: Callable[[str, object], None] | None = None) -> Written:
+        """Run the loop on one spec; ``on_event("plan" | "attempt", value)`` reports progress.
+        ``max_new_tokens`` caps each sampled plan and body (0 = as much as the context holds)."""
+        check_spec(spec)
+        cap = max_new_tokens or 1 << 30
+        model, fmt = self.model, self.fmt
+        spec_ids = fmt.encode(spec)
+        planner_hidden, plan_ids, plan = None, [], ""
+        if self.cfg.hierarchical:
+            plan_prompt = spec_ids + fmt.marker["plan"]
+            if len(plan_prompt) >= model.planner.config.n_positions:
+                raise LMForgeError(f"the spec is {len(spec_ids)} tokens, too long for the planner's "
+                                   f"{model.planner.config.n_positions}-token context; shorten its doc comment")
+            plan_ids, _ = self._sample(model.planner, plan_prompt, None, cap)
+            plan = self.tokenizer.decode(plan_ids)
+            with torch.no_grad():
+                planner_hidden = model.planner.hidden_states(torch.tensor([plan_prompt + plan_ids], device=self.device))
+        if on_event:
+            on_event("plan", plan)
+        prefix = fmt.prefix(spec_ids, plan_ids)
+        code_prompt = fmt.code_prompt(prefix)
+        if len(code_prompt) >= model.generator.config.n_positions:
+            raise LMForgeError("the spec and plan fill the generator's context; shorten the spec's doc comment")
+        result = Written(spec=spec, plan=plan)
+        ids, finished = self._sample(model.generator, code_prompt,
+                                     self._extra(planner_hidden, len(prefix), len(code_prompt)), cap)
+        while True:
+            attempt = self._attempt(spec, plan, ids, finished)
+            result.attempts.append(attempt)
+            if not self.cfg.hierarchical:
+                attempt.action, result.stopped = "stop", "one attempt (plain model)"
+                break
+            attempt.head, attempt.head_probs = self._judge(prefix, planner_hidden, fmt.encode(attempt.code))
+            action = attempt.head or "refine"
+            if action == "done" and attempt.verdict and self.cfg.enable_validation:
+                action = "refine"  # the parser (and the plan) outrank the head
+            if action == "done":
+                attempt.action, result.stopped = "done", "done"
+                break
+            if len(result.attempts) >= self.max_iterations:
+                attempt.action, result.stopped = "stop", "iteration cap"
+                break
+            if action == "continue":
+                context = code_prompt + fmt.encode(attempt.code)
+                more, more_finished = self._sample(model.generator, context,
+                                                   self._extra(planner_hidden, len(prefix), len(context)), cap)
+                if more:
+                    attempt.action = "continue"
+                    if on_event:
+                        on_event("attempt", attempt)
+                    ids, finished = fmt.encode(attempt.code) + more, more_finished
+                    continue
+                action = "refine"
+            message = fmt.encode(attempt.verdict or HEAD_SAYS_WRONG)
+            context = fmt.refine_prompt(prefix, fmt.encode(attempt.code), message)
+            if len(context) >= model.generator.config.n_positions:
+                attempt.action, result.stopped = "stop", "context full"
+                break
+            attempt.action = "refine"
+            if on_event:
+                on_event("attempt", attempt)
+            ids, finished = self._sample(model.generator, context,
+                                         self._extra(planner_hidden, len(prefix), len(context)), cap)
+        if on_event:
+            on_event("attempt", result.attempts[-1])
+        return result
+
+
+class WritingProbe:
+    """``validation_frequency``: write a few training functions' bodies (plan, then one attempt,
+    greedy), parse them, and log the shares that parse, match the real body and plan, and the AST
+    similarity. Failed
+    attempts join the training loader's pool of the model's own failures (refine, or continue when
+    the context cut them), so refinement also learns from the model's own mistakes."""
+
+    def __init__(self, loader, tokenizer, parser, samples: int, seed: int):
+        self.loader, self.tokenizer, self.parser, self.samples, self.seed = loader, tokenizer, parser, samples, seed
+
+    def __call__(self, model, step: int) -> dict[str, float]:
+        import random
+
+        from lmforge.eval.hrgc import ast_similarity
+
+        data = self.loader.data
+        rng = random.Random(f"{self.seed}-probe-{step}")
+        writer = Writer(model, self.tokenizer, self.parser, max_iterations=1)
+        parsed = plan_exact = code_exact = similarity = 0.0
+        picks = rng.sample(range(len(data)), min(self.samples, len(data)))
+        for i in picks:
+            fn = data.functions[i]
+            # Room for twice the real body: enough for a right answer, bounded for a rambling one.
+            written = writer.write(fn.spec, max_new_tokens=2 * len(data.code(i)) + 16)
+            attempt = written.attempts[0]
+            parsed += attempt.parses
+            plan_exact += written.plan == fn.plan
+            code_exact += attempt.code.strip() == fn.code.strip()
+            similarity += ast_similarity(self.parser, fn.spec, attempt.code, fn.code)
+            message = validate(self.parser, fn.spec, attempt.code, fn.plan) if model.config.hierarchical else ""
+            if message or (not model.config.hierarchical and not attempt.parses):
+                label = "refine" if attempt.finished else "continue"
+                self.loader.add_failure(i, attempt.code, message or attempt.verdict, label)
+        n = len(picks)
+        out = {"probe/parse_rate": parsed / n, "probe/code_exact": code_exact / n, "probe/ast_similarity": similarity / n}
+        if model.config.hierarchical:
+            out["probe/plan_exact"] = plan_exact / n
+        return out
+
+
+__all__ = ["Writer", "Written", "Attempt", "WritingProbe", "check_spec", "HEAD_SAYS_WRONG"]

@@ -1,0 +1,228 @@
+"""HRGC, the hierarchical recursive Go coder (seed 000): a planner, a generator and a refinement head.
+
+* **planner** — a GPT over ``spec <plan> plan</s>``: writes the outline of a function body;
+* **generator** — a GPT over ``spec <plan> plan <code> code</s>``, conditioned on the planner: the
+  planner's final hidden states at the ``spec <plan> plan`` positions go through ``bridge`` (a linear
+  map, zero at initialisation) and are added to the generator's token embeddings there, so the code
+  loss trains the planner's states too;
+* **head** — a 3-way classifier (continue / refine / done) on the generator's state at the ``<judge>``
+  marker after a candidate: ``spec <plan> plan <attempt> candidate <judge>``;
+* **refinement generation** — the same generator continuing that sequence with
+  ``<verdict> validator message <code> corrected body</s>``.
+
+The sequence layout lives in ``lmforge.data.hrgc_data``; the inference loop in ``lmforge.infer.hrgc``.
+With ``hierarchical: false`` the model is the plain baseline: one generator over ``spec <code> code``,
+no planner, no head (what HRGC is measured against).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmforge.errors import LMForgeError
+from lmforge.models import register
+from lmforge.models.base import LMForgeModel
+from lmforge.models.gpt import FLAVORS, GPT, GPTConfig
+from lmforge.models.losses import IGNORE_INDEX, linear_cross_entropy
+
+HEAD_LABELS = ("continue", "refine", "done")  # the head's classes, in this order
+
+
+@dataclass
+class ModuleConfig:
+    """One decoder's sizes (the seed's ``planner_config`` / ``generator_config``)."""
+
+    n_positions: int = 512
+    n_embd: int = 256
+    n_layer: int = 3
+    n_head: int = 8
+    dropout: float = 0.1  # embedding, residual and attention dropout
+    vocab_size: int = 0  # the seed repeats it per module: 0 or the model's vocab_size
+
+
+@dataclass
+class HRGCConfig:
+    vocab_size: int = 0  # 0 = taken from the tokenizer by the trainer
+    flavor: str = "gpt2"  # both decoders: gpt2 | llama
+    hierarchical: bool = True  # false: the plain spec -> code baseline (generator only)
+    planner_config: ModuleConfig = field(default_factory=lambda: ModuleConfig(n_positions=512))
+    generator_config: ModuleConfig = field(default_factory=lambda: ModuleConfig(n_positions=1024))
+    # Training knobs, as the seed names them (the loss weights and learning rates of each module).
+    plan_loss_weight: float = 0.4
+    code_loss_weight: float = 0.4
+    refinement_loss_weight: float = 0.2  # x (head cross-entropy + LM loss of corrected attempts)
+    planner_lr: float = 0.0  # 0 = training.lr
+    generator_lr: float = 0.0  # the generator and the bridge; 0 = training.lr
+    refinement_lr: float = 0.0  # the continue/refine/done head; 0 = training.lr
+    refinement_warmup: int = 5000  # optimizer steps before refinement examples join the batches
+    validation_frequency: int = 100  # steps between sampling-and-parsing probes; 0 = off
+    validation_samples: int = 4  # functions written per probe
+    own_failure_share: float = 0.25  # of refinement rows, at most this share from the model's own failures
+    max_refinement_iterations: int = 5  # attempts at most in `lmforge generate` / `lmforge eval`
+    enable_validation: bool = True  # inference: the parser vetoes "done" on code it rejects
+    bos_token_id: int = 1
+    eos_token_id: int = 2
+    pad_token_id: int = 3
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                raise LMForgeError(message)
+
+        check(self.flavor in FLAVORS, f"unknown model.flavor {self.flavor!r}; use one of: {', '.join(FLAVORS)}")
+        check(self.vocab_size >= 0, f"model.vocab_size must be >= 0 (0 = from the tokenizer), got {self.vocab_size}")
+        for name in ("planner_config", "generator_config"):
+            m = getattr(self, name)
+            check(m.vocab_size in (0, self.vocab_size) or self.vocab_size == 0,
+                  f"model.{name}.vocab_size={m.vocab_size} differs from model.vocab_size={self.vocab_size}; both "
+                  f"decoders share the tokenizer: drop model.{name}.vocab_size or set it to the same value")
+            for key in ("n_positions", "n_embd", "n_layer", "n_head"):
+                check(getattr(m, key) > 0, f"model.{name}.{key} must be > 0, got {getattr(m, key)}")
+            check(m.n_embd % m.n_head == 0, f"model.{name}.n_embd ({m.n_embd}) must be divisible by "
+                                            f"model.{name}.n_head ({m.n_head})")
+            check(0.0 <= m.dropout < 1.0, f"model.{name}.dropout must be in [0, 1), got {m.dropout}")
+        for key in ("plan_loss_weight", "code_loss_weight", "refinement_loss_weight", "planner_lr",
+                    "generator_lr", "refinement_lr", "own_failure_share"):
+            check(getattr(self, key) >= 0, f"model.{key} must be >= 0, got {getattr(self, key)}")
+        check(self.own_failure_share <= 1, f"model.own_failure_share must be in [0, 1], got {self.own_failure_share}")
+        check(self.refinement_warmup >= 0, f"model.refinement_warmup must be >= 0, got {self.refinement_warmup}")
+        check(self.validation_frequency >= 0, "model.validation_frequency must be >= 0 (0 = off)")
+        check(self.validation_samples >= 1, "model.validation_samples must be >= 1")
+        check(self.max_refinement_iterations >= 1,
+              f"model.max_refinement_iterations must be >= 1, got {self.max_refinement_iterations}")
+
+    @classmethod
+    def resolve_dict(cls, values: dict[str, Any]) -> dict[str, Any]:
+        values = dict(values)
+        for name in ("planner_config", "generator_config"):  # YAML nulls would otherwise become None
+            if values.get(name) is None:
+                values.pop(name, None)
+        return values
+
+
+def _decoder_config(c: HRGCConfig, m: ModuleConfig) -> GPTConfig:
+    return GPTConfig(flavor=c.flavor, vocab_size=c.vocab_size, n_positions=m.n_positions, n_embd=m.n_embd,
+                     n_layer=m.n_layer, n_head=m.n_head, embd_pdrop=m.dropout, resid_pdrop=m.dropout,
+                     attn_pdrop=m.dropout, bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id,
+                     pad_token_id=c.pad_token_id)
+
+
+@register
+class HRGC(LMForgeModel):
+    family = "hrgc"
+    config_class = HRGCConfig
+    data_kind = "go_functions"
+    # Before refinement_warmup the head gets no gradient: DistributedDataParallel must allow that.
+    ddp_find_unused_parameters = True
+
+    def __init__(self, config: HRGCConfig):
+        super().__init__(config)
+        c = config
+        if c.vocab_size <= 0:
+            raise LMForgeError("model.vocab_size is 0, so the model cannot be built: set it to the tokenizer's "
+                               "vocabulary size (the trainer does this from the tokenizer)")
+        self.generator = GPT(_decoder_config(c, c.generator_config))
+        if c.hierarchical:
+            self.planner = GPT(_decoder_config(c, c.planner_config))
+            self.bridge = nn.Linear(c.planner_config.n_embd, c.generator_config.n_embd, bias=False)
+            nn.init.zeros_(self.bridge.weight)  # at initialisation the generator sees only tokens
+            self.head = nn.Linear(c.generator_config.n_embd, len(HEAD_LABELS))
+            nn.init.normal_(self.head.weight, 0.0, 0.02)
+            nn.init.zeros_(self.head.bias)
+        else:
+            self.planner = self.bridge = self.head = None
+
+    # ---- pieces the inference loop uses ------------------------------------------------
+    def condition(self, planner_hidden: torch.Tensor, prefix_len: torch.Tensor, length: int) -> torch.Tensor:
+        """``[B, Tp, dp]`` planner states -> ``[B, length, dg]`` additions to the generator's embeddings:
+        the bridged states at positions ``< prefix_len`` (the shared ``spec <plan> plan`` prefix), 0 after."""
+        extra = self.bridge(planner_hidden)
+        keep = torch.arange(extra.size(1), device=extra.device)[None, :] < prefix_len[:, None]
+        extra = extra * keep[..., None].to(extra.dtype)
+        if extra.size(1) >= length:
+            return extra[:, :length]
+        return F.pad(extra, (0, 0, 0, length - extra.size(1)))
+
+    def judge(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[B, dg]`` generator states at ``<judge>`` -> ``[B, 3]`` logits over ``HEAD_LABELS``."""
+        return self.head(hidden).float()
+
+    # ---- training interface -------------------------------------------------------------
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
+        c, gen = self.config, self.generator
+        planner_hidden = plan_loss = None
+        if c.hierarchical:
+            planner_hidden = self.planner.hidden_states(batch["plan_ids"])
+            plan_loss = linear_cross_entropy(planner_hidden, self.planner.lm_head.weight, batch["plan_labels"])
+
+        def extra(ids: torch.Tensor) -> torch.Tensor | None:
+            if planner_hidden is None:
+                return None
+            return self.condition(planner_hidden, batch["prefix_len"], ids.size(1))
+
+        code_ids = batch["code_ids"]
+        hidden = gen.hidden_states(code_ids, extra_embeds=extra(code_ids))
+        code_loss = linear_cross_entropy(hidden, gen.lm_head.weight, batch["code_labels"])
+        if not c.hierarchical:
+            return code_loss, {"code_loss": code_loss.detach()}
+        loss = c.plan_loss_weight * plan_loss + c.code_loss_weight * code_loss
+        metrics: dict[str, Any] = {"plan_loss": plan_loss.detach(), "code_loss": code_loss.detach()}
+        if "refine_ids" in batch:  # after refinement_warmup (and always in evaluation)
+            refine_ids = batch["refine_ids"]
+            hidden = gen.hidden_states(refine_ids, extra_embeds=extra(refine_ids))
+            refine_loss = linear_cross_entropy(hidden, gen.lm_head.weight, batch["refine_labels"])
+            labels = batch["head_labels"]
+            rows = torch.arange(hidden.size(0), device=hidden.device)
+            logits = self.judge(hidden[rows, batch["judge_pos"]])
+            valid = labels != IGNORE_INDEX
+            count = valid.sum().clamp(min=1)
+            head_loss = (F.cross_entropy(logits, labels.clamp(min=0), reduction="none") * valid).sum() / count
+            loss = loss + c.refinement_loss_weight * (head_loss + refine_loss)
+            metrics.update(head_loss=head_loss.detach(), refine_loss=refine_loss.detach(),
+                           head_accuracy=((logits.argmax(-1) == labels) & valid).sum() / count)
+        return loss, metrics
+
+    def param_groups(self, weight_decay: float, lr: float) -> list[dict[str, Any]]:
+        """One learning rate per module (the seed's planner_lr / generator_lr / refinement_lr; 0 = lr),
+        each split into decayed matrices and undecayed vectors."""
+        c = self.config
+        modules = {"planner": ([self.planner], c.planner_lr), "generator": ([self.generator, self.bridge], c.generator_lr),
+                   "refinement": ([self.head], c.refinement_lr)}
+        groups = []
+        for name, (parts, module_lr) in modules.items():
+            decay, no_decay = [], []
+            for part in parts:
+                if part is None:
+                    continue
+                for pname, p in part.named_parameters():
+                    if p.requires_grad:
+                        (decay if self.decays(pname, p) else no_decay).append(p)
+            for suffix, params, wd in (("decay", decay, weight_decay), ("no_decay", no_decay, 0.0)):
+                if params:
+                    groups.append({"params": params, "weight_decay": wd, "lr": module_lr or lr,
+                                   "name": f"{name}/{suffix}"})
+        return groups
+
+    def set_activation_checkpointing(self, enabled: bool) -> None:
+        for part in (self.planner, self.generator):
+            if part is not None:
+                part.set_activation_checkpointing(enabled)
+
+    # ---- tied weights -------------------------------------------------------------------
+    def is_tied_key(self, key: str) -> bool:
+        module, _, rest = key.partition(".")
+        part = getattr(self, module, None)
+        return isinstance(part, GPT) and part.is_tied_key(rest)
+
+    def tie_weights(self) -> None:
+        for part in (self.planner, self.generator):
+            if part is not None:
+                part.tie_weights()
+
+
+__all__ = ["HRGC", "HRGCConfig", "ModuleConfig", "HEAD_LABELS"]
