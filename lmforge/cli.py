@@ -132,7 +132,8 @@ def _cmd_eval_hrgc(args) -> int:
     if args.json:
         print(json.dumps(m))
         return 0
-    print(f"{m['data']}: {m['functions']} functions" + (f" ({m['skipped']} too long, skipped)" if m["skipped"] else ""))
+    print(f"{m['data']}: {m['functions']} functions" + (f" ({m['skipped']} skipped: their spec does not fit the "
+                                                         "model's contexts)" if m["skipped"] else ""))
     rows = [("parses", "parse_rate"), ("parses at the first attempt", "first_attempt_parse_rate"),
             ("compiles in its package", "compile_rate"), ("follows its plan", "plan_follow_rate"),
             ("code exact match", "code_exact"), ("plan exact match", "plan_exact")]

@@ -69,13 +69,16 @@ def _first_error(node):
 def validate(parser, spec: str, code: str, plan: str | None = None) -> str:
     """The validator's verdict on ``code`` as the body of ``spec``: "" when it parses (and, given a
     plan, follows it), else a message naming the first problem."""
-    tree, body, _ = parse_body(parser, spec, code)
+    tree, body, offset = parse_body(parser, spec, code)
     if tree.root_node.has_error or body is None:
         error = _first_error(tree.root_node) or tree.root_node
         line = error.start_point[0] - 1  # the package clause and a blank line come first
         near = error.text.decode("utf-8", "replace").strip().split("\n")[0][:30]
         what = f"missing {error.type}" if error.is_missing else f"unexpected {near!r}" if near else "unexpected end"
         return f"syntax error: line {max(line, 1)} of the function: {what}"
+    after = code.encode("utf-8")[body.end_byte - offset:].decode("utf-8", "replace").strip()
+    if after:  # a body that closes early and more code after it: not one function body
+        return f"syntax error: text after the function's closing brace: {after.split(chr(10))[0][:30]!r}"
     if plan is not None:
         got = plan_of(body)
         if got != plan:

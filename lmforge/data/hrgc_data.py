@@ -193,7 +193,10 @@ class _Batcher:
         target = None if label == "done" else self.data.code(i)
         return self.fmt.encode(attempt), self.fmt.encode(message) if message else [], target, label
 
-    def batch(self, indices: list[int], states: list[tuple | None] | None) -> dict[str, torch.Tensor]:
+    def batch(self, indices: list[int], states: list[tuple | None] | None,
+              lm_rows: int | None = None) -> dict[str, torch.Tensor]:
+        """One row per function index; rows from ``lm_rows`` on (the model's own failures) carry only a
+        refinement state: their plan and code rows are there to condition it, with no LM loss."""
         d, fmt = self.data, self.fmt
         out: dict[str, torch.Tensor] = {}
         prefixes = [d.prefix(i) for i in indices]
@@ -203,6 +206,10 @@ class _Batcher:
             out["prefix_len"] = torch.tensor([len(p) for p in prefixes], dtype=torch.int64)
         out["code_ids"], out["code_labels"] = collate([fmt.code_row(p, d.code(i)) for p, i in zip(prefixes, indices)],
                                                       fmt.pad)
+        if lm_rows is not None:
+            for key in ("plan_labels", "code_labels"):
+                if key in out:
+                    out[key][lm_rows:] = IGNORE_INDEX
         if states is not None:
             rows, judge_pos, head_labels = [], [], []
             for prefix, state in zip(prefixes, states):
@@ -227,7 +234,7 @@ class _Batcher:
 
 class HRGCTrainLoader(_Batcher):
     """Endless training batches; refinement rows join after ``refinement_warmup`` optimizer steps,
-    partly from the model's own failures (``add_failure``) once the validation probe finds some."""
+    plus extra rows from the model's own failures (``add_failure``) once the validation probe finds some."""
 
     def __init__(self, data: EncodedFunctions, parser, micro_batch_size: int, seed: int, rank: int,
                  world_size: int, grad_accum_steps: int, refinement_warmup: int, own_failure_share: float):
@@ -260,19 +267,20 @@ class HRGCTrainLoader(_Batcher):
             self._batches = self._plan()
         indices = list(self._batches[self.position])
         self.position += 1
+        lm_rows = len(indices)
         states = None
         if self.data.fmt.hierarchical and self.step >= self.refinement_warmup:
+            states = [self.state_for(i, f"e{self.epoch}") for i in indices]
+            # The model's own failures join as extra rows (each row's chance: own_failure_share), so
+            # they are at most that share of the refinement rows and never displace LM rows.
             rng = random.Random(f"{self.seed}-own-{self.rank}-{self.drawn}")
-            states = []
-            for row, i in enumerate(indices):
+            for _ in range(lm_rows):
                 if self.failures and rng.random() < self.own_failure_share:
                     f = rng.choice(self.failures)
-                    indices[row] = i = f["index"]
-                    states.append(self.encode_state(i, f["attempt"], f["message"], f["label"]))
-                else:
-                    states.append(self.state_for(i, f"e{self.epoch}"))
+                    indices.append(f["index"])
+                    states.append(self.encode_state(f["index"], f["attempt"], f["message"], f["label"]))
         self.drawn += 1
-        return self.batch(indices, states)
+        return self.batch(indices, states, lm_rows)
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "position": self.position, "drawn": self.drawn, "failures": self.failures}

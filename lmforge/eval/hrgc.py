@@ -12,8 +12,9 @@ full inference loop (``lmforge.infer.hrgc``, greedy), and the answer is scored a
   the answer also follows the model's own plan (what the validator accepts);
 * avg_iterations — attempts per function;
 * compile_rate — where Go is installed and the data's source tree is there: the answer, put in place
-  of the real body in its own file (``go build -overlay``, the tree is not touched), compiles with its
-  package;
+  of the real body in its own file (``go build -overlay -o /dev/null``, the tree is not touched),
+  compiles with its package; functions in files this platform does not build (build tags, _GOOS
+  suffixes) are left out of this share;
 * head_accuracy — the continue / refine / done head on the split's labelled states (teacher-forced).
 
 Each sampled plan and body is capped at twice its reference's length in tokens plus 16: room for a
@@ -67,7 +68,8 @@ def token_accuracy(hyp: list[int], ref: list[int]) -> float:
 
 
 class GoBuildCheck:
-    """Compiles a function with a new body inside its own package, leaving the source tree as it is."""
+    """Compiles a function with a new body inside its own package, leaving the source tree as it is:
+    the file is replaced through ``go build -overlay`` and the output goes to the null device."""
 
     def __init__(self, source_root: str | Path, go: str):
         self.go = go
@@ -78,13 +80,27 @@ class GoBuildCheck:
             root = Path(goroot) / "src"
         self.root = root
         self.tmp = Path(tempfile.mkdtemp(prefix="lmforge-gobuild-"))
+        self.env = {**os.environ, "GOPROXY": "off", "GOFLAGS": "-mod=mod" if (root / "go.mod").is_file() else ""}
+        self._built_files: dict[str, set[str]] = {}
 
     def close(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
-    def check(self, fn: GoFunction, code: str) -> bool | None:
-        """True / False: it compiles or not; None: the function cannot be found in its file."""
+    def _package_files(self, package: str) -> set[str]:
+        """The files `go build` compiles for this package on this platform (build tags and _GOOS/_GOARCH
+        suffixes leave others out: a body there would "compile" whatever it holds)."""
+        if package not in self._built_files:
+            listed = subprocess.run([self.go, "list", "-f", "{{join .GoFiles \"\\n\"}}\n{{join .CgoFiles \"\\n\"}}",
+                                     "./" + package], cwd=self.root, capture_output=True, text=True, env=self.env)
+            self._built_files[package] = set(listed.stdout.split()) if listed.returncode == 0 else set()
+        return self._built_files[package]
+
+    def check(self, fn: GoFunction, code: str, parses: bool = True) -> bool | None:
+        """True / False: it compiles or not; None: not checkable here (the function cannot be found in
+        its file, or the file is not built on this platform)."""
         path = self.root / fn.file
+        if Path(fn.file).name not in self._package_files(fn.package):
+            return None
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):
@@ -94,14 +110,15 @@ class GoBuildCheck:
         start = text.find(fn.code, max(at, 0))
         if at < 0 or start < 0:
             return None
+        if not parses:
+            return False
         replaced = self.tmp / "replaced.go"
         replaced.write_text(text[:start] + code + text[start + len(fn.code):], encoding="utf-8")
         overlay = self.tmp / "overlay.json"
         overlay.write_text(json.dumps({"Replace": {str(path): str(replaced)}}))
-        env = {**os.environ, "GOPROXY": "off", "GOFLAGS": "-mod=mod" if (self.root / "go.mod").is_file() else ""}
         try:
-            done = subprocess.run([self.go, "build", "-overlay", str(overlay), "./" + fn.package], cwd=self.root,
-                                  capture_output=True, text=True, timeout=300, env=env)
+            done = subprocess.run([self.go, "build", "-o", os.devnull, "-overlay", str(overlay), "./" + fn.package],
+                                  cwd=self.root, capture_output=True, text=True, timeout=300, env=self.env)
         except subprocess.TimeoutExpired:
             return False
         return done.returncode == 0
@@ -140,7 +157,7 @@ def head_accuracy(model, tokenizer, parser, functions: list[GoFunction], seed: i
 def evaluate_hrgc(checkpoint: str | Path, data_dir: str | Path, split: str = "test", limit: int = 0,
                   device: str = "auto", max_iterations: int | None = None, compile_check: bool = True,
                   progress: bool = True) -> dict[str, Any]:
-    from lmforge.infer.hrgc import Writer
+    from lmforge.infer.hrgc import SpecDoesNotFit, Writer
     from lmforge.infer.loading import load_for_inference
 
     data_dir = Path(data_dir)
@@ -172,7 +189,7 @@ def evaluate_hrgc(checkpoint: str | Path, data_dir: str | Path, split: str = "te
             try:
                 written = writer.write(fn.spec, max_new_tokens=2 * max(len(ref_code), len(tokenizer.encode(fn.plan)))
                                        + 16)
-            except LMForgeError:  # a spec too long for the contexts
+            except SpecDoesNotFit:
                 skipped += 1
                 continue
             answer = written.answer
@@ -186,7 +203,7 @@ def evaluate_hrgc(checkpoint: str | Path, data_dir: str | Path, split: str = "te
             add("first_attempt_parse_rate", written.attempts[0].parses)
             add("avg_iterations", written.iterations)
             if builder is not None:
-                compiled = builder.check(fn, answer.code) if answer.parses else False
+                compiled = builder.check(fn, answer.code, answer.parses)
                 if compiled is not None:
                     add("compile_rate", compiled)
                     add("_compile_n", 1)

@@ -60,17 +60,30 @@ class Written:
         raise LMForgeError("no attempt was made")
 
 
-def check_spec(spec: str) -> None:
-    """A spec must end in a Go signature (``func name(...)``), optionally after ``//`` comment lines."""
-    lines = [ln.strip() for ln in spec.strip().split("\n") if ln.strip()]
-    body = [ln for ln in lines if not ln.startswith("//")]
-    if not body or not body[0].startswith("func "):
-        raise LMForgeError(
-            "the spec has no Go signature: give the doc comment (optional) and the function's signature, e.g. "
-            "--spec '// readFile reads a file.\\nfunc readFile(path string) ([]byte, error)'")
-    if "{" in "\n".join(body):
-        raise LMForgeError("the spec holds a body ('{'): give only the doc comment and the signature; "
-                           "the model writes the body")
+class SpecDoesNotFit(LMForgeError):
+    """The spec (with its plan) is too long for the model's contexts."""
+
+
+def check_spec(spec: str, parser=None) -> None:
+    """A spec is a Go signature (``func name(...) results`` or a method), optionally after its doc
+    comment, and nothing else: checked with the real parser."""
+    from lmforge.data.go_functions import go_parser
+    from lmforge.data.go_refinement import parse_body
+
+    parser = parser or go_parser()
+    example = ("e.g. --spec '// readFile reads a file.\\nfunc readFile(path string) ([]byte, error)'")
+    if not spec.strip():
+        raise LMForgeError(f"the spec is empty: give the function's doc comment (optional) and signature, {example}")
+    tree, body, _ = parse_body(parser, spec, "{}")
+    if body is not None and not tree.root_node.has_error:
+        return
+    whole = parser.parse(("package p\n\n" + spec).encode("utf-8")).root_node
+    if any(n.type in ("function_declaration", "method_declaration") and n.child_by_field_name("body") is not None
+           for n in whole.named_children):
+        raise LMForgeError("the spec holds a body: give only the doc comment and the signature; the model writes "
+                           "the body")
+    raise LMForgeError(f"the spec has no Go signature the parser accepts: give the doc comment (optional) and the "
+                       f"function's signature, {example}")
 
 
 class Writer:
@@ -140,7 +153,8 @@ class Writer:
               on_event: Callable[[str, object], None] | None = None) -> Written:
         """Run the loop on one spec; ``on_event("plan" | "attempt", value)`` reports progress.
         ``max_new_tokens`` caps each sampled plan and body (0 = as much as the context holds)."""
-        check_spec(spec)
+        spec = spec.strip()
+        check_spec(spec, self.parser)
         cap = max_new_tokens or 1 << 30
         model, fmt = self.model, self.fmt
         spec_ids = fmt.encode(spec)
@@ -148,7 +162,7 @@ class Writer:
         if self.cfg.hierarchical:
             plan_prompt = spec_ids + fmt.marker["plan"]
             if len(plan_prompt) >= model.planner.config.n_positions:
-                raise LMForgeError(f"the spec is {len(spec_ids)} tokens, too long for the planner's "
+                raise SpecDoesNotFit(f"the spec is {len(spec_ids)} tokens, too long for the planner's "
                                    f"{model.planner.config.n_positions}-token context; shorten its doc comment")
             plan_ids, _ = self._sample(model.planner, plan_prompt, None, cap)
             plan = self.tokenizer.decode(plan_ids)
@@ -159,7 +173,7 @@ class Writer:
         prefix = fmt.prefix(spec_ids, plan_ids)
         code_prompt = fmt.code_prompt(prefix)
         if len(code_prompt) >= model.generator.config.n_positions:
-            raise LMForgeError("the spec and plan fill the generator's context; shorten the spec's doc comment")
+            raise SpecDoesNotFit("the spec and plan fill the generator's context; shorten the spec's doc comment")
         result = Written(spec=spec, plan=plan)
         ids, finished = self._sample(model.generator, code_prompt,
                                      self._extra(planner_hidden, len(prefix), len(code_prompt)), cap)
@@ -228,7 +242,10 @@ class WritingProbe:
         for i in picks:
             fn = data.functions[i]
             # Room for twice the real body: enough for a right answer, bounded for a rambling one.
-            written = writer.write(fn.spec, max_new_tokens=2 * len(data.code(i)) + 16)
+            try:
+                written = writer.write(fn.spec, max_new_tokens=2 * len(data.code(i)) + 16)
+            except LMForgeError:  # a spec the model cannot take (too long with its plan): a failure
+                continue
             attempt = written.attempts[0]
             parsed += attempt.parses
             plan_exact += written.plan == fn.plan
@@ -245,4 +262,4 @@ class WritingProbe:
         return out
 
 
-__all__ = ["Writer", "Written", "Attempt", "WritingProbe", "check_spec", "HEAD_SAYS_WRONG"]
+__all__ = ["Writer", "Written", "Attempt", "WritingProbe", "SpecDoesNotFit", "check_spec", "HEAD_SAYS_WRONG"]

@@ -76,11 +76,15 @@ class HRGCConfig:
 
         check(self.flavor in FLAVORS, f"unknown model.flavor {self.flavor!r}; use one of: {', '.join(FLAVORS)}")
         check(self.vocab_size >= 0, f"model.vocab_size must be >= 0 (0 = from the tokenizer), got {self.vocab_size}")
+        given = {m.vocab_size for m in (self.planner_config, self.generator_config) if m.vocab_size}
+        check(len(given) <= 1 and given <= {self.vocab_size or next(iter(given), 0)},
+              f"model.planner_config.vocab_size, model.generator_config.vocab_size and model.vocab_size differ "
+              f"({self.planner_config.vocab_size}, {self.generator_config.vocab_size}, {self.vocab_size}); both "
+              "decoders share the tokenizer: set model.vocab_size alone (0 = from the tokenizer)")
+        if not self.vocab_size and given:  # the seed's per-module vocab_size
+            self.vocab_size = given.pop()
         for name in ("planner_config", "generator_config"):
             m = getattr(self, name)
-            check(m.vocab_size in (0, self.vocab_size) or self.vocab_size == 0,
-                  f"model.{name}.vocab_size={m.vocab_size} differs from model.vocab_size={self.vocab_size}; both "
-                  f"decoders share the tokenizer: drop model.{name}.vocab_size or set it to the same value")
             for key in ("n_positions", "n_embd", "n_layer", "n_head"):
                 check(getattr(m, key) > 0, f"model.{name}.{key} must be > 0, got {getattr(m, key)}")
             check(m.n_embd % m.n_head == 0, f"model.{name}.n_embd ({m.n_embd}) must be divisible by "
