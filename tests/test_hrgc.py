@@ -115,7 +115,7 @@ def loader_for(corpus, hierarchical=True, warmup=0, batch=4, split="train"):
     return HRGCTrainLoader(data, go_parser(), batch, 0, 0, 1, 1, warmup, 0.25), tok
 
 
-def train_cli(corpus, out: Path, *overrides: str) -> Path:
+def train_cli(corpus, out: Path, *overrides: str, resume: bool = False) -> Path:
     args = ["train", "hrgc_go_tiny", f"data.path={corpus['data']}", f"data.tokenizer={corpus['tokenizer']}",
             f"out_dir={out}", "name=r", "training.max_steps=6", "training.micro_batch_size=4",
             "training.eval_interval=3", "training.eval_batches=2", "training.log_interval=1",
@@ -124,7 +124,7 @@ def train_cli(corpus, out: Path, *overrides: str) -> Path:
             "model.planner_config.n_positions=128", "model.generator_config.n_embd=48",
             "model.generator_config.n_layer=1", "model.generator_config.n_head=2",
             "model.generator_config.n_positions=384", "model.vocab_size=0", *overrides]
-    assert main(args) == 0
+    assert main(args + (["--resume"] if resume else [])) == 0
     return out / "r"
 
 
@@ -564,3 +564,12 @@ def test_eval_loader_is_fixed_and_labels_every_state(corpus):
     b = list(loader.iter_eval_batches())
     assert len(a) >= 1 and all(torch.equal(x[k], y[k]) for x, y in zip(a, b) for k in x)
     assert all((batch["head_labels"] >= 0).all() for batch in a)
+
+
+def test_an_interrupted_run_resumes(corpus, tmp_path):
+    run = train_cli(corpus, tmp_path, "training.max_steps=3", "training.save_interval=3", "model.refinement_warmup=2",
+                    "model.validation_frequency=2", "model.validation_samples=2")
+    train_cli(corpus, tmp_path, "training.max_steps=5", "training.save_interval=3", "model.refinement_warmup=2",
+              "model.validation_frequency=2", "model.validation_samples=2", resume=True)
+    state = json.loads((run / "checkpoints" / "step-000005" / "trainer_state.json").read_text())
+    assert state["step"] == 5 and state["data"]["drawn"] == 5
