@@ -514,7 +514,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # `key=value` overrides given after an option (`train RECIPE --resume training.lr=1e-4`) are
+    # overrides too: argparse alone takes the positional list only before the first option.
+    late = [a for a in extra if "=" in a and not a.startswith("-")]
+    if extra and (len(late) < len(extra) or not hasattr(args, "overrides")):
+        parser.parse_args(argv)  # reports the unrecognised arguments and exits, as argparse does
+    if late:
+        args.overrides = list(args.overrides or []) + late
     try:
         return int(args.func(args) or 0)
     except LMForgeError as e:

@@ -573,3 +573,13 @@ def test_an_interrupted_run_resumes(corpus, tmp_path):
               "model.validation_frequency=2", "model.validation_samples=2", resume=True)
     state = json.loads((run / "checkpoints" / "step-000005" / "trainer_state.json").read_text())
     assert state["step"] == 5 and state["data"]["drawn"] == 5
+
+
+def test_overrides_may_follow_options(capsys):
+    # `lmforge bench RECIPE --steps 1 key=value` (an H100 session tripped on this order)
+    assert main(["bench", "go_coder_tiny", "--steps", "1", "--warmup", "0", "--vocab-size", "300",
+                 "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "training.micro_batch_size=1",
+                 "data.seq_len=16", "training.precision=fp32"]) == 0
+    assert "1 timed steps" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["bench", "go_coder_tiny", "--no-such-option"])
