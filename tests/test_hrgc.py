@@ -207,6 +207,10 @@ def test_own_failures_join_as_extra_refine_rows(corpus):
     assert target == loader.data.code(0) + [tok.eos_id]
     for r, i in enumerate(loader._batches[0]):  # every row's prefix_len is its own prefix
         assert batch["prefix_len"][r] == len(loader.data.prefix(i))
+    # A failure longer than the batch's rows would pad all of them: it waits for a batch of its size.
+    loader.failures.clear()
+    loader.add_failure(0, "{\n" + "\tx := 1\n" * 200, "does not follow the plan", "refine")
+    assert loader.next_batch()["code_ids"].shape[0] == 4
 
 
 def test_warmup_counts_optimizer_steps_with_accumulation(corpus):

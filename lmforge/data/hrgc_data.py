@@ -257,8 +257,12 @@ class HRGCTrainLoader(_Batcher):
         return self.drawn // self.grad_accum_steps
 
     def add_failure(self, index: int, attempt: str, message: str, label: str) -> None:
-        """Keep one of the model's failed attempts at training function ``index`` (target: its real body)."""
-        self.failures.append({"index": int(index), "attempt": attempt, "message": message, "label": label})
+        """Keep one of the model's failed attempts at training function ``index`` (target: its real body),
+        with the length of its refinement row."""
+        fmt, d = self.fmt, self.data
+        length = len(fmt.refine_prompt(d.prefix(index), fmt.encode(attempt), fmt.encode(message))) + len(d.code(index))
+        self.failures.append({"index": int(index), "attempt": attempt, "message": message, "label": label,
+                              "length": length})
         del self.failures[:-OWN_FAILURE_POOL]
 
     def next_batch(self) -> dict[str, torch.Tensor]:
@@ -273,10 +277,13 @@ class HRGCTrainLoader(_Batcher):
             states = [self.state_for(i, f"e{self.epoch}") for i in indices]
             # The model's own failures join as extra rows (each row's chance: own_failure_share), so
             # they are at most that share of the refinement rows and never displace LM rows.
+            # Only failures no longer than this batch's rows may join: a long one would pad every row.
             rng = random.Random(f"{self.seed}-own-{self.rank}-{self.drawn}")
+            budget = 2 * int(self.data.lengths[indices].max()) + 16
+            fitting = [f for f in self.failures if f.get("length", 0) <= budget]
             for _ in range(lm_rows):
-                if self.failures and rng.random() < self.own_failure_share:
-                    f = rng.choice(self.failures)
+                if fitting and rng.random() < self.own_failure_share:
+                    f = rng.choice(fitting)
                     indices.append(f["index"])
                     states.append(self.encode_state(f["index"], f["attempt"], f["message"], f["label"]))
         self.drawn += 1
