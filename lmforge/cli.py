@@ -301,11 +301,13 @@ def _generate_go_function(args) -> int:
         if value.head:
             probs = ", ".join(f"{n} {p:.2f}" for n, p in zip(("continue", "refine", "done"), value.head_probs))
             print(f"head: {value.head} ({probs}) -> {value.action}")
+        elif value.action == "resample":
+            print("-> resample")
         sys.stdout.flush()
 
     written = writer.write(spec, max_new_tokens=args.max_new_tokens, on_event=show)
     answer = written.answer
-    print(f"\niterations used: {written.iterations} of {writer.max_iterations if model.config.hierarchical else 1} "
+    print(f"\niterations used: {written.iterations} of {writer.max_iterations} "
           f"({written.stopped})")
     print(f"answer: attempt {written.attempts.index(answer) + 1} "
           f"({'parses' if answer.parses else 'does not parse'})")

@@ -587,3 +587,13 @@ def test_overrides_may_follow_options(capsys):
     assert "1 timed steps" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["bench", "go_coder_tiny", "--no-such-option"])
+
+
+def test_plain_model_resamples_until_it_parses_when_asked(corpus):
+    tok = Tokenizer.load(corpus["tokenizer"])
+    torch.manual_seed(0)
+    writer = Writer(HRGC(tiny_config(hierarchical=False)).eval(), tok, max_iterations=3, seed=0)
+    written = writer.write(SPEC, max_new_tokens=8)  # an untrained model: nothing parses, so 3 samples
+    assert written.iterations == 3 and written.stopped == "iteration cap"
+    assert [a.action for a in written.attempts] == ["resample", "resample", "stop"]
+    assert len({a.code for a in written.attempts}) > 1  # resamples are sampled, not greedy copies

@@ -10,7 +10,8 @@ gives its verdict and the head its label:
 * **refine** writes a new attempt from ``spec, plan, attempt, validator message``.
 
 The answer is the latest attempt the validator accepts, else the latest that parses, else the last.
-The plain baseline (``hierarchical: false``) makes one attempt.
+The plain baseline (``hierarchical: false``) makes one attempt; given ``max_iterations`` > 1 it
+resamples until the parser accepts one (the control for what the loop's parser alone buys).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from lmforge.infer.generate import check_sampling, sample_next
 from lmforge.models.hrgc import HEAD_LABELS
 
 HEAD_SAYS_WRONG = "the refinement head judged the attempt wrong"
+RETRY_TEMPERATURE = 0.8  # the plain model's resamples when it decodes greedily
 
 
 @dataclass
@@ -98,7 +100,9 @@ class Writer:
         self.cfg = model.config
         self.fmt = SequenceFormat(tokenizer, self.cfg.hierarchical)
         self.parser = parser or go_parser()
-        self.max_iterations = max_iterations or self.cfg.max_refinement_iterations
+        # The plain model makes one attempt unless asked for more: then it resamples (at
+        # RETRY_TEMPERATURE when greedy) until the parser accepts, the control for HRGC's loop.
+        self.max_iterations = max_iterations or (self.cfg.max_refinement_iterations if self.cfg.hierarchical else 1)
         if self.max_iterations < 1:
             raise LMForgeError(f"max iterations must be >= 1, got {self.max_iterations}")
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
@@ -181,8 +185,21 @@ class Writer:
             attempt = self._attempt(spec, plan, ids, finished)
             result.attempts.append(attempt)
             if not self.cfg.hierarchical:
-                attempt.action, result.stopped = "stop", "one attempt (plain model)"
-                break
+                if attempt.parses or len(result.attempts) >= self.max_iterations:
+                    attempt.action = "stop"
+                    result.stopped = ("one attempt (plain model)" if self.max_iterations == 1 else
+                                      "parses" if attempt.parses else "iteration cap")
+                    break
+                attempt.action = "resample"
+                if on_event:
+                    on_event("attempt", attempt)
+                saved = self.temperature
+                self.temperature = saved or RETRY_TEMPERATURE
+                try:
+                    ids, finished = self._sample(model.generator, code_prompt, None, cap)
+                finally:
+                    self.temperature = saved
+                continue
             attempt.head, attempt.head_probs = self._judge(prefix, planner_hidden, fmt.encode(attempt.code))
             action = attempt.head or "refine"
             if action == "done" and attempt.verdict and self.cfg.enable_validation:
