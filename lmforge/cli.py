@@ -489,6 +489,42 @@ def _cmd_export(args) -> int:
     return 0
 
 
+# ---- checkpoint ---------------------------------------------------------------------------------
+def _add_checkpoint(sub) -> None:
+    p = sub.add_parser("checkpoint", help="maintain training checkpoints (convert older ones)",
+                       formatter_class=_formatter)
+    verbs = p.add_subparsers(dest="checkpoint_verb", metavar="VERB")
+    verbs.required = True
+    c = verbs.add_parser("convert", formatter_class=_formatter,
+                         help="rewrite checkpoints of older lmforge versions without pickle files",
+                         description="lmforge <= 0.1 saved a checkpoint's optimizer and random-number state as "
+                                     "pickles (optimizer.pt, rng_state.pt). This reads them with PyTorch's "
+                                     "restricted loader (tensors and plain data only; anything that could run "
+                                     "code is refused) and rewrites them as optimizer.safetensors and "
+                                     "rng_state.safetensors. Resume reads either form; converted checkpoints "
+                                     "are the ones to share.")
+    c.add_argument("paths", nargs="+", metavar="PATH",
+                   help="a step checkpoint, or a run directory / its checkpoints/ (every step checkpoint in it)")
+    c.set_defaults(func=_cmd_checkpoint_convert)
+
+
+def _cmd_checkpoint_convert(args) -> int:
+    from lmforge.train.checkpoint import STATE_FILE, convert_legacy, list_checkpoints
+
+    for raw in args.paths:
+        path = Path(raw)
+        if (path / STATE_FILE).is_file():
+            found = [path]
+        else:
+            found = [p for root in (path / "checkpoints", path) for _, p in list_checkpoints(root)]
+        if not found:
+            raise LMForgeError(f"{path} holds no training checkpoint (a directory with {STATE_FILE}); pass "
+                               "runs/NAME, runs/NAME/checkpoints or runs/NAME/checkpoints/step-NNNNNN")
+        for ckpt in found:
+            done = convert_legacy(ckpt)
+            print(f"{ckpt}: " + (", ".join(done) if done else "already in the current format"))
+    return 0
+
 
 # ---- entry point ---------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
@@ -509,6 +545,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plot(sub)
     _add_bench(sub)
     _add_export(sub)
+    _add_checkpoint(sub)
     _add_serve(sub)
     _add_chat(sub)
     return parser

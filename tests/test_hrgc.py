@@ -23,6 +23,7 @@ from lmforge.models import build_model, load_model
 from lmforge.models.hrgc import HEAD_LABELS, HRGC, HRGCConfig, ModuleConfig
 from lmforge.models.losses import IGNORE_INDEX
 from lmforge.tokenizer import Tokenizer, train_tokenizer
+from lmforge.train.safe_state import load_state
 
 # Small Go packages of our own: each function is written from a template with its own names, so the
 # corpus has enough functions to batch, several statement kinds, and packages to split by.
@@ -295,7 +296,7 @@ def test_module_learning_rates_and_loss_weights_reach_the_optimizer(corpus, tmp_
     run = train_cli(corpus, tmp_path, "model.planner_lr=0.0036", "model.generator_lr=0.0024",
                     "model.refinement_lr=0.003", "training.lr=0.001", "model.refinement_warmup=3",
                     "model.plan_loss_weight=0.5", "model.validation_frequency=0")
-    state = torch.load(run / "checkpoints" / "step-000006" / "optimizer.pt", weights_only=False)
+    state = load_state(run / "checkpoints" / "step-000006" / "optimizer.safetensors", "optimizer")
     groups = {g["name"]: g for g in state["optimizer"]["param_groups"]}
     assert set(groups) == {f"{m}/{d}" for m in ("planner", "generator", "refinement") for d in ("decay", "no_decay")}
     for module, lr in (("planner", 0.0036), ("generator", 0.0024), ("refinement", 0.003)):

@@ -345,7 +345,7 @@ def test_train_on_jsonl_with_a_trained_tokenizer_then_resume_as_the_guide_does(t
         for key in ("mhc/amax_pre", "mhc/amax_post", "mhc/amax_res", "mhc/amax_composite"):
             assert 0.5 < r[key] < 2.0, (key, r)
     ckpt = run_dir / "checkpoints" / "step-000006"
-    assert {"config.yaml", "model.safetensors", "optimizer.pt", "tokenizer.json"} <= {p.name for p in ckpt.iterdir()}
+    assert {"config.yaml", "model.safetensors", "optimizer.safetensors", "tokenizer.json"} <= {p.name for p in ckpt.iterdir()}
     model = RLMModel.from_pretrained(ckpt)
     assert model.config.mhc_enabled and model.config.vocab_size == 300
 

@@ -20,6 +20,7 @@ from lmforge.models.puzzle import exploration_min_steps, halt_decision
 from lmforge.models.reasoning_layers import stablemax_cross_entropy
 from lmforge.models.trm import TRMConfig
 from lmforge.train.optimizers import AdamATan2SignSGD
+from lmforge.train.safe_state import load_state
 
 SMALL = {"seq_len": 81, "vocab_size": 11, "num_puzzle_identifiers": 4, "hidden_size": 32, "num_heads": 2,
          "expansion": 2, "halt_max_steps": 4}
@@ -267,7 +268,7 @@ def test_resume_restores_ema_and_raw_weights_and_resets_carry(sudoku_dir, tmp_pa
     train(cfg)
     ckpt = tmp_path / "trm" / "checkpoints" / "step-000006"
     ema = load_file(str(ckpt / "model.safetensors"))
-    raw = torch.load(ckpt / "optimizer.pt", weights_only=False)["model_state"]["raw_weights"]
+    raw = load_state(ckpt / "optimizer.safetensors", "optimizer")["model_state"]["raw_weights"]
     names = [n for n, _ in build_model(cfg.model).named_parameters()]
     assert any(not torch.equal(ema[n], r) for n, r in zip(names, raw))  # the checkpoint holds the EMA
 

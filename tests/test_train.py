@@ -21,6 +21,7 @@ from lmforge.cli import main
 from lmforge.config import load_config
 from lmforge.errors import LMForgeError
 from lmforge.train import train
+from lmforge.train.safe_state import load_state
 from tests.train_helpers import (REPO, lmforge_cmd, make_prepared_data, run, subprocess_env, write_recipe)
 
 
@@ -44,7 +45,7 @@ def test_train_writes_run_dir_and_tensorboard(tmp_path, data_dir):
     steps = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert steps == ["best", "step-000010", "step-000020"]
     ckpt = run_dir / "checkpoints" / "step-000020"
-    for name in ("model.safetensors", "config.yaml", "optimizer.pt", "trainer_state.json", "tokenizer.json"):
+    for name in ("model.safetensors", "config.yaml", "optimizer.safetensors", "rng_state.safetensors", "trainer_state.json", "tokenizer.json"):
         assert (ckpt / name).is_file(), name
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "eval/loss" in r]
@@ -376,5 +377,5 @@ def test_resume_takes_the_learning_rate_from_the_new_config(tmp_path, data_dir):
     train(load_config(str(recipe), ["training.lr=1e-4"]), resume=True)
     ckpts = tmp_path / "runs" / "t" / "checkpoints"
     for step, lr in ((3, 3e-3), (6, 1e-4)):  # what the optimizer used, not only what was logged
-        groups = torch.load(ckpts / f"step-{step:06d}" / "optimizer.pt", weights_only=False)["optimizer"]["param_groups"]
+        groups = load_state(ckpts / f"step-{step:06d}" / "optimizer.safetensors", "optimizer")["optimizer"]["param_groups"]
         assert [g["lr"] for g in groups] == pytest.approx([lr] * len(groups)), step

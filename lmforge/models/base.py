@@ -76,7 +76,8 @@ class LMForgeModel(nn.Module):
         return contextlib.nullcontext()
 
     def training_state(self) -> dict[str, Any]:
-        """Extra state a resume needs beyond model.safetensors; saved in optimizer.pt."""
+        """Extra state a resume needs beyond model.safetensors; saved in optimizer.safetensors
+        (tensors, numpy arrays and plain values in dicts/lists/tuples: ``lmforge.train.safe_state``)."""
         return {}
 
     def load_training_state(self, state: dict[str, Any]) -> None:

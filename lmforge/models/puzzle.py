@@ -14,7 +14,7 @@
 - The carry is not saved in checkpoints: after a resume every row starts a fresh example (the state
   of a half-solved row is a few segments of work, not worth a second file format).
 - Optional EMA of the weights (TRM): used for evaluation and written to checkpoints; the raw weights
-  travel in ``optimizer.pt`` so a resume is exact.
+  travel in the checkpoint's ``optimizer.safetensors`` so a resume is exact.
 """
 
 from __future__ import annotations

@@ -2,12 +2,18 @@
 
 Layout of ``RUN_DIR/checkpoints/``::
 
-    step-000100/  model.safetensors config.yaml tokenizer.json ... optimizer.pt rng_state.pt trainer_state.json
+    step-000100/  model.safetensors config.yaml tokenizer.json ... optimizer.safetensors rng_state.safetensors
+                  run_config.yaml trainer_state.json
     best/         model.safetensors config.yaml tokenizer.json ...   (weights only, lowest eval loss)
 
 A checkpoint is first written into a hidden ``.tmp-*`` sibling and renamed into place when every file
 is on disk, so a crash (even ``kill -9``) mid-write leaves the previous checkpoints untouched.
 ``trainer_state.json`` is written last inside the temporary directory.
+
+Nothing here unpickles: the optimizer/scaler/model training state and the RNG states are safetensors
+files with a JSON skeleton (``safe_state``); the data position and counters are JSON. Checkpoints of
+older lmforge versions (``optimizer.pt`` / ``rng_state.pt``) are read through PyTorch's restricted
+loader, and ``lmforge checkpoint convert`` rewrites them in the current format.
 """
 
 from __future__ import annotations
@@ -25,8 +31,9 @@ from lmforge.errors import LMForgeError
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "trainer_state.json"
-OPTIMIZER_FILE = "optimizer.pt"
-RNG_FILE = "rng_state.pt"
+OPTIMIZER_FILE = "optimizer.safetensors"
+RNG_FILE = "rng_state.safetensors"
+LEGACY_FILES = {OPTIMIZER_FILE: "optimizer.pt", RNG_FILE: "rng_state.pt"}  # pickles of lmforge <= 0.1
 
 
 def step_dir_name(step: int) -> str:
@@ -113,22 +120,48 @@ def save_json(path: Path, data: dict[str, Any]) -> None:
 def read_trainer_state(ckpt: Path) -> dict[str, Any]:
     path = ckpt / STATE_FILE
     try:
-        return json.loads(path.read_text())
+        state = json.loads(path.read_text())
     except FileNotFoundError as e:
         raise LMForgeError(f"{ckpt} is not a training checkpoint: {STATE_FILE} is missing") from e
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # not JSON, or not even UTF-8 text
         raise LMForgeError(f"{path} is corrupt ({e}); resume from an earlier checkpoint in {ckpt.parent}") from e
+    if not isinstance(state, dict):
+        raise LMForgeError(f"{path} is corrupt (not a JSON object); resume from an earlier checkpoint in {ckpt.parent}")
+    return state
 
 
-def load_torch_file(path: Path, what: str) -> Any:
-    if not path.is_file():
-        raise LMForgeError(f"{path} is missing: the checkpoint {path.parent.name} is incomplete; "
-                           f"resume from an earlier checkpoint in {path.parent.parent}")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # torch raises several types for truncated zip archives
-        raise LMForgeError(f"cannot read the {what} in {path}: {e}. The checkpoint is corrupt; "
-                           f"resume from an earlier checkpoint in {path.parent.parent}") from e
+def load_training_file(ckpt: Path, name: str, what: str) -> Any:
+    """``OPTIMIZER_FILE`` or ``RNG_FILE`` of a checkpoint, in the current format or an older lmforge's."""
+    from lmforge.train.safe_state import load_legacy_torch_file, load_state
+
+    path, legacy = ckpt / name, ckpt / LEGACY_FILES[name]
+    if path.is_file():
+        return load_state(path, what)
+    if legacy.is_file():
+        return load_legacy_torch_file(legacy, what)
+    raise LMForgeError(f"{path} is missing: the checkpoint {ckpt.name} is incomplete; "
+                       f"resume from an earlier checkpoint in {ckpt.parent}")
+
+
+def convert_legacy(ckpt: Path) -> list[str]:
+    """Rewrite an older checkpoint's pickled files in the current format; returns what was converted.
+    Each new file is complete on disk before its pickle is removed, so an interruption loses nothing."""
+    from lmforge.train.safe_state import load_legacy_torch_file, save_state
+
+    done = []
+    for name, legacy_name in LEGACY_FILES.items():
+        legacy = ckpt / legacy_name
+        if not legacy.is_file():
+            continue
+        state = load_legacy_torch_file(legacy, legacy_name)
+        tmp = ckpt / f".{name}.tmp"
+        save_state(tmp, state)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        tmp.replace(ckpt / name)
+        legacy.unlink()
+        done.append(f"{legacy_name} -> {name}")
+    return done
 
 
 def resolve_model_dir(path: str | os.PathLike) -> Path:

@@ -29,6 +29,7 @@ from lmforge.train import checkpoint as ckpt
 from lmforge.train.device import DeviceInfo
 from lmforge.train.distributed import DistInfo, barrier
 from lmforge.train.loggers import MetricsLogger
+from lmforge.train.safe_state import save_state
 from lmforge.train.schedule import lr_multiplier
 
 
@@ -162,7 +163,7 @@ class Trainer:
             raise LMForgeError(f"{path} does not fit this model (missing {missing[:3]}, unexpected "
                                f"{unexpected[:3]}): was the model config changed since it was written?")
         self.model.tie_weights()
-        opt_state = ckpt.load_torch_file(path / ckpt.OPTIMIZER_FILE, "optimizer state")
+        opt_state = ckpt.load_training_file(path, ckpt.OPTIMIZER_FILE, "optimizer state")
         self.model.load_training_state(opt_state.get("model_state") or {})
         # The learning rates come from this run's config, so that `training.lr=...` on a resume takes effect.
         base_lrs = [g["base_lr"] for g in self.optimizer.param_groups]
@@ -176,7 +177,7 @@ class Trainer:
             raise LMForgeError(f"the optimizer state in {path} does not fit this run ({e}): resume with the "
                                "config the checkpoint was written with (see its run_config.yaml)") from e
         self.data.train.load_state_dict(state["data"])
-        rng = ckpt.load_torch_file(path / ckpt.RNG_FILE, "random-number state")
+        rng = ckpt.load_training_file(path, ckpt.RNG_FILE, "random-number state")
         saved_world = len(rng["per_rank"])
         if saved_world == self.dist.world_size:
             restore_rng(rng["per_rank"][self.dist.rank])
@@ -207,9 +208,10 @@ class Trainer:
         if self.dist.is_main:
             def write(tmp: Path) -> None:
                 self._write_model_dir(tmp)
-                torch.save({"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
-                            "model_state": self.model.training_state()}, tmp / ckpt.OPTIMIZER_FILE)
-                torch.save({"per_rank": gathered}, tmp / ckpt.RNG_FILE)
+                save_state(tmp / ckpt.OPTIMIZER_FILE, {
+                    "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
+                    "model_state": self.model.training_state()})
+                save_state(tmp / ckpt.RNG_FILE, {"per_rank": gathered})
                 self.cfg.save(tmp / "run_config.yaml")
                 ckpt.save_json(tmp / ckpt.STATE_FILE, {
                     "step": self.step, "tokens_seen": self.tokens_seen,
