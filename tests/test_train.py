@@ -237,6 +237,13 @@ def test_ddp_two_processes_match_one_at_same_global_batch(tmp_path, data_dir):
     wb = load_file(str(tmp_path / "runs" / "two" / "checkpoints" / "step-000006" / "model.safetensors"))
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
+    # each rank's random state is in the checkpoint's safe RNG file, and a resume reads it back
+    ckpt = tmp_path / "runs" / "two" / "checkpoints" / "step-000006"
+    per_rank = load_state(ckpt / "rng_state.safetensors", "rng")["per_rank"]
+    assert len(per_rank) == 2 and all(set(r) >= {"python", "numpy", "torch"} for r in per_rank)
+    r3 = run(lmforge_cmd("train", str(double), "training.max_steps=7", "--resume"), cwd=REPO)
+    assert r3.returncode == 0 and "written by 2 process(es), resuming on 1" in r3.stdout, r3.stderr
+    assert sorted(losses(tmp_path / "runs" / "two")) == list(range(1, 8))
 
 
 def test_wandb_offline_logging(tmp_path, data_dir, monkeypatch):
