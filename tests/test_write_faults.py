@@ -323,9 +323,13 @@ def test_kill_9_during_data_prepare_leaves_no_data_that_train_would_take(tmp_pat
             str(out), "--no-progress"]
     kill_9_at(tmp_path, "lmforge.tokenizer:Tokenizer.save", "after", 1, *args)  # shards written, no meta.json
     assert not out.exists() and [name.split("-")[0] for name in leftovers(tmp_path)] == [".data.tmp"]
+    half = tmp_path / leftovers(tmp_path)[0]
+    assert any(half.glob("train_*.bin")) and not (half / "meta.json").exists()
     recipe = write_recipe(tmp_path / "r.yaml", out, tmp_path / "runs", training={"max_steps": 1, "save_interval": 0})
     assert main(["train", str(recipe)]) == 2
-    assert str(out) in one_line_error(capsys)
+    assert f"data.path={out} does not exist" in one_line_error(capsys)
+    assert main(["train", str(recipe), f"data.path={half}"]) == 2  # even pointed at the leftover, train refuses it
+    assert "is not a prepared data directory" in one_line_error(capsys)
     assert main(args) == 0  # the re-run cleans the dead run's temporary directory
     assert leftovers(tmp_path) == [] and (out / "meta.json").is_file()
     assert main(["train", str(recipe)]) == 0
