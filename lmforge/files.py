@@ -25,7 +25,7 @@ from lmforge.errors import LMForgeError
 _FAULTS = {
     errno.ENOSPC: ("no space left on device", "free space"),
     errno.EDQUOT: ("disk quota exceeded", "free space"),
-    errno.EFBIG: ("file too large for the file system", "write to another file system"),
+    errno.EFBIG: ("file too large", "raise the file size limit (ulimit -f)"),
     errno.EACCES: ("permission denied", "make it writable"),
     errno.EPERM: ("operation not permitted", "make it writable"),
     errno.EROFS: ("read-only file system", "make it writable"),
