@@ -15,14 +15,15 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import os
 from collections.abc import Iterable, Sequence
+from contextlib import ExitStack
 from pathlib import Path
 
 from tokenizers import Tokenizer as _RustTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from lmforge.errors import LMForgeError
+from lmforge.files import atomic_file, reporting_write_faults
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<PR_TITLE>", "<PR_BODY>"]
 UNK, BOS, EOS, PAD = SPECIAL_TOKENS[:4]
@@ -30,12 +31,6 @@ TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_MAP_FILE = "special_tokens_map.json"
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # all bytes + the specials, before any merge
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 # Names that other tokenizers commonly give their special tokens, most common first; used when a
@@ -188,9 +183,14 @@ class Tokenizer:
             "model_max_length": 1_000_000_000,
             "chat_template": self.chat_template,
         }
-        _atomic_write_text(directory / TOKENIZER_FILE, self._backend.to_str(pretty=True))
-        _atomic_write_text(directory / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
-        _atomic_write_text(directory / SPECIAL_MAP_FILE, json.dumps(special_map, indent=2) + "\n")
+        texts = {TOKENIZER_FILE: self._backend.to_str(pretty=True),
+                 CONFIG_FILE: json.dumps(config, indent=2) + "\n",
+                 SPECIAL_MAP_FILE: json.dumps(special_map, indent=2) + "\n"}
+        # All three are written to hidden files before any is renamed into place, so a failed write
+        # (full disk) leaves the earlier set whole rather than a new tokenizer.json with old config files.
+        with ExitStack() as stack:
+            for name, text in texts.items():
+                stack.enter_context(atomic_file(directory / name)).write_text(text, encoding="utf-8")
         return directory
 
 
@@ -273,4 +273,5 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path, 
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=show_progress)
     backend = _untrained_bpe()
     backend.train_from_iterator(itertools.chain([first], non_empty), trainer=trainer)
-    return Tokenizer(backend).save(out_dir) / TOKENIZER_FILE
+    with reporting_write_faults(Path(out_dir)):
+        return Tokenizer(backend).save(out_dir) / TOKENIZER_FILE

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from lmforge.data.sources import FilterStats, iter_tree
 from lmforge.errors import LMForgeError
-from lmforge.files import atomic_directory
+from lmforge.files import atomic_directory, remove_stale
 
 PLAN_VERSION = 1  # bump when plan_of changes: plans of different versions must not be mixed
 SPLITS = ("train", "val", "test")
@@ -264,7 +264,8 @@ def extract_go_functions(src_dir: str | os.PathLike, out: str | os.PathLike, inc
             raise LMForgeError(f"--{name.replace('_', '-')} must be in [0, 0.5), got {value}")
     if max_code_chars < 1:
         raise LMForgeError(f"--max-code-chars must be >= 1, got {max_code_chars}")
-    out = Path(out)
+    out = Path(out).resolve()  # resolved so that "." still has a name for the temporary sibling
+    remove_stale(out)  # a run killed mid-replacement may have moved the previous dataset aside
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if not overwrite:
             raise LMForgeError(f"--out {out} exists and is not empty; pass --overwrite or choose another directory")

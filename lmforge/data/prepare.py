@@ -29,7 +29,7 @@ from lmforge.data.loader import DTYPES, FORMAT, META_FILE, VERSION
 from lmforge.data.sources import DEFAULT_INCLUDE, FilterStats, iter_documents, source_kind
 from lmforge.errors import LMForgeError
 from lmforge.tokenizer import Tokenizer, check_out_dir, train_tokenizer
-from lmforge.files import atomic_directory
+from lmforge.files import atomic_directory, remove_stale
 
 SPLITS = ("train", "val")
 ENCODE_BATCH_BYTES = 1 << 20  # text per encode_batch call: its Encodings are far larger than the text
@@ -119,7 +119,7 @@ class ShardWriter:
                 self._file = open(self.directory / name, "wb")
                 self.shards.append({"file": name, "tokens": 0})
             part = tokens[:self.shard_tokens - self.shards[-1]["tokens"]]
-            part.tofile(self._file)
+            self._file.write(part.tobytes())  # a file write reports ENOSPC with its errno (tofile does not)
             self.shards[-1]["tokens"] += len(part)
             tokens = tokens[len(part):]
             if self.shards[-1]["tokens"] == self.shard_tokens:
@@ -145,6 +145,7 @@ def _with_eos(ids: list[list[int]], eos_id: int, dtype: np.dtype) -> np.ndarray:
 
 
 def _check_out_dir(out: Path, overwrite: bool, sources: Sequence[str | Path], tokenizer_path: Path | None) -> None:
+    remove_stale(out)  # a run killed mid-replacement may have moved the previous data aside
     if out.exists() and not out.is_dir():
         raise LMForgeError(f"--out {out} is a file, not a directory. Choose a directory path.")
     for src in [*map(Path, sources), *([tokenizer_path] if tokenizer_path else [])]:

@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from lmforge.data.puzzles import rating_histogram
 from lmforge.errors import LMForgeError
-from lmforge.files import atomic_directory
+from lmforge.files import atomic_directory, remove_stale
 
 # ---- the solver: bitmask candidates, naked singles, most-constrained cell ------------------------------
 # Digit d (1..9) is bit 1 << (d - 1) of a 9-bit mask; rows/cols/boxes hold the masks of digits used.
@@ -490,6 +490,7 @@ def _is_puzzle_dataset(out: Path) -> bool:
 def check_out_dir(out_dir: str | Path, overwrite: bool) -> Path:
     """Refuse a file, a non-empty directory without ``overwrite``, or (with it) anything but a dataset."""
     out = Path(out_dir).resolve()
+    remove_stale(out)  # a run killed mid-replacement may have moved the previous dataset aside
     if out.exists() and not out.is_dir():
         raise LMForgeError(f"--out {out} is a file, not a directory. Choose a directory path.")
     if out.is_dir() and any(out.iterdir()):

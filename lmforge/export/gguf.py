@@ -37,6 +37,7 @@ import torch
 
 from lmforge.errors import LMForgeError
 from lmforge.export.formats import check_exportable
+from lmforge.files import atomic_file, remove_stale, reporting_write_faults
 
 GGUF_DTYPES = ("f32", "f16", "q8_0")
 GGUF_MAGIC = b"GGUF"
@@ -139,6 +140,7 @@ def _vocab(tokenizer_file: Path, tokenizer, model_vocab: int) -> tuple[list[str]
 
 
 def _check_out(out: Path, overwrite: bool) -> None:
+    remove_stale(out)  # what an export killed mid-write left beside it
     if not out.exists():
         return
     if not overwrite:
@@ -181,52 +183,48 @@ def export_gguf(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: st
     if not c.tie_word_embeddings:
         tensors["output.weight"] = model.lm_head.weight.detach().float()
     name = model_dir.parent.parent.name if model_dir.parent.name == "checkpoints" else model_dir.name
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    w = gguf.GGUFWriter(tmp, c.flavor)  # lmforge's flavor names are the GGUF architecture names
-    try:
-        w.add_name(name)
-        w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                         "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype])
-        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        w.add_context_length(c.n_positions)
-        w.add_embedding_length(c.n_embd)
-        w.add_block_count(c.n_layer)
-        w.add_feed_forward_length(c.inner_size)
-        w.add_head_count(c.n_head)
-        w.add_head_count_kv(c.kv_heads)
-        if c.flavor == "gpt2":
-            w.add_layer_norm_eps(c.layer_norm_epsilon)
-        else:
-            w.add_layer_norm_rms_eps(c.layer_norm_epsilon)
-            w.add_rope_freq_base(c.rope_theta)
-            w.add_rope_dimension_count(c.head_dim)
-        w.add_vocab_size(c.vocab_size)
+    with reporting_write_faults(out), atomic_file(out) as tmp:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        w = gguf.GGUFWriter(tmp, c.flavor)  # lmforge's flavor names are the GGUF architecture names
+        try:
+            w.add_name(name)
+            w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                             "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype])
+            w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+            w.add_context_length(c.n_positions)
+            w.add_embedding_length(c.n_embd)
+            w.add_block_count(c.n_layer)
+            w.add_feed_forward_length(c.inner_size)
+            w.add_head_count(c.n_head)
+            w.add_head_count_kv(c.kv_heads)
+            if c.flavor == "gpt2":
+                w.add_layer_norm_eps(c.layer_norm_epsilon)
+            else:
+                w.add_layer_norm_rms_eps(c.layer_norm_epsilon)
+                w.add_rope_freq_base(c.rope_theta)
+                w.add_rope_dimension_count(c.head_dim)
+            w.add_vocab_size(c.vocab_size)
 
-        w.add_tokenizer_model("gpt2")  # llama.cpp's name for byte-level BPE
-        w.add_tokenizer_pre("gpt-2")  # the plain GPT-2 split regex
-        w.add_token_list(tokens)
-        w.add_token_types(token_types)
-        w.add_token_merges(merges)
-        for role, add in (("bos", w.add_bos_token_id), ("eos", w.add_eos_token_id),
-                          ("unk", w.add_unk_token_id), ("pad", w.add_pad_token_id)):
-            token_id = getattr(tokenizer, f"{role}_id")
-            if token_id is not None:
-                add(token_id)
-        w.add_add_bos_token(False)  # lmforge never adds bos/eos when encoding
-        w.add_add_eos_token(False)
-        w.add_chat_template(tokenizer.chat_template)
+            w.add_tokenizer_model("gpt2")  # llama.cpp's name for byte-level BPE
+            w.add_tokenizer_pre("gpt-2")  # the plain GPT-2 split regex
+            w.add_token_list(tokens)
+            w.add_token_types(token_types)
+            w.add_token_merges(merges)
+            for role, add in (("bos", w.add_bos_token_id), ("eos", w.add_eos_token_id),
+                              ("unk", w.add_unk_token_id), ("pad", w.add_pad_token_id)):
+                token_id = getattr(tokenizer, f"{role}_id")
+                if token_id is not None:
+                    add(token_id)
+            w.add_add_bos_token(False)  # lmforge never adds bos/eos when encoding
+            w.add_add_eos_token(False)
+            w.add_chat_template(tokenizer.chat_template)
 
-        for tensor_name, tensor in tensors.items():
-            data, qtype = _encoded(tensor_name, tensor, dtype)
-            w.add_tensor(tensor_name, data, raw_dtype=qtype)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        os.replace(tmp, out)
-    except BaseException:
-        w.close()
-        tmp.unlink(missing_ok=True)
-        raise
+            for tensor_name, tensor in tensors.items():
+                data, qtype = _encoded(tensor_name, tensor, dtype)
+                w.add_tensor(tensor_name, data, raw_dtype=qtype)
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_tensors_to_file()
+        finally:
+            w.close()
     return out

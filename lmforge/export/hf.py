@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from lmforge.errors import LMForgeError
 from lmforge.export.formats import check_exportable
-from lmforge.files import atomic_directory
+from lmforge.files import atomic_directory, remove_stale
 
 HF_FILES = ("config.json", "model.safetensors", "generation_config.json")
 
@@ -70,6 +70,7 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, overwrite: 
     config.update({**ids, "torch_dtype": "float32", "lmforge_source": str(model_dir)})
 
     out = Path(out).resolve()
+    remove_stale(out)  # an export killed mid-replacement may have moved the previous one aside
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if not overwrite:
             raise LMForgeError(f"--out {out} exists and is not empty; pass --overwrite or choose another directory")

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from lmforge.errors import LMForgeError
+from lmforge.files import atomic_file, reporting_write_faults
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "trainer_state.json"
@@ -79,21 +80,32 @@ def clean_partial(ckpt_root: Path) -> None:
             old.rename(final)
 
 
+# Completes write_fault's "free space ..." / "make it writable ...": the earlier checkpoints are intact.
+RESUME_FIX = "then continue the run from its last complete checkpoint with `lmforge train RECIPE --resume`"
+
+
 def _publish(ckpt_root: Path, name: str, write_files) -> Path:
     """Write ``name`` via a hidden temporary directory; an existing ``name`` is replaced only once the new
-    one is complete, by two renames (a crash in between leaves ``.old-NAME``, restored by clean_partial)."""
-    ckpt_root.mkdir(parents=True, exist_ok=True)
+    one is complete, by two renames (a crash in between leaves ``.old-NAME``, restored by clean_partial).
+    A write that fails removes its temporary directory; a full disk or a permission error becomes a
+    one-line LMForgeError naming the checkpoint (``lmforge.files.write_fault``)."""
     final = ckpt_root / name
     tmp = ckpt_root / f".tmp-{name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    write_files(tmp)
-    _fsync_dir_tree(tmp)
-    old = ckpt_root / f".old-{name}"
-    if final.exists():
-        os.rename(final, old)
-    os.rename(tmp, final)
+    with reporting_write_faults(final, RESUME_FIX, tmp):
+        ckpt_root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        try:
+            write_files(tmp)
+            _fsync_dir_tree(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # frees the space it took; earlier checkpoints are untouched
+            raise
+        old = ckpt_root / f".old-{name}"
+        if final.exists():
+            os.rename(final, old)
+        os.rename(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
     return final
 
@@ -112,9 +124,8 @@ def write_best(ckpt_root: Path, write_files) -> Path:
 
 
 def save_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    tmp.replace(path)
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=2))
 
 
 def read_trainer_state(ckpt: Path) -> dict[str, Any]:
