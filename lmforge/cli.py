@@ -566,6 +566,14 @@ def main(argv: list[str] | None = None) -> int:
     except LMForgeError as e:
         print(f"lmforge: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a full disk or a permission error in a write no verb reported itself
+        from lmforge.files import write_fault
+
+        fault = write_fault(e, Path(e.filename or "."), fix="and run the command again")
+        if fault is None:
+            raise
+        print(f"lmforge: error: {fault}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("lmforge: interrupted", file=sys.stderr)
         return 130

@@ -407,3 +407,24 @@ def test_kill_9_during_an_export_keeps_the_previous_export(tmp_path, model_dir, 
     assert snapshot(out) == before and len(leftovers(tmp_path)) == 1
     assert main([*args, "--overwrite"]) == 0
     assert leftovers(tmp_path) == []
+
+
+def test_a_write_fault_no_verb_reported_is_still_one_line(tmp_path, monkeypatch, capsys):
+    """cli.main's safety net: e.g. a full disk while a training run appends to metrics.jsonl."""
+    import lmforge.cli as cli
+
+    def full_disk(args):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "runs" / "t" / "metrics.jsonl"))
+
+    monkeypatch.setattr(cli, "_cmd_plot", full_disk)
+    assert cli.main(["plot", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"lmforge: error: no space left on device while writing {tmp_path}/runs/t/metrics.jsonl: " \
+                  "free space and run the command again\n"
+
+    def other(args):
+        raise OSError(errno.ECONNRESET, "reset")
+
+    monkeypatch.setattr(cli, "_cmd_plot", other)
+    with pytest.raises(ConnectionResetError):  # not a write fault: the traceback stays, for a bug report
+        cli.main(["plot", str(tmp_path)])

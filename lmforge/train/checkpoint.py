@@ -165,11 +165,10 @@ def convert_legacy(ckpt: Path) -> list[str]:
         if not legacy.is_file():
             continue
         state = load_legacy_torch_file(legacy, legacy_name)
-        tmp = ckpt / f".{name}.tmp"
-        save_state(tmp, state)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        tmp.replace(ckpt / name)
+        with reporting_write_faults(ckpt / name, "and convert again"), atomic_file(ckpt / name) as tmp:
+            save_state(tmp, state)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
         legacy.unlink()
         done.append(f"{legacy_name} -> {name}")
     return done
