@@ -29,7 +29,7 @@ CORPUS = ["package main\n\nimport \"fmt\"\n\nfunc main() {\n\tfmt.Println(\"hell
           '<tool_call>{"name": "read_file", "arguments": {"path": "main.go"}}</tool_call>'] * 20
 
 
-def train_chat_model(out: Path, flavor: str = "llama", steps: int = 100) -> Path:
+def train_chat_model(out: Path, flavor: str = "llama", steps: int = 150) -> Path:
     """A tiny model that has learnt two conversations by heart: a tool call for "Open main.go" (with
     the tools listed) and a fixed greeting for "Say hello". Saved with its tokenizer; returns the dir."""
     tokenizer = Tokenizer.load(train_tokenizer(CORPUS, vocab_size=400, out_dir=out / "tokenizer", show_progress=False))
@@ -90,3 +90,14 @@ class Server:
             self.proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+
+def random_checkpoint(out: Path, n_positions: int = 64) -> Path:
+    """An untrained (seeded) tiny model with a real tokenizer: enough to serve, fast to generate with."""
+    tokenizer = Tokenizer.load(train_tokenizer(CORPUS, vocab_size=300, out_dir=out / "tokenizer", show_progress=False))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(flavor="llama", vocab_size=tokenizer.vocab_size, n_positions=n_positions, n_embd=32,
+                          n_layer=1, n_head=2))
+    ckpt = model.save_pretrained(out / "ckpt")
+    tokenizer.save(ckpt)
+    return ckpt

@@ -24,8 +24,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from lmforge.chat import TOOL_CALL_OPEN, parse_tool_calls
 from lmforge.errors import LMForgeError
 from lmforge.infer.engine import Engine, EngineClosed, QueueFull, SamplingParams
-from lmforge.serve.protocol import (APIError, ChatRequest, Common, CompletionRequest, bad, parse_chat,
-                                    parse_completion, parse_json)
+from lmforge.serve.protocol import (MAX_BODY_BYTES, APIError, ChatBody, ChatRequest, Common, CompletionBody,
+                                    CompletionRequest, ErrorBody, bad, parse_chat, parse_completion, parse_json)
 from lmforge.serve.text import ChoiceText
 
 
@@ -133,7 +133,9 @@ class Generation:
 
 def create_app(engine: Engine, tokenizer: Any, model_id: str, api_key: str | None = None) -> FastAPI:
     """The FastAPI application; ``lmforge.serve.server.serve`` runs it with uvicorn."""
-    app = FastAPI(title="lmforge serve", version="1", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="lmforge serve", version="1", redoc_url=None,
+                  description="OpenAI-compatible API over an lmforge checkpoint.")
+    app.openapi = lambda: app.openapi_schema or _openapi_document(app, model_id, tokenizer.vocab_size, n_ctx)
     created = int(time.time())
     n_ctx = engine.n_ctx
 
@@ -193,7 +195,7 @@ def create_app(engine: Engine, tokenizer: Any, model_id: str, api_key: str | Non
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req: CompletionRequest = parse_completion(parse_json(await request.body()), model_id, tokenizer.vocab_size)
+        req: CompletionRequest = parse_completion(parse_json(await _body(request)), model_id, tokenizer.vocab_size)
         c = req.common
         prompt_ids = [[tokenizer.eos_id, *tokenizer.encode(p)] if isinstance(p, str) else list(p)
                       for p in req.prompts]
@@ -230,7 +232,7 @@ def create_app(engine: Engine, tokenizer: Any, model_id: str, api_key: str | Non
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req: ChatRequest = parse_chat(parse_json(await request.body()), model_id)
+        req: ChatRequest = parse_chat(parse_json(await _body(request)), model_id)
         c = req.common
         try:
             prompt = tokenizer.apply_chat_template(req.messages, tools=req.tools or None)
@@ -300,6 +302,54 @@ def create_app(engine: Engine, tokenizer: Any, model_id: str, api_key: str | Non
     return app
 
 
+def _openapi_document(app: FastAPI, model_id: str, vocab_size: int, n_ctx: int) -> dict[str, Any]:
+    """FastAPI's document plus what its routes cannot tell it (they read raw JSON, see protocol.py):
+    the request bodies, the error body, and this server's model id, vocabulary and context."""
+    from fastapi.openapi.utils import get_openapi
+
+    doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):  # no route answers FastAPI's 422
+        schemas.pop(name, None)
+    for operations in doc["paths"].values():
+        for operation in operations.values():
+            operation["responses"].pop("422", None)
+
+    def limit_token_ids(node: Any) -> None:
+        if isinstance(node, dict):
+            if node.pop("x-token-id", False):
+                node["maximum"] = vocab_size - 1
+            for value in node.values():
+                limit_token_ids(value)
+        elif isinstance(node, list):
+            for value in node:
+                limit_token_ids(value)
+
+    def add(model) -> dict[str, str]:
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        limit_token_ids(schema)
+        schemas.update(schema.pop("$defs", {}))
+        schemas[model.__name__] = schema
+        return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+    error = {"description": "OpenAI's error body", "content": {"application/json": {"schema": add(ErrorBody)}}}
+    for path, body in (("/v1/completions", CompletionBody), ("/v1/chat/completions", ChatBody)):
+        operation = doc["paths"][path]["post"]
+        operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": add(body)}}}
+        fields = schemas[body.__name__]["properties"]
+        fields["model"]["enum"] = [model_id]
+        for name in ("max_tokens", "max_completion_tokens"):
+            if name in fields:  # the prompt takes at least one position
+                fields[name]["anyOf"][0]["maximum"] = n_ctx - 1
+        operation["responses"] = {
+            "200": {"description": "The reply; with \"stream\": true, Server-Sent Events ending in data: [DONE]",
+                    "content": {"application/json": {"schema": {"type": "object"}},
+                                "text/event-stream": {"schema": {"type": "string"}}}},
+            **{code: error for code in ("400", "401", "404", "413", "429", "503")}}
+    app.openapi_schema = doc
+    return doc
+
+
 class APIKeyCheck:
     """Plain ASGI middleware: ``/v1`` requests need ``Authorization: Bearer KEY``. (Starlette's
     ``BaseHTTPMiddleware`` would hide client disconnects from the endpoints.)"""
@@ -316,6 +366,17 @@ class APIKeyCheck:
                 await self.reject(APIError(401, what, code="invalid_api_key"))(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+async def _body(request: Request) -> bytes:
+    """The request body, refused (413) as soon as it passes MAX_BODY_BYTES instead of held in memory."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB", code="body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _sse(data: dict) -> str:

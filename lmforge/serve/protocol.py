@@ -4,6 +4,11 @@ Every problem becomes an ``APIError`` with the HTTP status and the OpenAI error 
 (``{"error": {"message", "type", "param", "code"}}``), naming the field and what it should be.
 Parameters that a sampler of this kind cannot honour (logprobs, penalties, echo) are refused
 rather than silently ignored; unknown fields are refused as OpenAI does.
+
+The pydantic models (``CompletionBody``, ``ChatBody``) describe the request bodies for the OpenAPI
+document (``/openapi.json``, ``/docs``) and name the fields each endpoint knows. The ``parse_*``
+functions are what check a request, so that every refusal is a 400 with a one-line message in
+OpenAI's format (FastAPI's own validation would answer 422 in a format OpenAI clients do not read).
 """
 
 from __future__ import annotations
@@ -11,14 +16,135 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal, Optional, Union
 
-from lmforge.chat import check_messages
+from pydantic import BaseModel, ConfigDict, Field
+
+from lmforge.chat import ROLES, check_messages
 from lmforge.errors import LMForgeError
 
 MAX_CHOICES = 16  # n times the number of prompts
 MAX_STOP = 4
+MAX_TOP_K = 2**31 - 1  # any k above the vocabulary is "off"; a huge one overflowed the sampler's int64 tensor
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+MAX_BODY_BYTES = 8 << 20  # far above any prompt that fits a context; a bigger body is refused unread
+UNSUPPORTED = "Not supported by lmforge serve: leave it out (only the value meaning 'off' is accepted)."
 
+
+# ---- the request bodies, for the OpenAPI document ---------------------------------------------------
+
+class _Closed(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # unknown fields are refused
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")  # chat messages and tools may carry more (OpenAI's own fields)
+
+
+class StreamOptions(_Closed):
+    include_usage: bool = Field(False, description="Send a last chunk with the token counts.")
+
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+# The vocabulary's size is the server's: create_app's document turns this mark into a "maximum".
+TokenId = Annotated[int, Field(ge=0, description="A token id of the model's vocabulary.",
+                               json_schema_extra={"x-token-id": True})]
+
+
+class CommonBody(_Closed):
+    """The fields both endpoints share."""
+
+    model: str = Field(description="The id that GET /v1/models lists.")
+    max_tokens: Optional[int] = Field(None, ge=1, description="Tokens to generate at most; the prompt and these "
+                                      "must fit the model's context (default: /v1/completions 16, chat the rest).")
+    temperature: Optional[float] = Field(1.0, ge=0, le=2, description="0 = greedy.")
+    top_p: Optional[float] = Field(1.0, gt=0, le=1, description="Nucleus sampling; 1 = off.")
+    top_k: Optional[int] = Field(0, ge=0, le=MAX_TOP_K, description="Keep the k most likely tokens; 0 = off.")
+    n: Optional[int] = Field(1, ge=1, le=MAX_CHOICES, description=f"Choices per prompt (at most {MAX_CHOICES} "
+                             "choices per request in all).")
+    stream: Optional[bool] = Field(False, description="Server-Sent Events in OpenAI's chunk format.")
+    stream_options: Optional[StreamOptions] = Field(None, description='Only with "stream": true.')
+    stop: Union[NonEmptyStr, Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP)], None] = Field(
+        None, description="Text that ends the reply (not included).")
+    seed: Optional[int] = Field(None, ge=SEED_MIN, le=SEED_MAX, description="Same seed, same settings: same text.")
+    user: Optional[str] = Field(None, description="Accepted and ignored.")
+    metadata: Optional[dict[str, str]] = Field(None, description="Accepted and ignored.")
+    store: Optional[bool] = Field(None, description="Accepted and ignored.")
+    service_tier: Optional[str] = Field(None, description="Accepted and ignored.")
+    logprobs: Optional[Literal[False, 0]] = Field(None, description=UNSUPPORTED)
+    presence_penalty: Optional[Literal[0]] = Field(None, description=UNSUPPORTED)
+    frequency_penalty: Optional[Literal[0]] = Field(None, description=UNSUPPORTED)
+    logit_bias: Optional[dict[str, float]] = Field(None, max_length=0, description=UNSUPPORTED)
+
+
+class CompletionBody(CommonBody):
+    """POST /v1/completions."""
+
+    prompt: Union[str, Annotated[list[str], Field(min_length=1)], Annotated[list[TokenId], Field(min_length=1)],
+                  Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]] = Field(
+        description="A string, a list of strings, a list of token ids or a list of such lists.")
+    echo: Optional[bool] = Field(False, description="Start each choice's text with its prompt.")
+    suffix: Optional[Literal[""]] = Field(None, description=UNSUPPORTED)
+    best_of: Optional[Literal[1]] = Field(None, description=UNSUPPORTED)
+
+
+class TextPart(_Open):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Open):
+    # check_messages: a message needs content, or tool_calls (an assistant's call)
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+        {"required": ["tool_calls"], "properties": {"tool_calls": {"minItems": 1}}}]})
+
+    role: Literal[ROLES]
+    content: Union[str, list[TextPart], None] = Field(None, description="Required unless the message has "
+                                                      "tool_calls.")
+    tool_calls: Optional[list[dict[str, Any]]] = None
+
+
+class FunctionSpec(_Open):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = Field(None, description="A JSON Schema of the arguments.")
+
+
+class Tool(_Open):
+    type: Literal["function"] = "function"
+    function: FunctionSpec
+
+
+class ResponseFormat(_Closed):
+    type: Literal["text"]
+
+
+class ChatBody(CommonBody):
+    """POST /v1/chat/completions."""
+
+    messages: list[Message] = Field(min_length=1)
+    tools: Optional[list[Tool]] = None
+    tool_choice: Optional[Literal["auto", "none"]] = Field(None, description="lmforge serve does not force calls.")
+    max_completion_tokens: Optional[int] = Field(None, ge=1, description="The newer name of max_tokens.")
+    parallel_tool_calls: Optional[bool] = Field(None, description="Accepted and ignored.")
+    response_format: Optional[ResponseFormat] = None
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: Optional[str]
+    code: Optional[str]
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error body, for every 4xx and 5xx."""
+
+    error: ErrorDetail
+
+
+# ---- the checks --------------------------------------------------------------------------------------
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
@@ -43,6 +169,8 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad(f"the request body is not valid JSON ({e}); send a JSON object with Content-Type: "
                   "application/json") from None
+    except RecursionError:  # thousands of nested [ or {: Python's parser gives up
+        raise bad("the request body nests arrays or objects too deeply") from None
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     return body
@@ -96,11 +224,6 @@ class Common:
     seed: int | None
 
 
-COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop",
-                 "seed", "user", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "metadata",
-                 "store", "service_tier"}
-
-
 def _common(body: dict, allowed: set[str], model_id: str) -> Common:
     unknown = sorted(set(body) - allowed)
     if unknown:
@@ -136,12 +259,12 @@ def _common(body: dict, allowed: set[str], model_id: str) -> Common:
         max_tokens=_int(body, "max_tokens", None, 1),
         temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        top_k=_int(body, "top_k", 0, 0),
+        top_k=_int(body, "top_k", 0, 0, MAX_TOP_K),
         n=_int(body, "n", 1, 1, MAX_CHOICES),
         stream=stream,
         include_usage=bool(options and _bool(options, "include_usage", False)),
         stop=stop,
-        seed=_int(body, "seed", None, -(2**63), 2**63 - 1),
+        seed=_int(body, "seed", None, SEED_MIN, SEED_MAX),
     )
 
 
@@ -153,7 +276,7 @@ class CompletionRequest:
 
 
 def parse_completion(body: dict, model_id: str, vocab_size: int) -> CompletionRequest:
-    common = _common(body, COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}, model_id)
+    common = _common(body, set(CompletionBody.model_fields), model_id)
     if body.get("suffix") not in (None, ""):
         raise bad("'suffix' (insertion) is not supported by lmforge serve", "suffix")
     if body.get("best_of") not in (None, 1):
@@ -187,12 +310,10 @@ class ChatRequest:
 
 
 def parse_chat(body: dict, model_id: str) -> ChatRequest:
-    allowed = COMMON_FIELDS | {"messages", "tools", "tool_choice", "max_completion_tokens", "parallel_tool_calls",
-                               "response_format"}
     if "max_completion_tokens" in body:  # the newer name of max_tokens
         body = dict(body)
         body["max_tokens"] = body.pop("max_completion_tokens")
-    common = _common(body, allowed, model_id)
+    common = _common(body, set(ChatBody.model_fields), model_id)
     try:
         messages = check_messages(body.get("messages"))
     except LMForgeError as e:
