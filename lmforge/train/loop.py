@@ -319,7 +319,8 @@ class Trainer:
         budget = 60 * t.max_time_minutes  # seconds: the run's length by_time, else a wall-time guard
         if by_time:  # the bar counts seconds of training time
             bar = tqdm(total=round(budget), initial=min(round(self.train_seconds), round(budget)), desc="train",
-                       unit="s", dynamic_ncols=True, disable=not (is_main and self.cfg.logging.progress_bar))
+                       bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} s of training [{elapsed}{postfix}]",
+                       dynamic_ncols=True, disable=not (is_main and self.cfg.logging.progress_bar))
         else:
             bar = tqdm(total=t.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                        disable=not (is_main and self.cfg.logging.progress_bar), smoothing=0.1)
