@@ -97,3 +97,13 @@ def test_time_schedule_needs_a_time_budget(tmp_path, data_dir):
         load_config(str(recipe))
     with pytest.raises(LMForgeError, match="schedule_over must be steps or time"):
         load_config(str(recipe), ["training.schedule_over=minutes", "training.max_time_minutes=1"])
+
+
+def test_the_step_schedules_time_limit_reads_the_same_clock(tmp_path, data_dir, monkeypatch):
+    """schedule_over=steps: max_time_minutes only stops the run (here 6 s, at 1 s a step: after step 7,
+    the first to end past the limit), then evaluates and saves; the lr follows the 20-step schedule."""
+    result, lrs = timed_run(tmp_path, data_dir, monkeypatch, lambda i: 1.0, schedule_over="steps",
+                            max_time_minutes=0.1)
+    assert result.stopped == "time" and result.step == 7 and result.last_checkpoint.name == "step-000007"
+    assert "eval/loss" in result.eval_metrics
+    assert lrs[1] == pytest.approx(LR / 4) and lrs[7] < lrs[6] < lrs[5] == pytest.approx(LR)  # 4 warm up, cosine
