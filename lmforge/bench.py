@@ -15,7 +15,8 @@ from lmforge.config import load_config
 from lmforge.errors import LMForgeError
 from lmforge.models import build_model
 from lmforge.train import seed_everything
-from lmforge.train.device import DeviceInfo, _sync, keep_freed_memory_for_reuse, setup_device
+from lmforge.train.device import (DeviceInfo, _sync, keep_freed_memory_for_reuse, model_flops_utilization,
+                                   setup_device)
 from lmforge.train.distributed import DistInfo
 from lmforge.train.loop import DataBundle, Trainer
 
@@ -139,8 +140,9 @@ def _summary(info: dict[str, Any], cfg, steps: int, seconds: float, devinfo: Dev
     tokens = steps * cfg.training.micro_batch_size * cfg.data.seq_len * cfg.training.grad_accum_steps
     out = {"system": info["system"], "params": info["params"], "tokens_per_s": tokens / seconds,
            "step_ms": 1000 * seconds / steps, "peak_memory_mb": _peak_memory_mb(devinfo.device)}
-    if "flops_per_token" in info:
-        out["mfu"] = out["tokens_per_s"] * info["flops_per_token"] / devinfo.peak_flops
+    mfu = model_flops_utilization(out["tokens_per_s"], info.get("flops_per_token", 0.0), devinfo.peak_flops)
+    if mfu is not None and "flops_per_token" in info:  # left out where it would be nonsense (above 100%)
+        out["mfu"] = mfu
     return out
 
 

@@ -40,6 +40,8 @@ class TrainingConfig:
     epochs: float = 0.0  # if > 0: max_steps = epochs x examples per epoch / global batch (HRM's `epochs`)
     global_batch_size: int = 0  # if > 0: micro_batch_size = this / (processes x grad_accum_steps)
     max_time_minutes: float = 0.0  # stop (and checkpoint) after this wall time; 0 = no limit
+    schedule_over: str = "steps"  # steps | time: lay the lr schedule over max_steps, or over max_time_minutes
+    #                               of training time (the run then ends when that time is spent)
     micro_batch_size: int = 8  # sequences per forward pass, per process
     grad_accum_steps: int = 1  # micro-batches per optimizer step
     lr: float = 3e-4
@@ -401,6 +403,9 @@ def validate_run_config(cfg: RunConfig) -> None:
         (t.epochs >= 0 and t.eval_interval_epochs >= 0, "training.epochs and eval_interval_epochs must be >= 0"),
         (t.global_batch_size >= 0, "training.global_batch_size must be >= 0 (0 = micro_batch_size x processes)"),
         (t.max_time_minutes >= 0, "training.max_time_minutes must be >= 0 (0 = no limit)"),
+        (t.schedule_over in ("steps", "time"), "training.schedule_over must be steps or time"),
+        (t.schedule_over == "steps" or t.max_time_minutes > 0,
+         "training.schedule_over=time lays the schedule over the time budget: set training.max_time_minutes too"),
         (t.log_interval >= 1, "training.log_interval must be >= 1"),
         (t.eval_interval >= 0 and t.save_interval >= 0, "training.eval_interval/save_interval must be >= 0"),
         (cfg.data.seq_len > 0, "data.seq_len must be > 0"),

@@ -123,19 +123,19 @@ def quickstart(data: str | None = None, include: tuple[str, ...] = (), out: str 
         raise LMForgeError(f"the held-out split of {corpus.path} has only {val_ds.num_tokens} tokens: give the "
                            "quickstart a larger corpus (many files) so it can measure bits per byte")
 
-    _stage(4, f"training go_coder_tiny for about {minutes:g} minutes")
+    _stage(4, f"training go_coder_tiny for {minutes:g} minutes (evaluations and checkpoints not counted)")
     run_name = time.strftime("quickstart-%Y%m%d-%H%M%S")
     values = {"name": run_name, "out_dir": str(work / "runs"), "data": {"path": str(data_dir)}}
     cfg = load_config("go_coder_tiny", overrides, values=values)
     given = {o.split("=", 1)[0].strip() for o in overrides or []}
-    if "training.max_steps" not in given:  # a step count the user set is kept as it is
-        cfg.training.max_steps = _steps_for_budget(cfg, tokenizer.vocab_size, minutes)
+    # The schedule runs on time, not on a step count sized from a first timing: a minute in which
+    # another program was busy once shrank that count to 56 steps (issue 14). Now a slow spell costs
+    # only the steps it slows, and the learning rate still warms up and decays over the whole budget.
+    if "training.schedule_over" not in given:  # a step count the user set is kept as it is
+        cfg.training.schedule_over = "steps" if "training.max_steps" in given else "time"
     if "training.max_time_minutes" not in given:
-        cfg.training.max_time_minutes = minutes * 1.1  # a guard; the step count is sized to fit the budget
-    if "training.eval_interval" not in given:
-        cfg.training.eval_interval = max(1, cfg.training.max_steps // 4)
-    if "training.save_interval" not in given:
-        cfg.training.save_interval = cfg.training.eval_interval
+        by_time = cfg.training.schedule_over == "time"
+        cfg.training.max_time_minutes = minutes if by_time else minutes * 1.1  # the budget, or a guard
     result = train(cfg)
 
     _stage(5, "held-out evaluation")
@@ -165,20 +165,3 @@ def quickstart(data: str | None = None, include: tuple[str, ...] = (), out: str 
           f"lmforge eval {ckpt} --data {data_dir}")
     return {"bpb": model_metrics["bpb"], "unigram_bpb": base, "run_dir": str(result.run_dir),
             "checkpoint": str(ckpt), "seconds": elapsed, "png": str(png)}
-
-
-def _steps_for_budget(cfg, vocab_size: int, minutes: float) -> int:
-    """Size max_steps so the cosine schedule completes inside the time budget (measured, not guessed)."""
-    import copy
-
-    from lmforge.bench import bench_lmforge
-    from lmforge.train.device import setup_device
-
-    probe = copy.deepcopy(cfg)
-    probe.model.vocab_size = probe.model.vocab_size or vocab_size
-    devinfo = setup_device(probe.training.device, probe.training.precision, probe.training.peak_flops)
-    r = bench_lmforge(probe, steps=3, warmup=1, devinfo=devinfo)
-    seconds_per_step = r["step_ms"] / 1000 * 1.12  # evaluation, logging and checkpoints on top
-    steps = int(minutes * 60 / seconds_per_step)
-    print(f"measured {r['step_ms']:.0f} ms/step ({r['tokens_per_s']:,.0f} tokens/s): {steps} steps fit")
-    return max(20, steps)

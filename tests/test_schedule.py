@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from lmforge.train.schedule import lr_multiplier
+from lmforge.train.schedule import lr_multiplier, lr_multiplier_at
 
 
 def sched(step, schedule, **kw):
@@ -26,3 +26,21 @@ def test_constant_and_wsd():
     assert sched(79, "wsd") == 1.0  # stable until the last 20% of steps
     assert sched(90, "wsd") == pytest.approx(1 - 0.9 * 0.5)
     assert sched(100, "wsd") == pytest.approx(0.1)
+
+
+def at(progress, schedule, **kw):
+    args = dict(schedule=schedule, warmup_share=0.1, min_lr_ratio=0.1, decay_ratio=0.2)
+    args.update(kw)
+    return lr_multiplier_at(progress, **args)
+
+
+def test_schedules_over_a_budget_share_the_step_shapes():
+    assert at(0.05, "cosine") == pytest.approx(0.5)  # warming up over the first 10%
+    assert at(0.1, "cosine") == pytest.approx(1.0)
+    assert at(0.55, "cosine") == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert at(1.0, "cosine") == at(1.7, "cosine") == pytest.approx(0.1)  # spent: at the floor
+    assert at(0.5, "constant") == 1.0
+    assert at(0.79, "wsd") == 1.0 and at(0.9, "wsd") == pytest.approx(1 - 0.9 * 0.5) and at(1.0, "wsd") == 0.1
+    assert at(1.0, "cosine", warmup_share=1.0) == pytest.approx(0.1)  # all warmup: still ends at the floor
+    values = [at(p / 100, "cosine") for p in range(10, 101)]
+    assert all(a >= b for a, b in zip(values, values[1:]))

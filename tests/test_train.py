@@ -22,7 +22,8 @@ from lmforge.config import load_config
 from lmforge.errors import LMForgeError
 from lmforge.train import train
 from lmforge.train.safe_state import load_state
-from tests.train_helpers import (REPO, lmforge_cmd, make_prepared_data, run, subprocess_env, write_recipe)
+from tests.train_helpers import (REPO, FakeClock, lmforge_cmd, make_prepared_data, run, subprocess_env,
+                                 write_recipe)
 
 
 @pytest.fixture(scope="module")
@@ -357,23 +358,21 @@ def test_non_finite_gradient_with_a_finite_loss_stops_before_the_update(tmp_path
 
 
 def test_logged_tokens_per_second_excludes_evaluation_time(tmp_path, data_dir, monkeypatch):
+    """A fake clock: each training step takes 0.25 s, each evaluation 100 s and each checkpoint 50 s.
+    Tokens/s counts the steps only, whatever this machine's speed."""
     from lmforge.train.loop import Trainer
 
-    evaluate = Trainer.evaluate
-
-    def slow_evaluate(self):
-        time.sleep(0.5)
-        return evaluate(self)
-
-    monkeypatch.setattr(Trainer, "evaluate", slow_evaluate)
+    clock = FakeClock()
+    for name, seconds in (("_train_step", 0.25), ("evaluate", 100.0), ("save_checkpoint", 50.0)):
+        clock.charge(monkeypatch, Trainer, name, seconds)
     recipe = write_recipe(tmp_path / "r.yaml", data_dir, tmp_path / "runs",
-                          training={"max_steps": 6, "eval_interval": 1, "save_interval": 0})
-    train(load_config(str(recipe)))
+                          training={"max_steps": 6, "eval_interval": 1, "save_interval": 3, "log_interval": 2})
+    train(load_config(str(recipe)), clock=clock)
     rows = [json.loads(x) for x in (tmp_path / "runs" / "t" / "metrics.jsonl").read_text().splitlines()]
-    speeds = [r["train/tokens_per_s"] for r in rows if "train/tokens_per_s" in r and r["step"] > 1]
+    speeds = {r["step"]: r["train/tokens_per_s"] for r in rows if "train/tokens_per_s" in r}
     tokens_per_step = 4 * 32
-    # with the 0.5 s evaluation counted, a one-step window could not exceed tokens_per_step / 0.5
-    assert len(speeds) == 5 and min(speeds) > 4 * tokens_per_step / 0.5
+    assert speeds == {2: tokens_per_step / 0.25, 4: tokens_per_step / 0.25, 6: tokens_per_step / 0.25}
+    assert clock.now == 6 * 0.25 + 6 * 100.0 + 2 * 50.0  # the evaluations and checkpoints did run
 
 
 def test_resume_takes_the_learning_rate_from_the_new_config(tmp_path, data_dir):

@@ -53,6 +53,29 @@ def make_prepared_data(base: Path, vocab_size: int = 384) -> Path:
     return data_dir
 
 
+class FakeClock:
+    """A clock for the training loop that only moves when the test charges time to a method, so what the
+    loop derives from time (tokens/s, schedules, budgets) can be asserted exactly on any machine."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def charge(self, monkeypatch, cls, name: str, seconds) -> None:
+        """Each call of ``cls.name`` advances the clock by ``seconds`` (a number, or a function of the
+        call's 0-based index)."""
+        original, calls = getattr(cls, name), [0]
+
+        def timed(*args, **kwargs):
+            self.now += seconds(calls[0]) if callable(seconds) else seconds
+            calls[0] += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(cls, name, timed)
+
+
 def write_recipe(path: Path, data_dir: Path, out_dir: Path, **sections) -> Path:
     recipe = {
         "name": "t",

@@ -6,7 +6,9 @@ import math
 import os
 import random
 import shutil
+import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -31,17 +33,18 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def train(cfg: RunConfig, resume: bool | str = False) -> TrainResult:
+def train(cfg: RunConfig, resume: bool | str = False, clock: Callable[[], float] = time.perf_counter) -> TrainResult:
     """Train ``cfg``. ``resume=True`` continues from the run's latest checkpoint (or starts fresh when
-    there is none); a path resumes from that checkpoint. Returns a ``TrainResult``."""
+    there is none); a path resumes from that checkpoint. ``clock`` is what the loop times itself with
+    (tests pass a fake one). Returns a ``TrainResult``."""
     distinfo = init_distributed(cfg.training.device)
     try:
-        return _train(cfg, resume, distinfo)
+        return _train(cfg, resume, distinfo, clock)
     finally:
         shutdown(distinfo)
 
 
-def _train(cfg: RunConfig, resume: bool | str, distinfo: DistInfo) -> TrainResult:
+def _train(cfg: RunConfig, resume: bool | str, distinfo: DistInfo, clock: Callable[[], float]) -> TrainResult:
     devinfo = setup_device(cfg.training.device, cfg.training.precision, cfg.training.peak_flops,
                            distinfo.local_rank)
     run_dir = cfg.run_dir
@@ -93,7 +96,7 @@ def _train(cfg: RunConfig, resume: bool | str, distinfo: DistInfo) -> TrainResul
     barrier(distinfo)
 
     extra = (lambda d: _copy_tokenizer(tokenizer_path, d)) if tokenizer_path is not None else None
-    trainer = Trainer(cfg, model, data, devinfo, distinfo, run_dir, extra_files=extra)
+    trainer = Trainer(cfg, model, data, devinfo, distinfo, run_dir, extra_files=extra, clock=clock)
     if resume_from is not None:
         trainer.load_checkpoint(resume_from)
     if distinfo.is_main:

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
+import math
 import os
 import platform
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -98,27 +101,88 @@ def peak_flops(device: torch.device, precision: str, override: float = 0.0) -> t
                         return {"V100": 15.7e12, "T4": 8.1e12}[key], f"{name} fp32 peak (table)"
                     return flops / 2, f"{name} TF32 peak (table)"
                 return flops, f"{name} {precision} peak (table)"
-    return measure_matmul_flops(device, precision), "measured matmul peak"
+    measured = measure_matmul_flops(device, precision)
+    best = remember_peak(_machine_key(device, precision), measured)
+    return best, "measured matmul peak" + (", the best seen on this machine" if best > measured else "")
 
 
-def measure_matmul_flops(device: torch.device, precision: str, seconds: float = 0.5) -> float:
-    """Best FLOP/s of a square matmul on this device: the honest ceiling where no spec table applies."""
+def measure_matmul_flops(device: torch.device, precision: str, seconds: float = 0.5, min_timings: int = 3,
+                         n: int = 0, clock=time.perf_counter) -> float:
+    """Best FLOP/s of a square matmul on this device: the honest ceiling where no spec table applies.
+
+    The best of several timings, so one interrupted by another program does not lower it."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
     # Large enough that the matmul runs at its best rate (LM-head-sized matmuls would otherwise
     # beat it and MFU could read above 100%); small slow-dtype case so it stays quick.
-    n = (256 if dtype != torch.float32 else 2048) if device.type == "cpu" else 8192
+    n = n or ((256 if dtype != torch.float32 else 2048) if device.type == "cpu" else 8192)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    best = 0.0
+    best, timings = 0.0, 0
     a @ b  # warm-up
-    deadline = time.perf_counter() + seconds
-    while best == 0.0 or time.perf_counter() < deadline:  # at least one timing, even for slow dtypes
+    deadline = clock() + seconds
+    while timings < min_timings or clock() < deadline:
         _sync(device)
-        t0 = time.perf_counter()
+        t0 = clock()
         a @ b
         _sync(device)
-        best = max(best, 2 * n**3 / (time.perf_counter() - t0))
+        best = max(best, 2 * n**3 / max(clock() - t0, 1e-12))
+        timings += 1
     return best
+
+
+def _machine_key(device: torch.device, precision: str) -> str:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = platform.processor() or platform.machine()
+        with contextlib.suppress(OSError):
+            with open("/proc/cpuinfo") as f:
+                name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    return f"{device.type}|{name}|{torch.get_num_threads()} threads|{precision}|torch {torch.__version__}"
+
+
+def peak_cache_path() -> Path:
+    """Where measured peaks are kept: $LMFORGE_CACHE_DIR, else $XDG_CACHE_HOME/lmforge or ~/.cache/lmforge."""
+    root = os.environ.get("LMFORGE_CACHE_DIR")
+    if not root:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lmforge"
+    return Path(root) / "peak_flops.json"
+
+
+def remember_peak(key: str, measured: float) -> float:
+    """The best peak measured for ``key`` on this machine, this measurement included.
+
+    A matmul timed while another program is busy reads low, and MFU against it reads high (issue 14 saw
+    1,113%); the best figure seen so far, kept in a small JSON file, is the better ceiling. The cache is
+    only a hint: an unreadable or unwritable one is ignored."""
+    path = peak_cache_path()
+    try:
+        cache = json.loads(path.read_text())
+        if not isinstance(cache, dict):
+            cache = {}
+    except (OSError, ValueError):
+        cache = {}
+    cached = cache.get(key)
+    cached = float(cached) if isinstance(cached, (int, float)) and math.isfinite(cached) else 0.0
+    if measured <= cached:
+        return cached
+    cache[key] = measured
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    return measured
+
+
+def model_flops_utilization(tokens_per_s: float, flops_per_token: float, peak: float,
+                            processes: int = 1) -> float | None:
+    """Achieved FLOP/s over the peak, or None where that figure would be nonsense: no peak known, or
+    above 100% (the peak was measured low, e.g. while another program was busy)."""
+    if peak <= 0:
+        return None
+    mfu = tokens_per_s * flops_per_token / (peak * processes)
+    return mfu if mfu <= 1.0 else None
 
 
 def _sync(device: torch.device) -> None:

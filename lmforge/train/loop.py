@@ -26,11 +26,11 @@ from lmforge.config import RunConfig
 from lmforge.errors import LMForgeError
 from lmforge.models.base import LMForgeModel
 from lmforge.train import checkpoint as ckpt
-from lmforge.train.device import DeviceInfo
+from lmforge.train.device import DeviceInfo, model_flops_utilization
 from lmforge.train.distributed import DistInfo, barrier
 from lmforge.train.loggers import MetricsLogger
 from lmforge.train.safe_state import save_state
-from lmforge.train.schedule import lr_multiplier
+from lmforge.train.schedule import lr_multiplier, lr_multiplier_at
 
 
 @dataclass
@@ -112,8 +112,10 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 class Trainer:
     def __init__(self, cfg: RunConfig, model: LMForgeModel, data: DataBundle, devinfo: DeviceInfo,
-                 distinfo: DistInfo, run_dir: Path, extra_files: Callable[[Path], None] | None = None):
+                 distinfo: DistInfo, run_dir: Path, extra_files: Callable[[Path], None] | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
         self.cfg, self.t = cfg, cfg.training
+        self.clock = clock  # every duration the loop measures (time limit, schedule, tokens/s) reads this
         self.model = model  # the raw module: saved, evaluated and checkpointed
         self.data, self.dev, self.dist = data, devinfo, distinfo
         self.run_dir = run_dir
@@ -121,6 +123,7 @@ class Trainer:
         self.extra_files = extra_files  # writes tokenizer files etc. into a model directory
         self.step = 0
         self.tokens_seen = 0
+        self.train_seconds = 0.0  # time spent in training steps, all sessions (not eval, probes, checkpoints)
         self.best_score = math.inf  # the best metric, negated when higher is better
         self.last_checkpoint: Path | None = None
         self._warned: dict[str, int] = {}  # metric warning -> step it was last shown
@@ -186,6 +189,7 @@ class Trainer:
                        f"{self.dist.world_size}: data order is kept, dropout randomness is not")
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
+        self.train_seconds = float(state.get("train_seconds", 0.0))
         best = state.get("best_score", state.get("best_eval_loss"))
         self.best_score = math.inf if best is None else float(best)
         self.last_checkpoint = path
@@ -214,7 +218,7 @@ class Trainer:
                 save_state(tmp / ckpt.RNG_FILE, {"per_rank": gathered})
                 self.cfg.save(tmp / "run_config.yaml")
                 ckpt.save_json(tmp / ckpt.STATE_FILE, {
-                    "step": self.step, "tokens_seen": self.tokens_seen,
+                    "step": self.step, "tokens_seen": self.tokens_seen, "train_seconds": self.train_seconds,
                     "best_score": self.best_score if math.isfinite(self.best_score) else None,
                     "best_metric": self.data.best_metric,
                     "data": self.data.train.state_dict(), "world_size": self.dist.world_size,
@@ -256,10 +260,16 @@ class Trainer:
         return {f"eval/{k}": v for k, v in self.data.derive_eval_metrics(means).items()}
 
     # ---- training -------------------------------------------------------------------------
-    def _set_lr(self) -> float:
-        mult = lr_multiplier(self.step, schedule=self.t.schedule, max_steps=self.t.max_steps,
-                             warmup_steps=self.t.warmup_steps, min_lr_ratio=self.t.min_lr_ratio,
-                             decay_ratio=self.t.decay_ratio)
+    def _set_lr(self, time_progress: float = 0.0) -> float:
+        """Set this step's lr: by step, or with ``training.schedule_over=time`` by the share of the time
+        budget spent when the step's gradient is ready (so the budget's last step runs at the floor)."""
+        t = self.t
+        if t.schedule_over == "time":
+            mult = lr_multiplier_at(time_progress, schedule=t.schedule, min_lr_ratio=t.min_lr_ratio,
+                                    warmup_share=min(1.0, t.warmup_steps / t.max_steps), decay_ratio=t.decay_ratio)
+        else:
+            mult = lr_multiplier(self.step, schedule=t.schedule, max_steps=t.max_steps, warmup_steps=t.warmup_steps,
+                                 min_lr_ratio=t.min_lr_ratio, decay_ratio=t.decay_ratio)
         for g in self.optimizer.param_groups:
             g["lr"] = g["base_lr"] * mult
         return self.t.lr * mult
@@ -307,44 +317,73 @@ class Trainer:
                                    config=self.cfg.to_dict(), start_step=self.step, wandb_entity=log.wandb_entity)
         tokens_per_step = self.data.tokens_per_micro_batch * t.grad_accum_steps * self.dist.world_size
         flops_per_token = self.model.flops_per_token(self.data.seq_len)
-        bar = tqdm(total=t.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
-                   disable=not (is_main and self.cfg.logging.progress_bar), smoothing=0.1)
-        start = time.perf_counter()
-        window_t0, window_tokens, window_losses = time.perf_counter(), 0, []
+        by_time = t.schedule_over == "time"
+        budget = 60 * t.max_time_minutes  # seconds: the run's length by_time, else a wall-time guard
+        if by_time:  # the bar counts seconds of training time
+            bar = tqdm(total=round(budget), initial=min(round(self.train_seconds), round(budget)), desc="train",
+                       bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} s of training [{elapsed}{postfix}]",
+                       dynamic_ncols=True, disable=not (is_main and self.cfg.logging.progress_bar))
+        else:
+            bar = tqdm(total=t.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
+                       disable=not (is_main and self.cfg.logging.progress_bar), smoothing=0.1)
+        start = self.clock()
+        # Tokens/s and MFU count the time of training steps only: evaluation, probes, checkpoints and
+        # logging happen between steps and are left out.
+        window_seconds, window_tokens, window_losses = 0.0, 0, []
         stopped, eval_metrics, train_loss, tok_s = "completed", {}, float("nan"), 0.0
+        mfu_trusted = True  # False once the peak proved wrong (MFU above 100%)
+        finished = self.train_seconds >= budget if by_time else self.step >= t.max_steps
         self.model.train()
         try:
             with _StopFlag() as stop:
-                while self.step < t.max_steps:
-                    lr = self._set_lr()
+                while not finished:
+                    step_start = self.clock()
                     loss, grad_norm, metrics = self._train_step()
                     loss_value = float(loss)
                     # With fp16 loss scaling, Inf gradients are expected now and then: the scaler skips
                     # those steps. Without it a non-finite gradient would poison the weights.
                     bad = not math.isfinite(loss_value) or (
                         not self.scaler.is_enabled() and not math.isfinite(float(grad_norm)))
-                    out_of_time = t.max_time_minutes > 0 and time.perf_counter() - start > 60 * t.max_time_minutes
-                    flags = torch.tensor([float(bad), float(stop.reason is not None),
-                                          float(out_of_time)], device=self.dev.device)
+                    now = self.clock()
+                    out_of_time = not by_time and budget > 0 and now - start > budget
+                    progress = (self.train_seconds + now - step_start) / budget if by_time else 0.0
+                    # Reduced across ranks: every process stops, and sets the same lr, at the same step.
+                    flags = torch.tensor([float(bad), float(stop.reason is not None), float(out_of_time),
+                                          progress], dtype=_reduce_dtype(self.dev.device), device=self.dev.device)
                     if self.dist.enabled:
                         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
                     if flags[0] > 0:
                         raise LMForgeError(self._nan_message(loss_value, float(grad_norm)))
+                    progress = float(flags[3])
+                    lr = self._set_lr(progress)
                     self.apply_update()
                     self.step += 1
                     self.tokens_seen += tokens_per_step
+                    step_seconds = self.clock() - step_start
+                    self.train_seconds += step_seconds
+                    window_seconds += step_seconds
                     window_tokens += tokens_per_step
                     window_losses.append(loss_value)
-                    bar.update(1)
+                    finished = progress >= 1.0 if by_time else self.step == t.max_steps
+                    if by_time:
+                        bar.update(max(0, min(round(self.train_seconds), bar.total) - bar.n))
+                    else:
+                        bar.update(1)
 
-                    if self.step % t.log_interval == 0 or self.step == t.max_steps:
-                        elapsed = max(time.perf_counter() - window_t0, 1e-9)
-                        tok_s = window_tokens / elapsed
+                    if self.step % t.log_interval == 0 or finished:
+                        tok_s = window_tokens / max(window_seconds, 1e-9)
                         train_loss = _mean_across_ranks(sum(window_losses) / len(window_losses), self.dist,
                                                         self.dev.device)
-                        mfu = tok_s * flops_per_token / (self.dev.peak_flops * self.dist.world_size)
                         row = {"train/loss": train_loss, "train/lr": lr, "train/grad_norm": float(grad_norm),
-                               "train/tokens_per_s": tok_s, "train/mfu": mfu, "train/tokens": self.tokens_seen}
+                               "train/tokens_per_s": tok_s, "train/tokens": self.tokens_seen}
+                        mfu = model_flops_utilization(tok_s, flops_per_token, self.dev.peak_flops,
+                                                      self.dist.world_size) if mfu_trusted else None
+                        if mfu is not None:
+                            row["train/mfu"] = mfu
+                        elif mfu_trusted:
+                            mfu_trusted = False
+                            if is_main:
+                                self._mfu_unknown_note(tok_s * flops_per_token / self.dist.world_size)
                         if self.data.tokens_per_example:
                             row["train/examples_per_s"] = tok_s / self.data.tokens_per_example
                         # A model's own sections (mhc/...) are logged under their names, the rest under train/.
@@ -354,23 +393,21 @@ class Trainer:
                             logger.log(self.step, row)
                         if is_main:
                             self._warn(row)
-                        bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}",
-                                        mfu=f"{100 * mfu:.1f}%", refresh=False)
-                        window_t0, window_tokens, window_losses = time.perf_counter(), 0, []
+                        shown = {"step": self.step} if by_time else {}
+                        bar.set_postfix(**shown, loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}",
+                                        mfu="?" if mfu is None else f"{100 * mfu:.1f}%", refresh=False)
+                        window_seconds, window_tokens, window_losses = 0.0, 0, []
 
                     if flags[1] > 0 or flags[2] > 0:
                         stopped = "signal" if flags[1] > 0 else "time"
                         break
-                    last = self.step == t.max_steps
-                    paused = time.perf_counter()
-                    if (t.eval_interval and self.step % t.eval_interval == 0) or last:
+                    if (t.eval_interval and self.step % t.eval_interval == 0) or finished:
                         eval_metrics = self._eval_and_keep_best(logger, bar)
                     if self.data.probe is not None and self.data.probe_interval and (
-                            self.step % self.data.probe_interval == 0 or last) and is_main:
+                            self.step % self.data.probe_interval == 0 or finished) and is_main:
                         self._probe(logger)
-                    if (t.save_interval and self.step % t.save_interval == 0) or last:
+                    if (t.save_interval and self.step % t.save_interval == 0) or finished:
                         self.save_checkpoint()
-                    window_t0 += time.perf_counter() - paused  # tokens/s and MFU count training time only
                 if stopped != "completed":
                     if is_main:
                         reason = stop.reason or f"the {t.max_time_minutes:g}-minute time limit"
@@ -418,6 +455,15 @@ class Trainer:
         if logger:
             logger.log(self.step, metrics)
         tqdm.write(f"step {self.step}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
+
+    def _mfu_unknown_note(self, achieved_flops: float) -> None:
+        if self.dev.peak_flops <= 0:
+            why = "no peak FLOP/s is known for this device"
+        else:
+            why = (f"this process computes {achieved_flops / 1e12:.3g} TFLOP/s, above the "
+                   f"{self.dev.peak_flops / 1e12:.3g} TFLOP/s peak ({self.dev.peak_source}), so that peak is wrong "
+                   "(measured while another program was busy?)")
+        tqdm.write(f"note: MFU is not shown: {why}. Set training.peak_flops=FLOP/s to the device's real peak.")
 
     def _warn(self, row: dict[str, float]) -> None:
         """The model's warnings about logged values, each at most once per 100 logging steps."""
