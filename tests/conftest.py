@@ -1,10 +1,25 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures, and the test run's thread and worker counts."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# One compute thread per test process, and for the processes the tests start (servers, torchrun ranks):
+# the models here are tiny, so a second thread gains little, and on a busy machine OpenMP threads that
+# spin-wait for each other made steps ~7x slower. The run is spread over processes instead (pytest-xdist).
+os.environ["OMP_NUM_THREADS"] = "1"
+import torch  # noqa: E402  (after OMP_NUM_THREADS, which torch reads when it starts its thread pool)
+
+torch.set_num_threads(1)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker per core, at most 4 (each holds its own torch and builds its files' fixtures)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, 4))
 
 # --- go_corpus: a small Go module tree with the files the data filters must keep or skip ----------
 

@@ -146,8 +146,8 @@ def test_sigterm_saves_a_resumable_checkpoint(tmp_path, data_dir):
     proc = subprocess.Popen(lmforge_cmd("train", str(recipe)), env=subprocess_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, cwd=REPO)
     metrics = tmp_path / "runs" / "t" / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 5):
+    deadline = time.monotonic() + 300  # a guard against a hang; the wait is for 5 logged steps
+    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 5):
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
