@@ -16,6 +16,28 @@ import torch  # noqa: E402  (after OMP_NUM_THREADS, which torch reads when it st
 torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="session")
+def go_data(tmp_path_factory) -> Path:
+    """Token shards of a small generated Go corpus: ``go_data.parent`` holds corpus/, tokenizer/ and
+    data/ (this). Built once per test process; read-only (copy it to change it)."""
+    from tests.train_helpers import make_prepared_data
+
+    return make_prepared_data(tmp_path_factory.mktemp("go_data"))
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory, go_data):
+    """A tiny GPT trained 30 steps on ``go_data`` (evaluated at 15 and 30; checkpoints step-15, step-30 and
+    best): the ``TrainResult``. Built once per test process; read-only (copy what a test changes)."""
+    from lmforge.config import load_config
+    from lmforge.train import train
+    from tests.train_helpers import write_recipe
+
+    base = tmp_path_factory.mktemp("trained_run")
+    recipe = write_recipe(base / "r.yaml", go_data, base / "runs", training={"max_steps": 30, "eval_interval": 15})
+    return train(load_config(str(recipe)))
+
+
 def pytest_xdist_auto_num_workers(config):
     """`-n auto`: one worker per core, at most 4 (each holds its own torch and builds its files' fixtures)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

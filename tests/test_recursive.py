@@ -20,6 +20,7 @@ from lmforge.models.puzzle import exploration_min_steps, halt_decision
 from lmforge.models.reasoning_layers import stablemax_cross_entropy
 from lmforge.models.trm import TRMConfig
 from lmforge.train.optimizers import AdamATan2SignSGD
+from tests.train_helpers import PEAK_FLOPS
 
 SMALL = {"seq_len": 81, "vocab_size": 11, "num_puzzle_identifiers": 4, "hidden_size": 32, "num_heads": 2,
          "expansion": 2, "halt_max_steps": 4}
@@ -242,7 +243,7 @@ def _overfit_recipe(tmp_path: Path, data: Path, family: str, steps: int) -> list
             "model.num_heads=2", "model.expansion=2", "model.halt_max_steps=2", *model,
             f"training.max_steps={steps}", "training.global_batch_size=4", "training.lr=3e-3",
             "training.warmup_steps=10", "training.weight_decay=0.0", "training.precision=fp32",
-            "training.device=cpu", f"training.eval_interval={steps}", f"training.save_interval={steps}",
+            "training.device=cpu", f"training.peak_flops={PEAK_FLOPS}", f"training.eval_interval={steps}", f"training.save_interval={steps}",
             "logging.progress_bar=false", "logging.tensorboard=false"]
 
 

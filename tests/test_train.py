@@ -21,12 +21,12 @@ from lmforge.cli import main
 from lmforge.config import load_config
 from lmforge.errors import LMForgeError
 from lmforge.train import train
-from tests.train_helpers import (REPO, lmforge_cmd, make_prepared_data, run, subprocess_env, write_recipe)
+from tests.train_helpers import REPO, lmforge_cmd, run, subprocess_env, write_recipe
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return make_prepared_data(tmp_path_factory.mktemp("corpus"))
+@pytest.fixture
+def data_dir(go_data):
+    return go_data  # the session's shared shards (read-only)
 
 
 def losses(run_dir: Path) -> dict[int, float]:
