@@ -120,8 +120,9 @@ def train_cli(corpus, out: Path, *overrides: str, resume: bool = False) -> Path:
     args = ["train", "hrgc_go_tiny", f"data.path={corpus['data']}", f"data.tokenizer={corpus['tokenizer']}",
             f"out_dir={out}", "name=r", "training.max_steps=6", "training.micro_batch_size=4",
             "training.eval_interval=3", "training.eval_batches=2", "training.log_interval=1",
-            "training.precision=fp32", f"training.peak_flops={PEAK_FLOPS}", "logging.progress_bar=false",
-            "logging.tensorboard=false", "model.planner_config.n_embd=32", "model.planner_config.n_layer=1", "model.planner_config.n_head=2",
+            "training.precision=fp32", "logging.progress_bar=false", "logging.tensorboard=false",
+            f"training.peak_flops={PEAK_FLOPS}",
+            "model.planner_config.n_embd=32", "model.planner_config.n_layer=1", "model.planner_config.n_head=2",
             "model.planner_config.n_positions=128", "model.generator_config.n_embd=48",
             "model.generator_config.n_layer=1", "model.generator_config.n_head=2",
             "model.generator_config.n_positions=384", "model.vocab_size=0", *overrides]

@@ -243,7 +243,8 @@ def _overfit_recipe(tmp_path: Path, data: Path, family: str, steps: int) -> list
             "model.num_heads=2", "model.expansion=2", "model.halt_max_steps=2", *model,
             f"training.max_steps={steps}", "training.global_batch_size=4", "training.lr=3e-3",
             "training.warmup_steps=10", "training.weight_decay=0.0", "training.precision=fp32",
-            "training.device=cpu", f"training.peak_flops={PEAK_FLOPS}", f"training.eval_interval={steps}", f"training.save_interval={steps}",
+            "training.device=cpu", f"training.eval_interval={steps}", f"training.save_interval={steps}",
+            f"training.peak_flops={PEAK_FLOPS}",
             "logging.progress_bar=false", "logging.tensorboard=false"]
 
 

@@ -19,6 +19,7 @@ from lmforge.infer.loading import load_for_inference
 from .serve_helpers import ASK_TOOL, GREETING, HELLO, TOOLS, Server, train_chat_model
 
 KEY = "sk-test-123"
+HANG = 120  # seconds: httpx's default 5 s could run out on a busy machine; this only guards against hangs
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +53,7 @@ def local(checkpoint):
 def test_models_and_health(client, server):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     assert client.models.retrieve("tiny").id == "tiny"
-    health = httpx.get(server.base + "/health").json()
+    health = httpx.get(server.base + "/health", timeout=HANG).json()
     assert health["status"] == "ok" and health["model"] == "tiny"
 
 
@@ -151,7 +152,7 @@ def test_concurrent_requests_are_batched_without_mixing_up_replies(client, local
 
 def test_a_client_that_leaves_mid_stream_does_not_hurt_the_server(client, server):
     with httpx.stream("POST", server.base + "/v1/completions", json={
-            "model": "tiny", "prompt": "func", "max_tokens": 200, "temperature": 1.0, "stream": True}) as r:
+            "model": "tiny", "prompt": "func", "max_tokens": 200, "temperature": 1.0, "stream": True}, timeout=HANG) as r:
         first = next(r.iter_lines())
         assert first.startswith("data: ")
     r = client.completions.create(model="tiny", prompt="func", max_tokens=3, temperature=0)
@@ -160,7 +161,7 @@ def test_a_client_that_leaves_mid_stream_does_not_hurt_the_server(client, server
 
 def error_of(server, payload, path="/v1/completions", raw=None):
     r = httpx.post(server.base + path, content=raw if raw is not None else json.dumps(payload),
-                   headers={"Content-Type": "application/json"})
+                   headers={"Content-Type": "application/json"}, timeout=HANG)
     body = r.json()
     assert set(body["error"]) == {"message", "type", "param", "code"}
     return r.status_code, body["error"]
@@ -214,11 +215,11 @@ def test_api_key_is_required_when_set(checkpoint):
         base = server.base + "/v1"
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=base, api_key="sk-wrong", max_retries=0).models.list()
-        r = httpx.get(base + "/models")
+        r = httpx.get(base + "/models", timeout=HANG)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         ok = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0)
         assert ok.chat.completions.create(model="tiny", messages=GREETING, temperature=0).choices[0].message.content == HELLO
-        assert httpx.get(server.base + "/health").status_code == 200  # health checks need no key
+        assert httpx.get(server.base + "/health", timeout=HANG).status_code == 200  # health checks need no key
     finally:
         server.stop()
 
