@@ -27,8 +27,9 @@ def go_data(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory, go_data):
-    """A tiny GPT trained 30 steps on ``go_data`` (evaluated at 15 and 30; checkpoints step-15, step-30 and
-    best): the ``TrainResult``. Built once per test process; read-only (copy what a test changes)."""
+    """A tiny GPT trained 30 steps on ``go_data`` (evaluated at steps 15 and 30; checkpoints step-000020,
+    step-000030 and best): its ``TrainResult``. Built once per test process; read-only (copy what a
+    test changes)."""
     from lmforge.config import load_config
     from lmforge.train import train
     from tests.train_helpers import write_recipe
