@@ -44,6 +44,7 @@ def pytest_xdist_auto_num_workers(config):
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(cores, 4))
 
+
 # --- go_corpus: a small Go module tree with the files the data filters must keep or skip ----------
 
 GO_KEPT = {
