@@ -1,10 +1,49 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures, and the test run's thread and worker counts."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# One compute thread per test process, and for the processes the tests start (servers, torchrun ranks):
+# the models here are tiny, so a second thread gains little, and on a busy machine OpenMP threads that
+# spin-wait for each other made steps ~7x slower. The run is spread over processes instead (pytest-xdist).
+os.environ["OMP_NUM_THREADS"] = "1"
+import torch  # noqa: E402  (after OMP_NUM_THREADS, which torch reads when it starts its thread pool)
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def go_data(tmp_path_factory) -> Path:
+    """Token shards of a small generated Go corpus: ``go_data.parent`` holds corpus/, tokenizer/ and
+    data/ (this). Built once per test process; read-only (copy it to change it)."""
+    from tests.train_helpers import make_prepared_data
+
+    return make_prepared_data(tmp_path_factory.mktemp("go_data"))
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory, go_data):
+    """A tiny GPT trained 30 steps on ``go_data`` (evaluated at steps 15 and 30; checkpoints step-000020,
+    step-000030 and best): its ``TrainResult``. Built once per test process; read-only (copy what a
+    test changes)."""
+    from lmforge.config import load_config
+    from lmforge.train import train
+    from tests.train_helpers import write_recipe
+
+    base = tmp_path_factory.mktemp("trained_run")
+    recipe = write_recipe(base / "r.yaml", go_data, base / "runs", training={"max_steps": 30, "eval_interval": 15})
+    return train(load_config(str(recipe)))
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker per core, at most 4 (each holds its own torch and builds its files' fixtures)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, 4))
+
 
 # --- go_corpus: a small Go module tree with the files the data filters must keep or skip ----------
 

@@ -29,9 +29,11 @@ CORPUS = ["package main\n\nimport \"fmt\"\n\nfunc main() {\n\tfmt.Println(\"hell
           '<tool_call>{"name": "read_file", "arguments": {"path": "main.go"}}</tool_call>'] * 20
 
 
-def train_chat_model(out: Path, flavor: str = "llama", steps: int = 150) -> Path:
+def train_chat_model(out: Path, flavor: str = "llama", max_steps: int = 400) -> Path:
     """A tiny model that has learnt two conversations by heart: a tool call for "Open main.go" (with
-    the tools listed) and a fixed greeting for "Say hello". Saved with its tokenizer; returns the dir."""
+    the tools listed) and a fixed greeting for "Say hello". Saved with its tokenizer; returns the dir.
+    It trains until its loss is below 0.02 (~150 steps), not for a fixed count: at a fixed count the
+    loss may sit on one of its bumps, wherever rounding differs."""
     tokenizer = Tokenizer.load(train_tokenizer(CORPUS, vocab_size=400, out_dir=out / "tokenizer", show_progress=False))
     conversations = [tokenizer.apply_chat_template(ASK_TOOL + [TOOL_REPLY], tools=TOOLS, add_generation_prompt=False),
                      tokenizer.apply_chat_template(GREETING + [{"role": "assistant", "content": HELLO}],
@@ -44,12 +46,14 @@ def train_chat_model(out: Path, flavor: str = "llama", steps: int = 150) -> Path
     model = GPT(GPTConfig(flavor=flavor, vocab_size=tokenizer.vocab_size, n_positions=256, n_embd=64, n_layer=2,
                           n_head=4))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for _ in range(steps):
+    for _ in range(max_steps):
         loss, _ = model({"input_ids": ids[:, :-1], "labels": labels})
+        if loss.item() < 0.02:  # measured on the weights that are saved
+            break
         opt.zero_grad()
         loss.backward()
         opt.step()
-    assert loss.item() < 0.05, f"the test model did not learn its conversations (loss {loss.item():.3f})"
+    assert loss.item() < 0.02, f"the test model did not learn its conversations (loss {loss.item():.3f})"
     ckpt = model.save_pretrained(out / "ckpt")
     tokenizer.save(ckpt)
     return ckpt
@@ -72,8 +76,8 @@ class Server:
                "--model-name", "tiny", "--log-level", "warning", "--precision", "fp32", *args]
         env = {**os.environ, "LMFORGE_API_KEY": ""}
         self.proc = subprocess.Popen(cmd, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env)
-        deadline = time.time() + 60
-        while time.time() < deadline:
+        deadline = time.monotonic() + 300  # only a guard against a hang: a busy machine may take a while
+        while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"lmforge serve exited: {self.log.read_text()}")
             try:

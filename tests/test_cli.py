@@ -9,18 +9,13 @@ from pathlib import Path
 import pytest
 
 from lmforge.cli import build_parser, main
-from lmforge.config import load_config
-from lmforge.train import train
-from tests.train_helpers import make_prepared_data, write_go_corpus, write_recipe
+from tests.train_helpers import write_go_corpus
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    base = tmp_path_factory.mktemp("cli")
-    data_dir = make_prepared_data(base)
-    recipe = write_recipe(base / "r.yaml", data_dir, base / "runs", training={"max_steps": 30, "eval_interval": 15})
-    result = train(load_config(str(recipe)))
-    return base, data_dir, result
+@pytest.fixture
+def trained(go_data, trained_run):
+    """The session's shared corpus dir, data and trained run (read-only)."""
+    return go_data.parent, go_data, trained_run
 
 
 def _leaf_parsers(parser):
@@ -42,12 +37,12 @@ def test_every_verb_documents_every_option():
                 assert action.help, f"{p.prog}: option {action.dest} has no help text"
 
 
-def test_eval_on_shards_and_on_raw_files(trained, capsys):
+def test_eval_on_shards_and_on_raw_files(trained, tmp_path, capsys):
     base, data_dir, result = trained
     assert main(["eval", str(result.run_dir), "--data", str(data_dir), "--json"]) == 0
     shards = json.loads(capsys.readouterr().out)
     assert shards["bpb"] > 0 and shards["ppl"] == pytest.approx(2.718281828 ** shards["loss"], rel=1e-6)
-    raw = write_go_corpus(base / "raw", n_files=3)
+    raw = write_go_corpus(tmp_path / "raw", n_files=3)
     assert main(["eval", str(result.run_dir), "--data", str(raw), "--json"]) == 0
     files = json.loads(capsys.readouterr().out)
     assert files["tokens"] > 0 and files["bpb"] > 0 and "3 documents" in files["data"]
@@ -65,12 +60,14 @@ def test_generate_streams_a_seeded_completion(trained, capsys):
     assert "--max-new-tokens" in capsys.readouterr().err
 
 
-def test_plot_writes_png(trained, capsys):
-    _, _, result = trained
-    assert main(["plot", str(result.run_dir)]) == 0
-    png = result.run_dir / "loss.png"
+def test_plot_writes_png(trained, tmp_path, capsys):
+    import shutil
+
+    run_dir = shutil.copytree(trained[2].run_dir, tmp_path / "run")  # the plot goes into the run dir
+    assert main(["plot", str(run_dir)]) == 0
+    png = run_dir / "loss.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
-    assert main(["plot", str(result.run_dir / "nowhere")]) == 2
+    assert main(["plot", str(run_dir / "nowhere")]) == 2
     assert "metrics.jsonl does not exist" in capsys.readouterr().err
 
 
@@ -88,8 +85,9 @@ def test_bench_prints_throughput_and_mfu(capsys):
 
 def test_quickstart_on_a_given_tree_beats_the_unigram_baseline(tmp_path, capsys):
     corpus = write_go_corpus(tmp_path / "src", n_files=60)
-    assert main(["quickstart", "--data", str(corpus), "--out", str(tmp_path / "qs"), "--minutes", "0.4",
-                 "--vocab-size", "400", "training.micro_batch_size=8", "data.seq_len=64",
+    # A step count, not a time budget, so a busy machine trains the same model (--minutes is then a guard)
+    assert main(["quickstart", "--data", str(corpus), "--out", str(tmp_path / "qs"), "--minutes", "10",
+                 "--vocab-size", "400", "training.max_steps=60", "training.micro_batch_size=8", "data.seq_len=64",
                  "model.n_positions=64", "model.n_layer=2", "model.n_embd=64", "model.n_head=2"]) == 0
     out = capsys.readouterr().out
     m = re.search(r"held-out bits per byte: model ([\d.]+)\s+vs\s+unigram baseline ([\d.]+)", out)

@@ -131,24 +131,25 @@ def test_the_loop_can_run_on_the_callers_thread_until_closed():
 
 
 def test_close_cancels_running_and_waiting_requests_at_the_next_step():
-    import time
-
+    """close() during a decode step: that step is the last one (counted, not timed), and every request,
+    running or waiting, ends as cancelled."""
     model = make_model("gpt2")
-    real_logits = model.logits
-    model.logits = lambda *a, **k: (time.sleep(0.02), real_logits(*a, **k))[1]
-    engine = Engine(model, eos_id=-1, max_batch_size=1)
-    events: queue.Queue = queue.Queue()
-    for i in range(3):
-        engine.submit([5, 6], SamplingParams(max_tokens=50, temperature=0), lambda e, i=i: events.put((i, e)))
-    time.sleep(0.1)
-    start = time.perf_counter()
-    engine.close()
-    assert time.perf_counter() - start < 2  # not 150 decode steps
+    engine = Engine(model, eos_id=-1, max_batch_size=1, background=False)
+    real_logits, calls = model.logits, []
+
+    def logits_then_close(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:  # request 0's prefill and two decode steps; 1 and 2 wait for its row
+            engine.close()  # as from another thread: the loop is in the middle of a step
+        return real_logits(*a, **k)
+
+    model.logits = logits_then_close
     ends = {}
-    while len(ends) < 3:
-        i, (kind, value) = events.get(timeout=5)
-        if kind != "token":
-            ends[i] = value
+    for i in range(3):
+        engine.submit([5, 6], SamplingParams(max_tokens=50, temperature=0),
+                      lambda e, i=i: e[0] == "token" or ends.update({i: e[1]}))
+    engine.run()  # returns at the step after close(), not after 150 decode steps
+    assert len(calls) == 3
     assert ends == {0: "cancelled", 1: "cancelled", 2: "cancelled"}
     with pytest.raises(LMForgeError, match="shut down"):
         engine.submit([1], SamplingParams(1), print)

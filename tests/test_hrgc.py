@@ -24,6 +24,7 @@ from lmforge.models.hrgc import HEAD_LABELS, HRGC, HRGCConfig, ModuleConfig
 from lmforge.models.losses import IGNORE_INDEX
 from lmforge.tokenizer import Tokenizer, train_tokenizer
 from lmforge.train.safe_state import load_state
+from tests.train_helpers import PEAK_FLOPS
 
 # Small Go packages of our own: each function is written from a template with its own names, so the
 # corpus has enough functions to batch, several statement kinds, and packages to split by.
@@ -121,6 +122,7 @@ def train_cli(corpus, out: Path, *overrides: str, resume: bool = False) -> Path:
             f"out_dir={out}", "name=r", "training.max_steps=6", "training.micro_batch_size=4",
             "training.eval_interval=3", "training.eval_batches=2", "training.log_interval=1",
             "training.precision=fp32", "logging.progress_bar=false", "logging.tensorboard=false",
+            f"training.peak_flops={PEAK_FLOPS}",
             "model.planner_config.n_embd=32", "model.planner_config.n_layer=1", "model.planner_config.n_head=2",
             "model.planner_config.n_positions=128", "model.generator_config.n_embd=48",
             "model.generator_config.n_layer=1", "model.generator_config.n_head=2",

@@ -15,7 +15,7 @@ from lmforge.errors import LMForgeError
 from lmforge.models.gpt import GPT, GPTConfig, RLMModel
 from lmforge.models.mhc import MHCLayer, amax_gains, gain_tensors, sinkhorn_log
 from lmforge.train import train
-from tests.train_helpers import REPO, lmforge_cmd, run, write_go_corpus
+from tests.train_helpers import PEAK_FLOPS, REPO, lmforge_cmd, run, write_go_corpus
 
 SIZES = dict(flavor="llama", vocab_size=97, n_positions=32, n_embd=32, n_layer=3, n_head=4)
 
@@ -322,7 +322,8 @@ def jsonl(tmp_path_factory) -> Path:
 
 TINY = ["model.hidden_dim=32", "model.num_layers=2", "model.num_heads=2", "model.head_dim=16", "model.ffn_dim=64",
         "model.max_seq_len=32", "data.max_length=32", "model.vocab_size=300", "training.batch_size=4",
-        "training.mixed_precision=fp32", "training.device=cpu", "training.logging_steps=1",
+        "training.mixed_precision=fp32", "training.device=cpu", f"training.peak_flops={PEAK_FLOPS}",
+        "training.logging_steps=1",
         "training.eval_interval=3", "training.eval_batches=2", "training.scheduler.warmup_steps=2",
         "data.val_fraction=0.2", "logging.tensorboard=false", "logging.progress_bar=false"]
 

@@ -21,6 +21,7 @@ from lmforge.models.reasoning_layers import stablemax_cross_entropy
 from lmforge.models.trm import TRMConfig
 from lmforge.train.optimizers import AdamATan2SignSGD
 from lmforge.train.safe_state import load_state
+from tests.train_helpers import PEAK_FLOPS
 
 SMALL = {"seq_len": 81, "vocab_size": 11, "num_puzzle_identifiers": 4, "hidden_size": 32, "num_heads": 2,
          "expansion": 2, "halt_max_steps": 4}
@@ -244,6 +245,7 @@ def _overfit_recipe(tmp_path: Path, data: Path, family: str, steps: int) -> list
             f"training.max_steps={steps}", "training.global_batch_size=4", "training.lr=3e-3",
             "training.warmup_steps=10", "training.weight_decay=0.0", "training.precision=fp32",
             "training.device=cpu", f"training.eval_interval={steps}", f"training.save_interval={steps}",
+            f"training.peak_flops={PEAK_FLOPS}",
             "logging.progress_bar=false", "logging.tensorboard=false"]
 
 

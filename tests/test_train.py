@@ -22,13 +22,12 @@ from lmforge.config import load_config
 from lmforge.errors import LMForgeError
 from lmforge.train import train
 from lmforge.train.safe_state import load_state
-from tests.train_helpers import (REPO, FakeClock, lmforge_cmd, make_prepared_data, run, subprocess_env,
-                                 write_recipe)
+from tests.train_helpers import REPO, FakeClock, lmforge_cmd, run, subprocess_env, write_recipe
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return make_prepared_data(tmp_path_factory.mktemp("corpus"))
+@pytest.fixture
+def data_dir(go_data):
+    return go_data  # the session's shared shards (read-only)
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -148,8 +147,8 @@ def test_sigterm_saves_a_resumable_checkpoint(tmp_path, data_dir):
     proc = subprocess.Popen(lmforge_cmd("train", str(recipe)), env=subprocess_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, cwd=REPO)
     metrics = tmp_path / "runs" / "t" / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 5):
+    deadline = time.monotonic() + 300  # a guard against a hang; the wait is for 5 logged steps
+    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 5):
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
