@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,8 @@ import pytest
 # the models here are tiny, so a second thread gains little, and on a busy machine OpenMP threads that
 # spin-wait for each other made steps ~7x slower. The run is spread over processes instead (pytest-xdist).
 os.environ["OMP_NUM_THREADS"] = "1"
+# The measured matmul peak is cached per machine (lmforge.train.device); tests keep theirs to themselves.
+os.environ["LMFORGE_CACHE_DIR"] = tempfile.mkdtemp(prefix="lmforge-test-cache-")
 import torch  # noqa: E402  (after OMP_NUM_THREADS, which torch reads when it starts its thread pool)
 
 torch.set_num_threads(1)

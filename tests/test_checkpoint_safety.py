@@ -23,7 +23,7 @@ from lmforge.cli import main
 from lmforge.errors import LMForgeError
 from lmforge.train.checkpoint import LEGACY_FILES, OPTIMIZER_FILE, RNG_FILE, convert_legacy, load_training_file
 from lmforge.train.safe_state import load_legacy_torch_file, load_state, save_state
-from tests.train_helpers import make_prepared_data, write_recipe
+from tests.train_helpers import PEAK_FLOPS, write_recipe
 
 
 class _Payload:
@@ -174,9 +174,9 @@ def test_legacy_pickles_load_through_the_restricted_loader_and_convert(tmp_path)
 
 # ---- every verb on a checkpoint with a payload in each of its files -----------------------------
 @pytest.fixture(scope="module")
-def lm_run(tmp_path_factory) -> tuple[Path, Path]:
+def lm_run(tmp_path_factory, go_data) -> tuple[Path, Path]:
     base = tmp_path_factory.mktemp("safety")
-    data = make_prepared_data(base)
+    data = go_data
     recipe = write_recipe(base / "recipe.yaml", data, base / "runs",
                           training={"max_steps": 2, "save_interval": 2, "eval_interval": 2})
     assert main(["train", str(recipe)]) == 0
@@ -294,7 +294,8 @@ def puzzle_run(tmp_path_factory) -> Path:
              "model.num_heads=2", "model.expansion=2", "model.halt_max_steps=2", "model.L_layers=1",
              "model.H_cycles=1", "model.L_cycles=1", "model.ema_decay=0.9", "training.max_steps=2",
              "training.global_batch_size=4", "training.precision=fp32", "training.device=cpu",
-             "training.eval_interval=2", "training.save_interval=2", "logging.progress_bar=false",
+             "training.eval_interval=2", "training.save_interval=2", f"training.peak_flops={PEAK_FLOPS}",
+             "logging.progress_bar=false",
              "logging.tensorboard=false"]
     train(load_config("trm_sudoku", words))
     (base / "words.txt").write_text("\n".join(words))
