@@ -151,7 +151,7 @@ async def watch(http: httpx.AsyncClient, pid: int, report: Report, stop: asyncio
         report.rss_kib.append(rss_kib(pid))
         report.health_checks += 1
         try:
-            ok = (await http.get("/health", timeout=10)).status_code == 200
+            ok = (await http.get("/health")).status_code == 200
         except httpx.HTTPError:
             ok = False
         report.health_failures += not ok
@@ -168,7 +168,8 @@ async def soak(base: str, pid: int, clients: int, seconds: float, max_tokens: in
     report = Report()
     limits = httpx.Limits(max_connections=clients + 1, max_keepalive_connections=clients + 1)
     async with httpx.AsyncClient(base_url=base, timeout=120, limits=limits) as http, \
-            httpx.AsyncClient(base_url=base, timeout=10) as monitor:  # its own pool: never queued behind clients
+            httpx.AsyncClient(base_url=base, timeout=120) as monitor:  # its own pool: never queued behind clients
+        # (120 s guards against a hang only: on a busy machine a slow answer is still an answer)
         stop = asyncio.Event()
         watcher = asyncio.create_task(watch(monitor, pid, report, stop, poll_every))
         deadline = time.perf_counter() + seconds
@@ -200,11 +201,20 @@ def print_report(report: Report) -> None:
     rss = report.rss_kib
     half = rss[len(rss) // 2:]
     print(f"server RSS (MiB): start {rss[0] / 1024:.0f}, peak {max(rss) / 1024:.0f}, end {rss[-1] / 1024:.0f} "
-          f"(peak of the second half {max(half) / 1024:.0f})")
+          f"(peak of the second half {max(half) / 1024:.0f}; bounded: {memory_is_bounded(report)})")
+
+
+def memory_is_bounded(report: Report) -> bool:
+    """The server's RSS levels off: the second half's peak is within 10% (+16 MiB) of the first half's.
+    A leak per request would keep it climbing through the whole run."""
+    rss = report.rss_kib
+    first, second = rss[:len(rss) // 2], rss[len(rss) // 2:]
+    return bool(first) and max(second) <= 1.1 * max(first) + (16 << 10)
 
 
 def passed(report: Report) -> bool:
-    return report.server_errors == 0 and not report.errors and report.health_failures == 0
+    return (report.server_errors == 0 and not report.errors and report.health_failures == 0
+            and memory_is_bounded(report))
 
 
 def main() -> int:

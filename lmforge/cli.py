@@ -566,9 +566,15 @@ def main(argv: list[str] | None = None) -> int:
     except LMForgeError as e:
         print(f"lmforge: error: {e}", file=sys.stderr)
         return 2
-    except OSError as e:  # a full disk or a permission error in a write no verb reported itself
+    except OSError as e:  # a full disk or a permission problem that no verb reported itself
+        import errno
+
         from lmforge.files import write_fault
 
+        if e.errno in (errno.EACCES, errno.EPERM) and e.filename:  # a read as likely as a write
+            print(f"lmforge: error: {e.strerror or 'permission denied'}: {e.filename}: check its permissions "
+                  "and run the command again", file=sys.stderr)
+            return 2
         fault = write_fault(e, Path(e.filename or "."), fix="and run the command again")
         if fault is None:
             raise

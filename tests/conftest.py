@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import pytest
 os.environ["OMP_NUM_THREADS"] = "1"
 # The measured matmul peak is cached per machine (lmforge.train.device); tests keep theirs to themselves.
 os.environ["LMFORGE_CACHE_DIR"] = tempfile.mkdtemp(prefix="lmforge-test-cache-")
+atexit.register(shutil.rmtree, os.environ["LMFORGE_CACHE_DIR"], True)
 import torch  # noqa: E402  (after OMP_NUM_THREADS, which torch reads when it starts its thread pool)
 
 torch.set_num_threads(1)

@@ -326,3 +326,48 @@ def test_puzzle_verbs_on_a_checkpoint_with_a_payload_in_each_file(puzzle_run, tm
                                              *LEGACY_FILES.values()):
                 assert code == 2, name
         assert not marker.exists(), f"a payload in {name} ran"
+
+
+def test_well_formed_state_files_of_the_wrong_shape_are_refused_on_resume(lm_run, tmp_path, capsys):
+    """Files that parse but hold the wrong structure (damaged, or crafted to corrupt a run) stop the resume
+    with lmforge's error before anything uses them."""
+    from safetensors.torch import save_file
+
+    run, data = lm_run
+    pristine = run / "checkpoints" / "step-000002"
+    opt = load_state(pristine / OPTIMIZER_FILE, "optimizer")
+    rng = load_state(pristine / RNG_FILE, "rng")
+    first = next(iter(opt["optimizer"]["state"]))
+    wrong_shape = {**opt, "optimizer": {**opt["optimizer"], "state": {
+        **opt["optimizer"]["state"], first: {**opt["optimizer"]["state"][first], "exp_avg": torch.zeros(7)}}}}
+    unknown_param = {**opt, "optimizer": {**opt["optimizer"], "state": {
+        10**6: opt["optimizer"]["state"][first]}}}
+    cases = {
+        "a list": (OPTIMIZER_FILE, [1, 2]),
+        "moments of another shape": (OPTIMIZER_FILE, wrong_shape),
+        "a parameter that does not exist": (OPTIMIZER_FILE, unknown_param),
+        "per_rank a number": (RNG_FILE, {"per_rank": 5}),
+        "a python RNG state that is text": (RNG_FILE, {"per_rank": [{**rng["per_rank"][0], "python": "x"}]}),
+        "a torch RNG state of the wrong size": (RNG_FILE, {"per_rank": [{**rng["per_rank"][0],
+                                                                          "torch": torch.zeros(3, dtype=torch.uint8)}]}),
+    }
+    recipe = run.parent.parent / "recipe.yaml"
+    for i, (what, (name, content)) in enumerate(cases.items()):
+        case = tmp_path / str(i)
+        shutil.copytree(run, case)
+        save_state(case / "checkpoints" / "step-000002" / name, content)
+        code = main(["train", str(recipe), f"out_dir={tmp_path}", f"name={i}", "training.max_steps=3", "--resume",
+                     str(case / "checkpoints" / "step-000002")])
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith("lmforge: error:") and "does not fit this run" in err, (what, err)
+    # a structure naming one tensor twice would alias two moments: refused when reading
+    aliased = tmp_path / "aliased.safetensors"
+    save_file({"0": torch.zeros(2)}, str(aliased), metadata={
+        "format": "lmforge-state", "version": "1", "structure": '{"l": [{"t": "0"}, {"t": "0"}]}'})
+    with pytest.raises(LMForgeError, match="referenced twice"):
+        load_state(aliased, "optimizer state")
+    extra = tmp_path / "extra.safetensors"
+    save_file({"0": torch.zeros(2), "1": torch.zeros(2)}, str(extra), metadata={
+        "format": "lmforge-state", "version": "1", "structure": '{"t": "0"}'})
+    with pytest.raises(LMForgeError, match="does not name"):
+        load_state(extra, "optimizer state")

@@ -33,5 +33,7 @@ def test_mixed_hostile_clients_get_answers_and_health_stays_up(server):
     # every well-formed request that was not cancelled on purpose completed
     assert len(report.latencies) == report.requests["stream"] + report.requests["whole"]
     assert report.health_checks >= 2 and report.health_failures == 0
-    assert len(report.rss_kib) >= 2 and min(report.rss_kib) > 0
+    assert len(report.rss_kib) >= 2 and min(report.rss_kib) > 0 and serve_soak.memory_is_bounded(report)
+    leaking = serve_soak.Report(rss_kib=[100 << 10, 110 << 10, 200 << 10, 300 << 10])  # the check sees a climb
+    assert not serve_soak.memory_is_bounded(leaking)
     assert server.proc.poll() is None and serve_soak.passed(report)

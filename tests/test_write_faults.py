@@ -422,9 +422,36 @@ def test_a_write_fault_no_verb_reported_is_still_one_line(tmp_path, monkeypatch,
     assert err == f"lmforge: error: no space left on device while writing {tmp_path}/runs/t/metrics.jsonl: " \
                   "free space and run the command again\n"
 
+    def unreadable(args):
+        raise PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "ckpt" / "config.yaml"))
+
+    monkeypatch.setattr(cli, "_cmd_plot", unreadable)
+    assert cli.main(["plot", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (f"lmforge: error: Permission denied: {tmp_path}/ckpt/config.yaml: check its "
+                                       "permissions and run the command again\n")
+
     def other(args):
         raise OSError(errno.ECONNRESET, "reset")
 
     monkeypatch.setattr(cli, "_cmd_plot", other)
     with pytest.raises(ConnectionResetError):  # not a write fault: the traceback stays, for a bug report
         cli.main(["plot", str(tmp_path)])
+
+
+def test_a_checkpoint_that_rank_0_cannot_write_stops_every_rank_of_a_torchrun_job(tmp_path, prepared):
+    """Rank 0 hits a real write fault (EFBIG past RLIMIT_FSIZE) at its first checkpoint: the other rank
+    learns of it at the checkpoint's sync point and stops too, instead of waiting at a barrier forever."""
+    recipe = write_recipe(tmp_path / "r.yaml", prepared / "data", tmp_path / "runs",
+                          training={"max_steps": 4, "save_interval": 2, "eval_interval": 0, "micro_batch_size": 2})
+
+    def small_file_limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # inherited by both ranks: the write fails, no signal kills
+        resource.setrlimit(resource.RLIMIT_FSIZE, (32 << 10, 32 << 10))  # the weights are ~160 KB
+
+    result = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                  "lmforge", "train", str(recipe)], cwd=REPO, preexec_fn=small_file_limit)
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "lmforge: error: file too large while writing" in output and "step-000002" in output
+    assert "lmforge: error: rank 0 could not write a checkpoint" in output  # rank 1's own message
+    assert leftovers(tmp_path / "runs" / "t" / "checkpoints") == []

@@ -434,6 +434,9 @@ class PuzzleModel(LMForgeModel, abc.ABC):
         params = [p.detach() for p in self.parameters()]
         # the checkpoint's model.safetensors held the EMA; keep it only if this run still averages
         self._ema = [p.clone() for p in params] if self.config.ema_decay > 0 else None
+        for r, p in zip(raw, params, strict=True):  # a short or reshaped list is a damaged checkpoint
+            if r.shape != p.shape:
+                raise ValueError(f"raw weight of shape {tuple(r.shape)} for a parameter of shape {tuple(p.shape)}")
         torch._foreach_copy_(params, [r.to(p.device) for r, p in zip(raw, params)])
 
     # ---- accounting -------------------------------------------------------------------------

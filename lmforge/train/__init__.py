@@ -39,9 +39,15 @@ def train(cfg: RunConfig, resume: bool | str = False, clock: Callable[[], float]
     (tests pass a fake one). Returns a ``TrainResult``."""
     distinfo = init_distributed(cfg.training.device)
     try:
-        return _train(cfg, resume, distinfo, clock)
-    finally:
-        shutdown(distinfo)
+        result = _train(cfg, resume, distinfo, clock)
+    except BaseException:
+        shutdown(distinfo)  # no barrier: another rank may be gone
+        raise
+    # Every rank reaches this point before any tears its connections down: a rank whose peer had already
+    # exited could see the closed socket in gloo's threads and abort (SIGABRT) after a finished run.
+    barrier(distinfo)
+    shutdown(distinfo)
+    return result
 
 
 def _train(cfg: RunConfig, resume: bool | str, distinfo: DistInfo, clock: Callable[[], float]) -> TrainResult:

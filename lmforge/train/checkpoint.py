@@ -25,7 +25,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from lmforge.errors import LMForgeError
 from lmforge.files import atomic_file, reporting_write_faults
@@ -163,6 +162,10 @@ def convert_legacy(ckpt: Path) -> list[str]:
     for name, legacy_name in LEGACY_FILES.items():
         legacy = ckpt / legacy_name
         if not legacy.is_file():
+            continue
+        if (ckpt / name).is_file():  # converted before (the removal was interrupted): the new file is what loads
+            legacy.unlink()
+            done.append(f"{legacy_name} removed ({name} was already there)")
             continue
         state = load_legacy_torch_file(legacy, legacy_name)
         with reporting_write_faults(ckpt / name, "and convert again"), atomic_file(ckpt / name) as tmp:

@@ -27,7 +27,7 @@ from lmforge.errors import LMForgeError
 from lmforge.models.base import LMForgeModel
 from lmforge.train import checkpoint as ckpt
 from lmforge.train.device import DeviceInfo, model_flops_utilization
-from lmforge.train.distributed import DistInfo, barrier
+from lmforge.train.distributed import DistInfo
 from lmforge.train.loggers import MetricsLogger
 from lmforge.train.safe_state import save_state
 from lmforge.train.schedule import lr_multiplier, lr_multiplier_at
@@ -167,20 +167,36 @@ class Trainer:
                                f"{unexpected[:3]}): was the model config changed since it was written?")
         self.model.tie_weights()
         opt_state = ckpt.load_training_file(path, ckpt.OPTIMIZER_FILE, "optimizer state")
+        rng = ckpt.load_training_file(path, ckpt.RNG_FILE, "random-number state")
+        # The files parse; what they hold is still checked before use: a damaged or crafted state stops
+        # here with a message instead of failing later inside the optimizer or the RNG.
+        try:
+            self._restore_training_state(opt_state, rng, state)
+        except LMForgeError:
+            raise
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError) as e:
+            raise LMForgeError(f"the training state in {path} does not fit this run ({type(e).__name__}: {e}): "
+                               "resume with the config the checkpoint was written with (see its run_config.yaml), "
+                               f"or from an earlier checkpoint in {path.parent}") from e
+        self.last_checkpoint = path
+
+    def _restore_training_state(self, opt_state: dict[str, Any], rng: dict[str, Any], state: dict[str, Any]) -> None:
         self.model.load_training_state(opt_state.get("model_state") or {})
+        saved = opt_state["optimizer"]
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        for idx, entries in saved["state"].items():  # load_state_dict would take moments of any shape
+            for name, value in entries.items():
+                if torch.is_tensor(value) and value.dim() > 0 and value.shape != params[idx].shape:
+                    raise ValueError(f"{name} of parameter {idx} has shape {tuple(value.shape)}, the parameter "
+                                     f"{tuple(params[idx].shape)}")
         # The learning rates come from this run's config, so that `training.lr=...` on a resume takes effect.
         base_lrs = [g["base_lr"] for g in self.optimizer.param_groups]
-        try:
-            self.optimizer.load_state_dict(opt_state["optimizer"])
-            for g, base_lr in zip(self.optimizer.param_groups, base_lrs, strict=True):
-                g["base_lr"] = base_lr
-            if opt_state["scaler"] and self.scaler.is_enabled():
-                self.scaler.load_state_dict(opt_state["scaler"])
-        except (ValueError, KeyError, RuntimeError) as e:
-            raise LMForgeError(f"the optimizer state in {path} does not fit this run ({e}): resume with the "
-                               "config the checkpoint was written with (see its run_config.yaml)") from e
+        self.optimizer.load_state_dict(saved)
+        for g, base_lr in zip(self.optimizer.param_groups, base_lrs, strict=True):
+            g["base_lr"] = base_lr
+        if opt_state["scaler"] and self.scaler.is_enabled():
+            self.scaler.load_state_dict(opt_state["scaler"])
         self.data.train.load_state_dict(state["data"])
-        rng = ckpt.load_training_file(path, ckpt.RNG_FILE, "random-number state")
         saved_world = len(rng["per_rank"])
         if saved_world == self.dist.world_size:
             restore_rng(rng["per_rank"][self.dist.rank])
@@ -192,7 +208,6 @@ class Trainer:
         self.train_seconds = float(state.get("train_seconds", 0.0))
         best = state.get("best_score", state.get("best_eval_loss"))
         self.best_score = math.inf if best is None else float(best)
-        self.last_checkpoint = path
 
     # ---- saving ---------------------------------------------------------------------------
     def _write_model_dir(self, directory: Path) -> None:
@@ -208,27 +223,44 @@ class Trainer:
             dist.all_gather_object(gathered, rng)
         else:
             gathered = [rng]
-        path = None
-        if self.dist.is_main:
-            def write(tmp: Path) -> None:
-                self._write_model_dir(tmp)
-                save_state(tmp / ckpt.OPTIMIZER_FILE, {
-                    "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
-                    "model_state": self.model.training_state()})
-                save_state(tmp / ckpt.RNG_FILE, {"per_rank": gathered})
-                self.cfg.save(tmp / "run_config.yaml")
-                ckpt.save_json(tmp / ckpt.STATE_FILE, {
-                    "step": self.step, "tokens_seen": self.tokens_seen, "train_seconds": self.train_seconds,
-                    "best_score": self.best_score if math.isfinite(self.best_score) else None,
-                    "best_metric": self.data.best_metric,
-                    "data": self.data.train.state_dict(), "world_size": self.dist.world_size,
-                    "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                })
 
-            path = ckpt.write_checkpoint(self.ckpt_root, self.step, write, self.t.keep_last)
-        barrier(self.dist)
+        def write(tmp: Path) -> None:
+            self._write_model_dir(tmp)
+            save_state(tmp / ckpt.OPTIMIZER_FILE, {
+                "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
+                "model_state": self.model.training_state()})
+            save_state(tmp / ckpt.RNG_FILE, {"per_rank": gathered})
+            self.cfg.save(tmp / "run_config.yaml")
+            ckpt.save_json(tmp / ckpt.STATE_FILE, {
+                "step": self.step, "tokens_seen": self.tokens_seen, "train_seconds": self.train_seconds,
+                "best_score": self.best_score if math.isfinite(self.best_score) else None,
+                "best_metric": self.data.best_metric,
+                "data": self.data.train.state_dict(), "world_size": self.dist.world_size,
+                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            })
+
+        path = self._main_writes(lambda: ckpt.write_checkpoint(self.ckpt_root, self.step, write, self.t.keep_last)
+                                 if self.dist.is_main else None)
         self.last_checkpoint = path or self.ckpt_root / ckpt.step_dir_name(self.step)
         return path
+
+    def _main_writes(self, write: Callable[[], Any]) -> Any:
+        """Run rank 0's ``write`` (a no-op elsewhere), then hold every rank until it is done. A failure
+        (a full disk) is shared: every rank stops, instead of waiting at a barrier for a rank that left."""
+        error: BaseException | None = None
+        result = None
+        try:
+            result = write()
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks know
+            error = e
+        if self.dist.enabled:
+            failed = torch.tensor([float(error is not None)], device=self.dev.device)
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX)  # also the barrier
+            if error is None and failed.item() > 0:
+                raise LMForgeError("rank 0 could not write a checkpoint (its message says why); stopping")
+        if error is not None:
+            raise error
+        return result
 
     # ---- evaluation -----------------------------------------------------------------------
     @torch.no_grad()
@@ -438,9 +470,8 @@ class Trainer:
         score = math.inf if value is None else (-value if self.data.best_higher_is_better else value)
         if score <= self.best_score:  # on a tie the newer weights win (plateaus of exact accuracy)
             self.best_score = score
-            if self.dist.is_main:
-                ckpt.write_best(self.ckpt_root, self._write_model_dir)
-            barrier(self.dist)
+            self._main_writes(lambda: ckpt.write_best(self.ckpt_root, self._write_model_dir) if self.dist.is_main
+                              else None)
         return metrics
 
     @torch.no_grad()

@@ -97,10 +97,16 @@ class _Decoder:
     def __init__(self, handle, path: Path):
         self.handle, self.path = handle, path
         self.keys = set(handle.keys())
+        self.used: set[str] = set()
 
     def _tensor(self, key: Any) -> torch.Tensor:
+        # Each tensor is referenced exactly once: two references would come back as one shared buffer
+        # (e.g. an optimizer's two moments aliased), which no file save_state writes holds.
         if not isinstance(key, str) or key not in self.keys:
             raise ValueError(f"reference to a missing tensor {key!r}")
+        if key in self.used:
+            raise ValueError(f"tensor {key!r} is referenced twice")
+        self.used.add(key)
         return self.handle.get_tensor(key)
 
     def decode(self, node: Any) -> Any:
@@ -145,7 +151,11 @@ def load_state(path: Path, what: str) -> Any:
             if meta.get("version") != str(VERSION):
                 raise LMForgeError(f"{path} has training-state version {meta.get('version')!r}; this lmforge "
                                    f"reads version {VERSION}: upgrade lmforge to resume from it")
-            return _Decoder(handle, path).decode(json.loads(meta.get("structure", "null")))
+            decoder = _Decoder(handle, path)
+            state = decoder.decode(json.loads(meta.get("structure", "null")))
+            if decoder.used != decoder.keys:
+                raise ValueError(f"{len(decoder.keys - decoder.used)} tensor(s) that the structure does not name")
+            return state
     except LMForgeError:
         raise
     except Exception as e:  # safetensors' header errors, JSON errors, malformed structure
