@@ -302,30 +302,36 @@ def test_terminal_chat_refuses_bad_settings(checkpoint):
     assert r.returncode == 2 and "top_p" in r.stderr
 
 
-def test_a_client_that_gives_up_on_a_whole_reply_frees_its_row(checkpoint):
+def test_a_client_that_gives_up_on_a_whole_reply_frees_its_row(checkpoint, monkeypatch):
     """The client hangs up after the engine's third step of a 200-token reply: the request is cancelled
-    there (a few more steps at most), not decoded to its end. Steps are counted, not timed."""
+    and leaves the batch at the next step, not decoded to its end. Steps are counted, not timed: the
+    engine waits in its third step until the server has cancelled the request."""
     import socket
     import time
 
     import uvicorn
 
-    from lmforge.infer.engine import Engine
+    from lmforge.infer.engine import Engine, Request
     from lmforge.serve.app import create_app
 
     from .serve_helpers import free_port
 
     model, tokenizer, _ = load_for_inference(checkpoint, "cpu", "fp32")
-    real_logits, steps, third_step = model.logits, [], threading.Event()
+    real_logits, steps, third_step, cancelled = model.logits, [], threading.Event(), threading.Event()
 
-    def slow_logits(*a, **k):  # 200 tokens would take >= 20 s: the server has time to see the hang-up
+    def counted_logits(*a, **k):
         steps.append(1)
         if len(steps) == 3:
-            third_step.set()
-        time.sleep(0.1)
+            third_step.set()  # the client hangs up now,
+            cancelled.wait(timeout=120)  # and the server cancels the request while the engine is mid-step
         return real_logits(*a, **k)
 
-    model.logits = slow_logits
+    def cancel(request, _cancel=Request.cancel):
+        _cancel(request)
+        cancelled.set()
+
+    monkeypatch.setattr(Request, "cancel", cancel)
+    model.logits = counted_logits
     engine = Engine(model, eos_id=-1, max_batch_size=2)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(engine, tokenizer, "tiny"), host="127.0.0.1", port=port,
@@ -343,7 +349,8 @@ def test_a_client_that_gives_up_on_a_whole_reply_frees_its_row(checkpoint):
             assert third_step.wait(timeout=120)
         while (engine.running or engine.waiting) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert engine.running == 0 and 3 <= len(steps) < 200  # cancelled, not decoded to the end
+        assert cancelled.is_set() and engine.running == 0
+        assert len(steps) == 3  # the row left the batch right after the step it was cancelled in
     finally:
         server.should_exit = True
         thread.join(timeout=30)
