@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from lmforge.models.gpt import GPT, GPTConfig
-from lmforge.train.safe_state import load_state, save_state
+from lmforge.safe_state import load_state, save_state
 
 
 def timed(fn, repeats: int) -> float:

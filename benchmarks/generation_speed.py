@@ -108,7 +108,7 @@ def main() -> None:
     if args.worker:
         worker(*args.worker, args.prompt_tokens, args.new_tokens)
         return
-    from lmforge.train.device import pick_precision
+    from lmforge.device import pick_precision
 
     precisions = ["fp32"] + (["bf16"] if pick_precision("auto", torch.device("cpu")) == "bf16" else [])
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch 1, "

@@ -38,7 +38,7 @@ MODELS = {"HRGC": "hrgc_go_tiny", "plain decoder": "hrgc_go_plain_tiny"}
 
 
 def build_data(out: Path) -> Path:
-    from lmforge.data.go_functions import extract_go_functions
+    from lmforge.recipes.hrgc.functions import extract_go_functions
 
     data = out / "data"
     if (data / "meta.json").is_file():
@@ -53,7 +53,7 @@ def build_data(out: Path) -> Path:
 
 def build_tokenizer(data: Path, out: Path) -> Path:
     """The 4,096-token BPE both models use, trained as `lmforge train` trains one for HRGC data."""
-    from lmforge.data.go_functions import read_go_functions
+    from lmforge.recipes.hrgc.functions import read_go_functions
     from lmforge.tokenizer import train_tokenizer
 
     if not (out / "tokenizer.json").is_file():
@@ -74,8 +74,8 @@ def train(recipe: str, name: str, runs: Path, data: Path, overrides: list[str]) 
 
 
 def seconds_per_step(recipe: str, runs: Path, data: Path, extra: list[str]) -> float:
-    quiet = ["training.eval_interval=0", "training.save_interval=0", "model.validation_frequency=0",
-             "model.refinement_warmup=0", "training.warmup_steps=5"]
+    quiet = ["training.eval_interval=0", "training.save_interval=0", "recipe.validation_frequency=0",
+             "recipe.refinement_warmup=0", "training.warmup_steps=5"]
     times = {}
     for steps in (10, 60):
         name = f"calibrate-{recipe}-{steps}"
@@ -113,7 +113,7 @@ def main() -> int:
                      f"training.save_interval={steps}", f"training.max_time_minutes={args.minutes}",
                      f"training.warmup_steps={max(5, steps // 20)}"]
         if label == "HRGC":
-            overrides.append(f"model.refinement_warmup={steps // 4}")
+            overrides.append(f"recipe.refinement_warmup={steps // 4}")
         print(f"{label}: {step_s:.3f} s/step measured -> max_steps {steps} for {args.minutes:g} minutes", flush=True)
         wall = train(recipe, label, runs, data, overrides)
         print(f"{label}: trained in {wall / 60:.1f} min; evaluating {args.eval_limit} test functions", flush=True)

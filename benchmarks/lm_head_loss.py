@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from lmforge.models.losses import linear_cross_entropy
-from lmforge.train.device import measure_matmul_flops, setup_device
+from lmforge.device import measure_matmul_flops, setup_device
 
 
 def best_ms(fn, repeats: int) -> float:

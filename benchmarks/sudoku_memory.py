@@ -34,8 +34,8 @@ def measure(overrides: list[str], data: str, steps: int, device: str) -> dict:
 
     from lmforge.config import load_config
     from lmforge.models import build_model
-    from lmforge.train.data import build_puzzle_data
-    from lmforge.train.device import setup_device
+    from lmforge.recipes.lm.data import build_puzzle_data
+    from lmforge.device import setup_device
     from lmforge.train.distributed import DistInfo
     from lmforge.train.loop import Trainer
 

@@ -4,7 +4,7 @@ GPT-2 flavor, 6 layers x 384 wide x 6 heads, context 256, micro-batch 8, fp32, G
 (50257; seed 001's Go tokenizer has 50000), 20 timed steps after 3 warm-up steps, on the same seeded
 random token batches, each system in its own process, timed in alternating rounds (one process runs
 at a time). transformers runs as a plain loop would, with the C allocator's defaults; lmforge with its
-own setting (see lmforge.train.device.keep_freed_memory_for_reuse); --same-allocator gives transformers
+own setting (see lmforge.device.keep_freed_memory_for_reuse); --same-allocator gives transformers
 lmforge's setting too, which isolates the model code. Prints tokens/s of each and the ratio. Usage:
 
     python benchmarks/train_vs_transformers.py [--vocab-size 50257] [--steps 20] [--same-allocator] [overrides ...]

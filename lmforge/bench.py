@@ -15,29 +15,11 @@ from lmforge.config import load_config
 from lmforge.errors import LMForgeError
 from lmforge.models import build_model
 from lmforge.train import seed_everything
-from lmforge.train.device import (DeviceInfo, _sync, keep_freed_memory_for_reuse, model_flops_utilization,
+from lmforge.device import (DeviceInfo, _sync, keep_freed_memory_for_reuse, model_flops_utilization,
                                    setup_device)
 from lmforge.train.distributed import DistInfo
-from lmforge.train.loop import DataBundle, Trainer
-
-
-class RandomTokens:
-    """Seeded random token windows: the same batches for every system being compared."""
-
-    def __init__(self, vocab_size: int, micro_batch_size: int, seq_len: int, seed: int = 0):
-        self.shape = (micro_batch_size, seq_len + 1)
-        self.vocab_size = vocab_size
-        self.gen = torch.Generator().manual_seed(seed)
-
-    def next_batch(self) -> dict[str, torch.Tensor]:
-        w = torch.randint(0, self.vocab_size, self.shape, generator=self.gen)
-        return {"input_ids": w[:, :-1], "labels": w[:, 1:]}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        return None
+from lmforge.recipes import TrainData
+from lmforge.train.loop import Trainer
 
 
 def _peak_memory_mb(device: torch.device) -> float | None:
@@ -71,9 +53,8 @@ def _lmforge_stepper(cfg, devinfo: DeviceInfo, tmp: Path):
     model = build_model(cfg.model).to(devinfo.device)
     if cfg.training.activation_checkpointing:
         model.set_activation_checkpointing(True)
-    mb, seq = cfg.training.micro_batch_size, cfg.data.seq_len
-    data = DataBundle(train=RandomTokens(cfg.model.vocab_size, mb, seq, cfg.seed), val=None,
-                      tokens_per_micro_batch=mb * seq, seq_len=seq)
+    seq = cfg.data.seq_len
+    data = TrainData(train=cfg.spec.bench_data(cfg), val=None)
     trainer = Trainer(cfg, model, data, devinfo, DistInfo(), tmp)
     return trainer.step_once, {"system": "lmforge", "params": model.num_parameters(),
                                "flops_per_token": model.flops_per_token(seq)}
@@ -108,8 +89,7 @@ def _transformers_stepper(cfg, devinfo: DeviceInfo):
     fast = {"fused": True} if devinfo.device.type == "cuda" else {"foreach": True}
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
                             weight_decay=t.weight_decay, **fast)
-    mb, seq = t.micro_batch_size, cfg.data.seq_len
-    data = RandomTokens(m.vocab_size, mb, seq, cfg.seed)
+    data = cfg.spec.bench_data(cfg)  # the same seeded batches lmforge times
     scaler = torch.amp.GradScaler(devinfo.device.type, enabled=devinfo.precision == "fp16")
 
     def step() -> None:
@@ -223,13 +203,11 @@ def run_bench(recipe: str, overrides: list[str], steps: int = 20, warmup: int = 
     if steps < 1 or warmup < 0:
         raise LMForgeError("--steps must be >= 1 and --warmup >= 0")
     cfg = load_config(recipe, overrides)
-    from lmforge.train import model_class_of
-
-    kind = getattr(model_class_of(cfg.model), "data_kind", "tokens")
-    if kind != "tokens":
-        raise LMForgeError(f"lmforge bench times language models on random token windows; {recipe!r} trains on "
-                           f"{kind.replace('_', ' ')}. Its throughput is logged during training (train/tokens_per_s, "
-                           "train/mfu); benchmarks/ holds its own scripts (sudoku_cpu.py, hrgc_vs_plain.py)")
+    if cfg.spec.bench_data is None:
+        raise LMForgeError(f"lmforge bench times kinds that can make random batches; {recipe!r} is of kind "
+                           f"{cfg.spec.name!r}, which cannot. Its throughput is logged during training "
+                           "(train/tokens_per_s, train/examples_per_s, train/mfu); benchmarks/ holds its own scripts "
+                           "(sudoku_cpu.py, hrgc_vs_plain.py)")
     if getattr(cfg.model, "vocab_size", 1) == 0:
         cfg.model.vocab_size = vocab_size
     devinfo = setup_device(cfg.training.device, cfg.training.precision, cfg.training.peak_flops)

@@ -1,8 +1,7 @@
-"""CLI verbs ``lmforge tokenizer train``, ``lmforge data prepare``, ``lmforge data sudoku`` and
-``lmforge data go-functions``: argument wiring and summaries.
+"""CLI verbs ``lmforge tokenizer train`` and ``lmforge data prepare``: argument wiring and summaries.
 
-The work itself lives in ``lmforge.data.prepare``, ``lmforge.data.sudoku`` and
-``lmforge.data.go_functions``; these functions only translate arguments and print.
+The work itself lives in ``lmforge.data.prepare``; these functions only translate arguments and print.
+Each training kind adds its own ``data`` builders (``lmforge/recipes/<kind>/cli_data.py``).
 """
 
 from __future__ import annotations
@@ -10,11 +9,7 @@ from __future__ import annotations
 import argparse
 
 from lmforge.data.prepare import prepare_data, train_tokenizer_from_sources
-from lmforge.data.puzzles import DIFFICULTY_NAMES
 from lmforge.data.sources import DEFAULT_INCLUDE
-from lmforge.data.sudoku import (build_sudoku_dataset, check_out_dir, generate_puzzles, hardest, read_sudoku_csv,
-                                 subsample)
-from lmforge.errors import LMForgeError
 
 
 def _add_source_options(p: argparse.ArgumentParser) -> None:
@@ -73,176 +68,11 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generated_test_set(args: argparse.Namespace, count: int, train_questions: set[bytes]) -> list:
-    """``count`` generated test puzzles (RNG stream 1, train uses 0) none of whose questions is in
-    ``train_questions`` or repeats: duplicates are dropped and replaced by further puzzles."""
-    test, seen, next_index, dropped = [], set(train_questions), 0, 0
-    while len(test) < count:
-        want = count - len(test)
-        batch = generate_puzzles(want, args.min_clues, args.max_clues, seed=args.seed, workers=args.workers,
-                                 show_progress=args.progress, stream=1, start_index=next_index)
-        next_index += want
-        for p in batch:
-            key = p.question.tobytes()
-            if key in seen:
-                dropped += 1
-            else:
-                seen.add(key)
-                test.append(p)
-        if dropped > 10 * count + 100:
-            raise LMForgeError(f"could not generate {count} test puzzles that differ from the train puzzles "
-                               f"({dropped} duplicates); widen --min-clues/--max-clues or ask for fewer.")
-    if dropped:
-        print(f"  dropped {dropped} generated test puzzle(s) that repeated a train or test puzzle (replaced)")
-    return test
-
-
-def cmd_data_sudoku(args: argparse.Namespace) -> int:
-    for flag, value in (("--generate", args.generate), ("--test-generate", args.test_generate)):
-        if value is not None and value < 1:
-            raise LMForgeError(f"{flag} {value}: ask for at least 1 puzzle.")
-    if args.num_aug < 0:
-        raise LMForgeError(f"--num-aug {args.num_aug}: must be 0 or more.")
-    for flag, value in (("--hardest", args.hardest), ("--subsample-size", args.subsample_size)):
-        if value is not None and not 1 <= value <= (args.generate or value):
-            raise LMForgeError(f"{flag} {value}: must be between 1 and the number of train puzzles"
-                               + (f" ({args.generate})." if args.generate else "."))
-    check_out_dir(args.out, args.overwrite)  # before generating: fail fast
-    if args.generate is not None:
-        train = generate_puzzles(args.generate, args.min_clues, args.max_clues, seed=args.seed,
-                                 workers=args.workers, show_progress=args.progress, stream=0)
-        train_source = "generated"
-    else:
-        train = read_sudoku_csv(args.csv)
-        train_source = str(args.csv)
-    pool_size = len(train)
-    train_questions = {p.question.tobytes() for p in train}
-    if args.hardest is not None:
-        train = hardest(train, args.hardest)
-    if args.subsample_size is not None:
-        train = subsample(train, args.subsample_size, args.seed)
-
-    if args.test_csv is not None:
-        test = read_sudoku_csv(args.test_csv)
-        test_source = str(args.test_csv)
-        overlap = sum(p.question.tobytes() in train_questions for p in test)
-        if overlap:
-            print(f"  note: {overlap} test puzzle(s) of {args.test_csv} also appear in the train set")
-    else:
-        count = args.test_generate if args.test_generate is not None else min(1000, max(1, pool_size // 10))
-        test = _generated_test_set(args, count, train_questions)
-        test_source = "generated"
-
-    generated = args.generate is not None or args.test_csv is None
-    provenance = {
-        "train_source": train_source, "test_source": test_source, "seed": args.seed,
-        "clue_range": [args.min_clues, args.max_clues] if generated else None,
-        "num_aug": args.num_aug, "train_pool": pool_size, "hardest": args.hardest,
-        "subsample_size": args.subsample_size}
-    summary = build_sudoku_dataset(args.out, train, test, num_aug=args.num_aug, seed=args.seed,
-                                   overwrite=args.overwrite, show_progress=args.progress, provenance=provenance)
-    print(f"sudoku: {summary['out']}")
-    print(f"  train from {train_source} ({pool_size} puzzles"
-          + (f", hardest {args.hardest}" if args.hardest is not None else "")
-          + (f", subsample {args.subsample_size}" if args.subsample_size is not None else "")
-          + f"), test from {test_source}")
-    for name, split in summary["splits"].items():
-        buckets = ", ".join(f"{b} {split['rating_buckets'][b]}" for b in DIFFICULTY_NAMES)
-        print(f"  {name}: {split['puzzles']} puzzles, {split['examples']} examples in {split['groups']} groups; "
-              f"clues {split['clues'][0]}-{split['clues'][1]}; ratings {split['ratings'][0]}-"
-              f"{split['ratings'][1]} ({buckets})")
-    return 0
-
-
-def _add_sudoku(data_verbs: argparse._SubParsersAction) -> None:
-    p = data_verbs.add_parser(
-        "sudoku", help="generate or import Sudoku puzzles into HRM's dataset layout",
-        description="Write a Sudoku dataset for the HRM/TRM models in HRM's on-disk layout (train/ and test/ "
-                    "with dataset.json and all__*.npy). Train puzzles are generated (--generate) or read from a "
-                    "Sudoku-Extreme style CSV (--csv, header source,q,a,rating); --hardest and "
-                    "--subsample-size select among them, --num-aug adds augmented copies (digit relabelling, "
-                    "transposition, band/row/stack/column shuffles). Test puzzles come from --test-csv or are "
-                    "generated with other seeds than the train puzzles and never repeat a train puzzle. "
-                    "Ratings: the solver's guesses for generated puzzles (0 = naked singles suffice), the "
-                    "CSV's rating column for imported ones.")
-    p.add_argument("--out", required=True, metavar="DIR",
-                   help="output dataset directory; must be new or empty unless --overwrite (required)")
-    source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--generate", type=int, metavar="N", help="generate N train puzzles")
-    source.add_argument("--csv", metavar="TRAIN.csv",
-                        help="read the train puzzles from a CSV (header source,q,a,rating)")
-    test = p.add_mutually_exclusive_group()
-    test.add_argument("--test-csv", metavar="TEST.csv", help="read the test puzzles from a CSV")
-    test.add_argument("--test-generate", type=int, metavar="M",
-                      help="generate M test puzzles, none equal to a train puzzle (default when no --test-csv: "
-                           "a tenth of the train puzzles, at least 1 and at most 1000)")
-    p.add_argument("--min-clues", type=int, default=30, metavar="N",
-                   help="fewest clues of a generated puzzle, at least 17 (default: 30)")
-    p.add_argument("--max-clues", type=int, default=36, metavar="N",
-                   help="most clues of a generated puzzle, at most 80 (default: 36)")
-    p.add_argument("--hardest", type=int, metavar="K",
-                   help="keep only the K train puzzles with the highest rating (default: keep all)")
-    p.add_argument("--subsample-size", type=int, metavar="K",
-                   help="keep a seeded random subset of K train puzzles, after --hardest (default: keep all)")
-    p.add_argument("--num-aug", type=int, default=0, metavar="A",
-                   help="augmented copies per train puzzle, each its own puzzle in the puzzle's group "
-                        "(default: 0)")
-    p.add_argument("--seed", type=int, default=0, metavar="S",
-                   help="seed of generation, subsampling and augmentation (default: 0)")
-    p.add_argument("--workers", type=int, default=0, metavar="W",
-                   help="processes generating puzzles; 0 = all CPU cores (default: 0)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace an existing dataset in --out once the new one is complete (default: refuse)")
-    p.add_argument("--no-progress", dest="progress", action="store_false",
-                   help="hide progress bars (default: shown)")
-    p.set_defaults(func=cmd_data_sudoku)
-
-
-def cmd_data_go_functions(args: argparse.Namespace) -> int:
-    from lmforge.data.go_functions import extract_go_functions
-
-    meta = extract_go_functions(args.src_dir, args.out, include_tests=args.include_tests,
-                                val_fraction=args.val_fraction, test_fraction=args.test_fraction,
-                                max_code_chars=args.max_code_chars, overwrite=args.overwrite,
-                                show_progress=args.progress)
-    counts, packages = meta["functions"], meta["packages"]
-    print(f"go functions: {args.out} ({meta['files_read']} files read"
-          + (", cross-checked with gofmt)" if meta["gofmt_checked"] else ", gofmt not found: tree-sitter only)"))
-    print("  kept " + ", ".join(f"{s} {counts[s]:,} functions in {len(packages[s])} packages" for s in counts))
-    skipped = meta["skipped"]
-    detail = ", ".join(f"{reason} {n:,}" for reason, n in skipped.items() if n) or "none"
-    print(f"  skipped {sum(skipped.values()):,} ({detail})")
-    return 0
-
-
-def _add_go_functions(data_verbs: argparse._SubParsersAction) -> None:
-    p = data_verbs.add_parser(
-        "go-functions", help="(spec, plan, code) examples from every Go function of a source tree",
-        description="Parse every .go file under SRC_DIR with tree-sitter-go (and gofmt where Go is "
-                    "installed) and write one JSON record per function or method: its package and file, "
-                    "spec (doc comment + signature), plan (an outline of the body's top-level statements) "
-                    "and code (the body). Generated files, vendor/, testdata/, functions that do not parse "
-                    "and, unless asked, tests are skipped and counted. The split is by package.")
-    p.add_argument("src_dir", metavar="SRC_DIR", help="root of a Go source tree, e.g. $(go env GOROOT)/src")
-    p.add_argument("--out", required=True, metavar="DIR",
-                   help="output directory for train/val/test.jsonl and meta.json (required)")
-    p.add_argument("--include-tests", action="store_true", help="also read *_test.go files (default: skip them)")
-    p.add_argument("--val-fraction", type=float, default=0.05, metavar="F",
-                   help="share of functions, by whole packages, in val (default: 0.05)")
-    p.add_argument("--test-fraction", type=float, default=0.05, metavar="F",
-                   help="share of functions, by whole packages, in test (default: 0.05)")
-    p.add_argument("--max-code-chars", type=int, default=20_000, metavar="N",
-                   help="skip bodies longer than this (default: 20000)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace an earlier dataset in --out once the new one is complete (default: refuse)")
-    p.add_argument("--no-progress", dest="progress", action="store_false",
-                   help="hide progress bars (default: shown)")
-    p.set_defaults(func=cmd_data_go_functions)
-
-
 def register(subparsers: argparse._SubParsersAction) -> dict[str, argparse._SubParsersAction]:
-    """Add ``tokenizer train``, ``data prepare`` and ``data sudoku``; returns the sub-actions so others can
-    add verbs."""
+    """Add ``tokenizer train``, ``data prepare`` and each training kind's data builders (``data sudoku``,
+    ``data go-functions`` ...); returns the sub-actions."""
+    from lmforge.recipes import kinds
+
     tokenizer = subparsers.add_parser("tokenizer", help="train a byte-level BPE tokenizer")
     tokenizer_verbs = tokenizer.add_subparsers(dest="tokenizer_verb", required=True, metavar="VERB")
     train = tokenizer_verbs.add_parser(
@@ -288,6 +118,7 @@ def register(subparsers: argparse._SubParsersAction) -> dict[str, argparse._SubP
                          help="replace a non-empty --out directory once the new data is complete "
                               "(default: refuse)")
     prepare.set_defaults(func=cmd_data_prepare)
-    _add_sudoku(data_verbs)
-    _add_go_functions(data_verbs)
+    for spec in kinds():
+        if spec.add_data_verbs is not None:
+            spec.add_data_verbs(data_verbs)
     return {"tokenizer": tokenizer_verbs, "data": data_verbs}

@@ -2,15 +2,15 @@
 
 A run config is built in three layers: the dataclass defaults, a recipe (``configs/NAME.yaml`` or
 any YAML path), then ``key.sub=value`` overrides. Unknown or mistyped keys are errors that name the
-closest valid key. ``model.family`` picks the model's config dataclass (see ``lmforge.models``).
+closest valid key. ``model.family`` picks the model's config dataclass; ``kind`` (default: the kind
+that owns the family) picks the training kind, whose settings dataclass is the ``recipe`` section and
+whose aliases translate a guide's key names (``lmforge.recipes``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +18,8 @@ from typing import Any
 import yaml
 
 from lmforge.errors import LMForgeError
+from lmforge.recipes import RecipeSpec, family_of_config, get_kind, kind_of_family, kinds, model_class
+from lmforge.typed import dataclass_from_dict
 
 RECIPE_DIR = Path(__file__).parent / "configs"
 
@@ -83,10 +85,14 @@ class RunConfig:
     out_dir: str = "runs"  # the run directory is out_dir/name
     seed: int = 1337
     resume_from_checkpoint: str = ""  # the RLM-mHC guide's `+resume_from_checkpoint=PATH` (= --resume PATH)
+    kind: str = ""  # the training kind (lmforge.recipes); "" = the kind of model.family
     model: Any = None  # a model family's config dataclass, chosen by model.family
+    recipe: Any = None  # the kind's own training settings (its RecipeSpec.settings dataclass), if it has any
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    built_separately = ("model", "recipe")  # their dataclasses depend on model.family and kind
 
     @property
     def run_dir(self) -> Path:
@@ -95,11 +101,15 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         if self.model is not None:
-            family = next(
-                (cls.family for cls in _model_classes() if isinstance(self.model, cls.config_class)), None
-            )
-            out["model"] = {"family": family, **dataclasses.asdict(self.model)}
+            out["model"] = {"family": family_of_config(self.model), **dataclasses.asdict(self.model)}
+        if self.recipe is None:
+            out.pop("recipe")
         return out
+
+    @property
+    def spec(self) -> RecipeSpec:
+        """The training kind's spec."""
+        return get_kind(self.kind)
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
@@ -107,12 +117,6 @@ class RunConfig:
         tmp = path.with_suffix(path.suffix + ".tmp")
         tmp.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
         tmp.replace(path)
-
-
-def _model_classes():
-    from lmforge.models import _registry_items
-
-    return [cls for _, cls in _registry_items()]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,163 +199,106 @@ def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 def load_config(recipe: str | None = None, overrides: list[str] | None = None,
                 values: dict[str, Any] | None = None) -> RunConfig:
     """Defaults <- recipe <- ``values`` <- ``overrides``; returns a validated ``RunConfig``."""
-    # HRM-style names are resolved per layer, so a later layer's alias overrides an earlier key.
-    merged: dict[str, Any] = apply_aliases(read_recipe(recipe)) if recipe else {}
-    for layer in ([values] if values else []) + ([parse_overrides(overrides)] if overrides else []):
-        layer = apply_aliases(layer)
-        merged = deep_merge(_drop_superseded(merged, layer), layer)
+    layers = ([read_recipe(recipe)] if recipe else []) + ([values] if values else []) + \
+        ([parse_overrides(overrides)] if overrides else [])
+    spec = kind_of_layers(layers)
+    # A guide's names are resolved per layer, so a later layer's alias overrides an earlier key.
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        layer = apply_aliases(layer, spec)
+        merged = deep_merge(_drop_superseded(merged, layer, spec), layer)
     return config_from_dict(merged)
 
 
-# The top-level names of HRM's `pretrain.py` (seed 003): `lmforge train hrm_sudoku data_path=... epochs=500
-# eval_interval=100 global_batch_size=4 lr=1e-4 arch.hidden_size=32 ...` works as written. Each maps
-# to one lmforge key; `arch.*` is `model.*`. (HRM counts `eval_interval` in epochs.)
-HRM_ALIASES = {
-    "data_path": "data.path",
-    "epochs": "training.epochs",
-    "eval_interval": "training.eval_interval_epochs",
-    "global_batch_size": "training.global_batch_size",
-    "lr": "training.lr",
-    "lr_warmup_steps": "training.warmup_steps",
-    "lr_min_ratio": "training.min_lr_ratio",
-    "beta1": "training.beta1",
-    "beta2": "training.beta2",
-    "weight_decay": "training.weight_decay",
-    "puzzle_emb_lr": "model.puzzle_emb_lr",
-    "puzzle_emb_weight_decay": "model.puzzle_emb_weight_decay",
-    "project_name": "logging.wandb_project",
-    "run_name": "name",
-    "arch": "model",
-}
+def kind_of_layers(layers: list[dict[str, Any]]) -> RecipeSpec:
+    """The training kind config layers ask for: the last ``kind``, else the kind of the last
+    ``model.family`` (also when a kind's aliases spell the model section otherwise), else gpt's."""
+    kind, family = None, None
+    for layer in layers:
+        if not isinstance(layer, dict):
+            continue
+        kind = layer.get("kind") or kind
+        model = layer.get("model")
+        if isinstance(model, dict) and model.get("family"):
+            family = model["family"]
+            continue
+        for spec in kinds():  # e.g. HRM's `arch.family=trm`
+            if spec.aliases is None:
+                continue
+            try:
+                model = spec.aliases(layer).get("model")
+            except LMForgeError:
+                continue
+            if isinstance(model, dict) and model.get("family"):
+                family = model["family"]
+                break
+    if kind:
+        return get_kind(str(kind))
+    return kind_of_family(family or "gpt")
 
 
-# The RLM-mHC guide's (seed 002) keys, Hydra-style: `lmforge train rlm_mhc_tiny training.optimizer.lr=5e-5
-# training.batch_size=4 data.train_path=x.jsonl` works as written. Its model sizes (`model.hidden_dim`
-# ...) are mapped by the gpt family's config (lmforge.models.gpt.SEED_NAMES).
-SEED_ALIASES = {
-    "model.gradient_checkpointing": "training.activation_checkpointing",
-    "training.gradient_checkpointing": "training.activation_checkpointing",
-    "training.optimizer.lr": "training.lr",
-    "training.optimizer.weight_decay": "training.weight_decay",
-    "training.optimizer.eps": "training.eps",
-    "training.scheduler.type": "training.schedule",
-    "training.scheduler.warmup_steps": "training.warmup_steps",
-    "training.scheduler.min_lr_ratio": "training.min_lr_ratio",
-    "training.batch_size": "training.micro_batch_size",
-    "training.gradient_accumulation_steps": "training.grad_accum_steps",
-    "training.mixed_precision": "training.precision",
-    "training.save_steps": "training.save_interval",
-    "training.logging_steps": "training.log_interval",
-    "training.eval_steps": "training.eval_interval",
-    "training.max_grad_norm": "training.grad_clip",
-    "training.wandb.project": "logging.wandb_project",
-    "training.wandb.entity": "logging.wandb_entity",
-    "training.wandb.name": "logging.wandb_run_name",
-    "data.max_length": "data.seq_len",
-}
-OPTIMIZER_TYPES = ("adamw",)
-
-
-def _seed_aliases(out: dict[str, Any]) -> dict[str, Any]:
-    """Move the guide's dotted keys to ours; `optimizer.betas` splits into beta1/beta2."""
-    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in out.items()}  # copies: keys are popped
-    training = out.get("training") if isinstance(out.get("training"), dict) else {}
-    for sub in ("optimizer", "scheduler", "wandb"):
-        node = training.get(sub)
-        if node is not None and not isinstance(node, dict):
-            raise LMForgeError(f"training.{sub} must be a mapping (e.g. training.{sub}.lr=1e-4), got {node!r}")
-        if node is not None:
-            training[sub] = dict(node)
-    optimizer = training.get("optimizer") or {}
-    if "type" in optimizer:
-        kind = str(optimizer.pop("type")).lower()
-        if kind not in OPTIMIZER_TYPES:
-            raise LMForgeError(f"training.optimizer.type={kind!r} is not available; use adamw (families with "
-                               "their own optimizer choose it themselves)")
-    if "betas" in optimizer:
-        betas = optimizer.pop("betas")
-        if not isinstance(betas, (list, tuple)) or len(betas) != 2:
-            raise LMForgeError(f"training.optimizer.betas must be a pair like [0.9, 0.95], got {betas!r}")
-        _set_dotted(out, "training.beta1", betas[0], "training.optimizer.betas")
-        _set_dotted(out, "training.beta2", betas[1], "training.optimizer.betas")
-    for alias, target in SEED_ALIASES.items():
-        section, *rest = alias.split(".")
-        node = out.get(section)
-        for part in rest[:-1]:
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict) and rest[-1] in node:
-            _set_dotted(out, target, node.pop(rest[-1]), alias)
-    training = out.get("training") if isinstance(out.get("training"), dict) else {}
-    for sub in ("optimizer", "scheduler", "wandb"):
-        leftover = training.pop(sub, None)
-        if leftover:  # what no alias took: a typo
-            bad = sorted(leftover)[0]
-            valid = [a.split(".")[-1] for a in SEED_ALIASES if a.startswith(f"training.{sub}.")]
-            valid += ["type", "betas"] if sub == "optimizer" else []
-            close = difflib.get_close_matches(bad, valid, n=1, cutoff=0.5)
-            hint = f" Did you mean 'training.{sub}.{close[0]}'?" if close else ""
-            raise LMForgeError(f"unknown config key 'training.{sub}.{bad}'.{hint} Valid keys here: "
-                               + ", ".join(f"training.{sub}.{v}" for v in sorted(valid)))
-    return out
-
-
-def _set_dotted(out: dict[str, Any], target: str, value: Any, alias: str) -> None:
-    section, key = target.split(".")
-    sec = out.setdefault(section, {})
+def set_dotted(out: dict[str, Any], target: str, value: Any, alias: str) -> None:
+    """Set ``section.key`` (or a top-level ``key``) of ``out`` to ``value``, given under the name
+    ``alias``; both spellings with different values is an error. For kinds' alias functions."""
+    if "." not in target:
+        if target in out and out[target] != value:
+            raise LMForgeError(f"'{alias}' and '{target}' are both given with different values; keep one")
+        out[target] = value
+        return
+    section, key = target.split(".", 1)
+    sec = out.get(section)
+    sec = {} if sec is None else sec
     if not isinstance(sec, dict):
         raise LMForgeError(f"config section {section!r} must be a mapping, got {sec!r}")
+    sec = dict(sec)  # a copy: the caller's dict is not changed
     if key in sec and sec[key] != value:
         raise LMForgeError(f"'{alias}' and '{target}' are both given with different values; keep one")
     sec[key] = value
+    out[section] = sec
 
 
-def apply_aliases(values: dict[str, Any]) -> dict[str, Any]:
-    """Rewrite HRM-style top-level keys and the RLM-mHC guide's dotted keys into lmforge's sections
-    (giving both spellings of one key with different values is an error)."""
-    values = _seed_aliases(values)
-    out = {k: v for k, v in values.items() if k not in HRM_ALIASES}
-    for alias, target in HRM_ALIASES.items():
-        if alias not in values:
-            continue
-        value = values[alias]
-        if target == "model":
-            if not isinstance(value, dict):
-                raise LMForgeError(f"'arch' must be a mapping of model keys (arch.hidden_size=...), got {value!r}")
-            clash = set(value) & set(out.get("model") or {})
-            if clash:
-                raise LMForgeError(f"arch.{sorted(clash)[0]} and model.{sorted(clash)[0]} are both given; keep one")
-            out["model"] = {**(out.get("model") or {}), **value}
-            continue
-        if "." not in target:
-            out[target] = value
-            continue
-        out[target.split(".")[0]] = dict(out.get(target.split(".")[0]) or {})  # a copy: values is not changed
-        _set_dotted(out, target, value, alias)
+def move_keys(values: dict[str, Any], moves: dict[str, str]) -> dict[str, Any]:
+    """Rename ``section.key`` (or top-level ``key``) entries to their targets: the common shape of a
+    kind's aliases. Returns a new dict; ``values`` is not changed."""
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in values.items()}
+    for alias, target in moves.items():
+        if "." in alias:
+            section, key = alias.split(".", 1)
+            node = out.get(section)
+            if isinstance(node, dict) and key in node:
+                set_dotted(out, target, node.pop(key), alias)
+        elif alias in out:
+            set_dotted(out, target, out.pop(alias), alias)
     return out
+
+
+def apply_aliases(values: dict[str, Any], spec: RecipeSpec | None = None) -> dict[str, Any]:
+    """Rewrite a guide's key names into lmforge's sections with the kind's aliases (the kind of
+    ``values`` when ``spec`` is not given)."""
+    if not isinstance(values, dict):
+        raise LMForgeError(f"a config must be a mapping of sections, not {type(values).__name__}")
+    spec = spec or kind_of_layers([values])
+    return spec.aliases(dict(values)) if spec.aliases is not None else dict(values)
 
 
 # Pairs of keys where one sets or replaces the other: a later layer that gives the first (e.g. the
 # user's training.max_steps) switches off the second where an earlier layer (the recipe) set it.
-DROP = object()  # in SUPERSEDES: remove the earlier key instead of resetting it
-_SEED_MODEL_SYNONYMS = {"hidden_dim": "n_embd", "num_layers": "n_layer", "num_heads": "n_head",
-                        "ffn_dim": "n_inner", "max_seq_len": "n_positions", "num_kv_heads": "n_kv_head"}
+# Kinds add their own (RecipeSpec.supersedes).
+DROP = object()  # remove the earlier key instead of resetting it
 SUPERSEDES: dict[str, dict[str, list[tuple[str, Any]]]] = {
     "training": {"max_steps": [("epochs", 0)], "eval_interval": [("eval_interval_epochs", 0)],
                  "micro_batch_size": [("global_batch_size", 0)]},
     "data": {"train_path": [("path", "")], "path": [("train_path", "")]},
-    # The guide's model names and ours are synonyms; a new width or head count makes an earlier head_dim stale.
-    "model": {
-        **{seed: [(ours, DROP)] for seed, ours in _SEED_MODEL_SYNONYMS.items()},
-        **{ours: [(seed, DROP)] for seed, ours in _SEED_MODEL_SYNONYMS.items()},
-    },
 }
-for _width_key in ("hidden_dim", "num_heads", "n_embd", "n_head"):
-    SUPERSEDES["model"][_width_key].append(("head_dim", DROP))
 
 
-def _drop_superseded(merged: dict[str, Any], layer: dict[str, Any]) -> dict[str, Any]:
+def _drop_superseded(merged: dict[str, Any], layer: dict[str, Any], spec: RecipeSpec) -> dict[str, Any]:
     out = dict(merged)
-    for section, rules in SUPERSEDES.items():
+    for section in set(SUPERSEDES) | set(spec.supersedes):
+        rules: dict[str, list[tuple[str, Any]]] = {}
+        for source in (SUPERSEDES.get(section, {}), spec.supersedes.get(section, {})):
+            for plain, others in source.items():
+                rules.setdefault(plain, []).extend(others)
         given, earlier = layer.get(section), merged.get(section)
         if not isinstance(given, dict) or not isinstance(earlier, dict):
             continue
@@ -368,16 +315,27 @@ def _drop_superseded(merged: dict[str, Any], layer: dict[str, Any]) -> dict[str,
 
 
 def config_from_dict(values: dict[str, Any]) -> RunConfig:
-    from lmforge.models import config_class
-
-    values = apply_aliases(dict(values))
+    spec = kind_of_layers([values])
+    values = apply_aliases(dict(values), spec)
     model_values = values.pop("model", None) or {}
     if not isinstance(model_values, dict):
         raise LMForgeError(f"config section 'model' must be a mapping of model keys, got {model_values!r}")
     model_values = dict(model_values)
-    family = model_values.pop("family", "gpt")
+    family = model_values.pop("family", None) or spec.families[0].family
+    recipe_values = values.pop("recipe", None) or {}
     cfg = dataclass_from_dict(RunConfig, values, prefix="")
-    cfg.model = dataclass_from_dict(config_class(family), model_values, prefix="model")
+    cfg.kind = spec.name
+    cls = model_class(family)
+    if cls not in spec.families:
+        raise LMForgeError(f"kind {spec.name!r} trains the model families {', '.join(spec.family_names())}, not "
+                           f"{family!r}; set model.family to one of them, or choose the kind that trains {family!r} "
+                           f"(kind={kind_of_family(family).name})")
+    cfg.model = dataclass_from_dict(cls.config_class, model_values, prefix="model")
+    if spec.settings is not None:
+        cfg.recipe = dataclass_from_dict(spec.settings, recipe_values, prefix="recipe")
+    elif recipe_values:
+        raise LMForgeError(f"kind {spec.name!r} has no settings of its own: remove the 'recipe' section "
+                           f"({', '.join(sorted(recipe_values))})")
     validate_run_config(cfg)
     return cfg
 
@@ -417,89 +375,3 @@ def validate_run_config(cfg: RunConfig) -> None:
     for ok, message in checks:
         if not ok:
             raise LMForgeError(message)
-
-
-# ---------------------------------------------------------------------------------------------
-# Dataclass <- dict with type checks and "did you mean" for unknown keys
-# ---------------------------------------------------------------------------------------------
-def dataclass_from_dict(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
-    if values is None:
-        values = {}
-    if not isinstance(values, dict):
-        raise LMForgeError(f"config section {prefix or '<root>'!r} must be a mapping, got {values!r}")
-    resolve = getattr(cls, "resolve_dict", None)
-    if resolve is not None:
-        values = resolve(dict(values))
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs: dict[str, Any] = {}
-    for key, value in values.items():
-        dotted = f"{prefix}.{key}" if prefix else key
-        if key not in fields:
-            raise LMForgeError(_unknown_key_message(dotted, key, cls, prefix))
-        hint = hints[key]
-        if dataclasses.is_dataclass(hint) and isinstance(hint, type):
-            kwargs[key] = dataclass_from_dict(hint, value, prefix=dotted)
-        elif key == "model" and cls is RunConfig:
-            continue  # built separately by family
-        else:
-            kwargs[key] = _coerce(value, hint, dotted)
-    try:
-        obj = cls(**kwargs)
-    except (TypeError, ValueError) as e:
-        raise LMForgeError(f"invalid config section {prefix or '<root>'!r}: {e}") from e
-    return obj
-
-
-def _unknown_key_message(dotted: str, key: str, cls: type, prefix: str) -> str:
-    names = [f.name for f in dataclasses.fields(cls)]
-    close = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
-    where = f"{prefix}." if prefix else ""
-    hint = f" Did you mean '{where}{close[0]}'?" if close else ""
-    return f"unknown config key '{dotted}'.{hint} Valid keys here: {', '.join(where + n for n in names)}"
-
-
-def _coerce(value: Any, hint: Any, dotted: str) -> Any:
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if hint is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, dotted)
-            except LMForgeError as e:
-                errors.append(str(e))
-        raise LMForgeError(errors[0] if errors else f"bad value for {dotted}: {value!r}")
-    if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise LMForgeError(f"config key '{dotted}' expects a list, got {value!r}")
-        inner = args[0] if args else Any
-        items = [_coerce(v, inner, f"{dotted}[{i}]") for i, v in enumerate(value)]
-        return items if origin is list else tuple(items)
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise LMForgeError(f"config key '{dotted}' expects a mapping, got {value!r}")
-        return dict(value)
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        raise LMForgeError(f"config key '{dotted}' expects true or false, got {value!r}")
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
-            raise LMForgeError(f"config key '{dotted}' expects an integer, got {value!r}")
-        return int(value)
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise LMForgeError(f"config key '{dotted}' expects a number, got {value!r}")
-        return float(value)
-    if hint is str:
-        if isinstance(value, (dict, list)):
-            raise LMForgeError(f"config key '{dotted}' expects a string, got {value!r}")
-        return "" if value is None else str(value)
-    return value

@@ -31,6 +31,7 @@ TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_MAP_FILE = "special_tokens_map.json"
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # all bytes + the specials, before any merge
+DEFAULT_TRAINED_VOCAB = 8192  # a run that trains its own tokenizer, with model.vocab_size 0
 
 
 # Names that other tokenizers commonly give their special tokens, most common first; used when a

@@ -14,7 +14,7 @@ import pytest
 # the models here are tiny, so a second thread gains little, and on a busy machine OpenMP threads that
 # spin-wait for each other made steps ~7x slower. The run is spread over processes instead (pytest-xdist).
 os.environ["OMP_NUM_THREADS"] = "1"
-# The measured matmul peak is cached per machine (lmforge.train.device); tests keep theirs to themselves.
+# The measured matmul peak is cached per machine (lmforge.device); tests keep theirs to themselves.
 os.environ["LMFORGE_CACHE_DIR"] = tempfile.mkdtemp(prefix="lmforge-test-cache-")
 atexit.register(shutil.rmtree, os.environ["LMFORGE_CACHE_DIR"], True)
 import torch  # noqa: E402  (after OMP_NUM_THREADS, which torch reads when it starts its thread pool)

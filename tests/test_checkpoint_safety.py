@@ -21,8 +21,8 @@ import torch
 
 from lmforge.cli import main
 from lmforge.errors import LMForgeError
-from lmforge.train.checkpoint import LEGACY_FILES, OPTIMIZER_FILE, RNG_FILE, convert_legacy, load_training_file
-from lmforge.train.safe_state import load_legacy_torch_file, load_state, save_state
+from lmforge.checkpoint import LEGACY_FILES, OPTIMIZER_FILE, RNG_FILE, convert_legacy, load_training_file
+from lmforge.safe_state import load_legacy_torch_file, load_state, save_state
 from tests.train_helpers import PEAK_FLOPS, write_recipe
 
 
@@ -284,7 +284,7 @@ def test_serve_process_on_a_checkpoint_full_of_payloads(lm_run, tmp_path):
 @pytest.fixture(scope="module")
 def puzzle_run(tmp_path_factory) -> Path:
     from lmforge.config import load_config
-    from lmforge.data.sudoku import build_sudoku_dataset, generate_puzzles
+    from lmforge.recipes.puzzles.sudoku import build_sudoku_dataset, generate_puzzles
     from lmforge.train import train
 
     base = tmp_path_factory.mktemp("puzzle")

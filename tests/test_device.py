@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lmforge.errors import LMForgeError
-from lmforge.train.device import cpu_has_fast_bf16, keep_freed_memory_for_reuse, pick_device, pick_precision
+from lmforge.device import cpu_has_fast_bf16, keep_freed_memory_for_reuse, pick_device, pick_precision
 
 
 def test_auto_device_and_precision_follow_the_hardware():

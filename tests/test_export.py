@@ -76,7 +76,7 @@ def test_export_refuses_what_transformers_cannot_express_and_keeps_existing_outp
 
 def test_cli_export_names_the_formats_a_puzzle_model_does_have(tmp_path, capsys):
     from lmforge.models import build_model
-    from lmforge.models.trm import TRMConfig
+    from lmforge.recipes.puzzles.trm import TRMConfig
 
     trm = build_model(TRMConfig(seq_len=81, vocab_size=11, num_puzzle_identifiers=4, hidden_size=32, num_heads=2,
                                 L_layers=1, H_cycles=1, L_cycles=1, puzzle_emb_len=2)).save_pretrained(tmp_path / "trm")

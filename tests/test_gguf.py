@@ -227,7 +227,7 @@ def test_a_model_vocabulary_larger_than_the_tokenizer_is_padded(tmp_path, tokeni
 
 def test_export_refuses_what_llama_cpp_cannot_run_and_keeps_other_files(tmp_path, trained, tokenizer_dir):
     from lmforge.models import build_model
-    from lmforge.models.trm import TRMConfig
+    from lmforge.recipes.puzzles.trm import TRMConfig
 
     mhc = GPT(GPTConfig(flavor="llama", vocab_size=300, n_positions=64, n_embd=32, n_layer=2, n_head=4,
                         mhc_enabled=True)).save_pretrained(tmp_path / "mhc")

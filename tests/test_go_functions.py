@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from lmforge.cli import main
-from lmforge.data.go_functions import (extract_go_functions, functions_in_file, go_parser, gofmt_rejects,
+from lmforge.go_syntax import go_parser
+from lmforge.recipes.hrgc.functions import (extract_go_functions, functions_in_file, gofmt_rejects,
                                        read_go_functions, split_packages)
 from lmforge.errors import LMForgeError
 

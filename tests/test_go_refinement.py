@@ -8,8 +8,9 @@ import shutil
 import subprocess
 from collections import Counter
 
-from lmforge.data.go_functions import functions_in_file, go_parser
-from lmforge.data.go_refinement import CORRUPTIONS, corrupt, refinement_examples, validate
+from lmforge.go_syntax import go_parser, validate
+from lmforge.recipes.hrgc.functions import functions_in_file
+from lmforge.recipes.hrgc.refinement import CORRUPTIONS, corrupt, refinement_examples
 
 SOURCE = '''package files
 

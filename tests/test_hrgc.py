@@ -13,17 +13,18 @@ import torch
 
 from lmforge.cli import main
 from lmforge.config import load_config
-from lmforge.data.go_functions import extract_go_functions, go_parser, read_go_functions
-from lmforge.data.hrgc_data import (EncodedFunctions, HRGCEvalLoader, HRGCTrainLoader, SequenceFormat,
+from lmforge.go_syntax import ast_similarity, go_parser
+from lmforge.recipes.hrgc.functions import extract_go_functions, read_go_functions
+from lmforge.recipes.hrgc.sequences import (EncodedFunctions, HRGCEvalLoader, HRGCTrainLoader, SequenceFormat,
                                     bucketed_batches)
 from lmforge.errors import LMForgeError
-from lmforge.eval.hrgc import GoBuildCheck, ast_similarity, evaluate_hrgc, token_accuracy
-from lmforge.infer.hrgc import Writer, check_spec
+from lmforge.recipes.hrgc.evaluate import GoBuildCheck, evaluate_hrgc, token_accuracy
+from lmforge.recipes.hrgc.writer import Writer, check_spec
 from lmforge.models import build_model, load_model
-from lmforge.models.hrgc import HEAD_LABELS, HRGC, HRGCConfig, ModuleConfig
+from lmforge.recipes.hrgc.model import HEAD_LABELS, HRGC, HRGCConfig, ModuleConfig
 from lmforge.models.losses import IGNORE_INDEX
 from lmforge.tokenizer import Tokenizer, train_tokenizer
-from lmforge.train.safe_state import load_state
+from lmforge.safe_state import load_state
 from tests.train_helpers import PEAK_FLOPS
 
 # Small Go packages of our own: each function is written from a template with its own names, so the
@@ -114,11 +115,16 @@ def loader_for(corpus, hierarchical=True, warmup=0, batch=4, split="train"):
     tok = Tokenizer.load(corpus["tokenizer"])
     fmt = SequenceFormat(tok, hierarchical)
     data = EncodedFunctions(list(read_go_functions(corpus["data"] / f"{split}.jsonl")), fmt, 128, 384)
-    return HRGCTrainLoader(data, go_parser(), batch, 0, 0, 1, 1, warmup, 0.25), tok
+    return HRGCTrainLoader(data, go_parser(), batch, 0, 0, 1, warmup, 0.25), tok
 
 
 def train_cli(corpus, out: Path, *overrides: str, resume: bool = False) -> Path:
-    args = ["train", "hrgc_go_tiny", f"data.path={corpus['data']}", f"data.tokenizer={corpus['tokenizer']}",
+    assert main(hrgc_args(corpus, out, *overrides) + (["--resume"] if resume else [])) == 0
+    return out / "r"
+
+
+def hrgc_args(corpus, out: Path, *overrides: str) -> list[str]:
+    return ["train", "hrgc_go_tiny", f"data.path={corpus['data']}", f"data.tokenizer={corpus['tokenizer']}",
             f"out_dir={out}", "name=r", "training.max_steps=6", "training.micro_batch_size=4",
             "training.eval_interval=3", "training.eval_batches=2", "training.log_interval=1",
             "training.precision=fp32", "logging.progress_bar=false", "logging.tensorboard=false",
@@ -127,8 +133,6 @@ def train_cli(corpus, out: Path, *overrides: str, resume: bool = False) -> Path:
             "model.planner_config.n_positions=128", "model.generator_config.n_embd=48",
             "model.generator_config.n_layer=1", "model.generator_config.n_head=2",
             "model.generator_config.n_positions=384", "model.vocab_size=0", *overrides]
-    assert main(args + (["--resume"] if resume else [])) == 0
-    return out / "r"
 
 
 # ---- sequences and batches -------------------------------------------------------------------------
@@ -171,8 +175,12 @@ def test_bucketed_batches_cover_every_function_once_and_split_ranks():
 
 def test_refinement_rows_join_after_the_warmup_and_carry_right_labels(corpus):
     loader, tok = loader_for(corpus, warmup=2)
-    first = [loader.next_batch() for _ in range(2)]
+    first = []
+    for step in (0, 1):
+        loader.set_step(step)
+        first.append(loader.next_batch())
     assert all("refine_ids" not in b for b in first)
+    loader.set_step(2)
     batch = loader.next_batch()
     assert {"refine_ids", "refine_labels", "judge_pos", "head_labels"} <= set(batch)
     fmt = loader.fmt
@@ -186,6 +194,8 @@ def test_refinement_rows_join_after_the_warmup_and_carry_right_labels(corpus):
     state = loader.state_dict()
     again, _ = loader_for(corpus, warmup=2)
     again.load_state_dict(json.loads(json.dumps(state)))  # it survives the JSON of trainer_state.json
+    again.set_step(3)  # as the loop does on resume
+    loader.set_step(3)
     a, b = loader.next_batch(), again.next_batch()
     assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -216,13 +226,15 @@ def test_own_failures_join_as_extra_refine_rows(corpus):
     assert loader.next_batch()["code_ids"].shape[0] == 4
 
 
-def test_warmup_counts_optimizer_steps_with_accumulation(corpus):
+def test_warmup_counts_the_optimizer_steps_the_loop_gives(corpus):
     tok = Tokenizer.load(corpus["tokenizer"])
     data = EncodedFunctions(list(read_go_functions(corpus["data"] / "train.jsonl")), SequenceFormat(tok), 128, 384)
-    loader = HRGCTrainLoader(data, go_parser(), 2, 0, 0, 1, grad_accum_steps=2, refinement_warmup=2,
-                             own_failure_share=0.0)
-    has_refine = ["refine_ids" in loader.next_batch() for _ in range(6)]
-    assert has_refine == [False, False, False, False, True, True]  # steps 0 and 1 are 2 micro-batches each
+    loader = HRGCTrainLoader(data, go_parser(), 2, 0, 0, 1, refinement_warmup=2, own_failure_share=0.0)
+    has_refine = []
+    for step in (0, 0, 1, 1, 2, 2):  # the loop says which optimizer step the micro-batches are for
+        loader.set_step(step)
+        has_refine.append("refine_ids" in loader.next_batch())
+    assert has_refine == [False, False, False, False, True, True]
 
 
 # ---- the model ----------------------------------------------------------------------------------
@@ -230,15 +242,16 @@ def test_loss_is_the_weighted_sum_and_weights_steer_the_gradients(corpus):
     loader, _ = loader_for(corpus, warmup=0)
     batch = loader.next_batch()
     torch.manual_seed(0)
-    model = HRGC(tiny_config(plan_loss_weight=0.4, code_loss_weight=0.4, refinement_loss_weight=0.2))
+    model = HRGC(tiny_config())
+    model.loss_weights = {"plan": 0.3, "code": 0.5, "refinement": 0.2}
     loss, m = model(batch)
-    expected = 0.4 * m["plan_loss"] + 0.4 * m["code_loss"] + 0.2 * (m["head_loss"] + m["refine_loss"])
+    expected = 0.3 * m["plan_loss"] + 0.5 * m["code_loss"] + 0.2 * (m["head_loss"] + m["refine_loss"])
     assert torch.allclose(loss, expected, atol=1e-5)
-    model.config.plan_loss_weight = 0.0  # the bridge starts at zero: no gradient reaches the planner
+    model.loss_weights["plan"] = 0.0  # the bridge starts at zero: no gradient reaches the planner
     model(batch)[0].backward()
     assert all(p.grad is None or p.grad.abs().max() == 0 for p in model.planner.parameters())
     model.zero_grad()
-    model.config.plan_loss_weight, model.config.refinement_loss_weight = 0.4, 0.0
+    model.loss_weights.update(plan=0.4, refinement=0.0)
     model(batch)[0].backward()
     assert model.head.weight.grad is None or model.head.weight.grad.abs().max() == 0
     assert model.planner.tok_embed.weight.grad.abs().max() > 0
@@ -295,9 +308,11 @@ def test_inference_builds_what_training_scored(corpus):
 
 
 def test_module_learning_rates_and_loss_weights_reach_the_optimizer(corpus, tmp_path):
-    run = train_cli(corpus, tmp_path, "model.planner_lr=0.0036", "model.generator_lr=0.0024",
-                    "model.refinement_lr=0.003", "training.lr=0.001", "model.refinement_warmup=3",
-                    "model.plan_loss_weight=0.5", "model.validation_frequency=0")
+    # model.* is lmforge <= 0.2's spelling of these training settings (recipe.* now): both work
+    run = train_cli(corpus, tmp_path, "model.planner_lr=0.0036", "recipe.generator_lr=0.0024",
+                    "model.refinement_lr=0.003", "training.lr=0.001", "recipe.refinement_warmup=3",
+                    "training.grad_accum_steps=2",  # the warmup counts optimizer steps, not micro-batches
+                    "model.plan_loss_weight=0.5", "recipe.validation_frequency=0")
     state = load_state(run / "checkpoints" / "step-000006" / "optimizer.safetensors", "optimizer")
     groups = {g["name"]: g for g in state["optimizer"]["param_groups"]}
     assert set(groups) == {f"{m}/{d}" for m in ("planner", "generator", "refinement") for d in ("decay", "no_decay")}
@@ -305,7 +320,9 @@ def test_module_learning_rates_and_loss_weights_reach_the_optimizer(corpus, tmp_
         assert groups[f"{module}/decay"]["base_lr"] == pytest.approx(lr)
         assert groups[f"{module}/no_decay"]["weight_decay"] == 0.0
     model = load_model(run / "checkpoints" / "best")
-    assert isinstance(model, HRGC) and model.config.plan_loss_weight == 0.5
+    assert isinstance(model, HRGC) and "plan_loss_weight" not in (run / "checkpoints" / "best" / "config.yaml").read_text()
+    run_config = (run / "config.yaml").read_text()
+    assert "plan_loss_weight: 0.5" in run_config and "recipe:" in run_config  # a training setting of the run
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in rows if "train/head_loss" in r]
     assert trained and min(r["step"] for r in trained) == 4  # refinement joins after 3 steps
@@ -405,7 +422,7 @@ def test_refinement_is_conditioned_on_the_validator_message(corpus):
 
 
 def test_the_answer_prefers_an_accepted_attempt():
-    from lmforge.infer.hrgc import Attempt, Written
+    from lmforge.recipes.hrgc.writer import Attempt, Written
 
     w = Written(spec=SPEC, plan="return a", attempts=[Attempt("{", "syntax error", False, True),
                                                       Attempt("{ return a }", "", True, True),
@@ -435,7 +452,7 @@ def test_specs_without_a_signature_are_refused():
 
 
 def test_validator_refuses_code_after_the_body():
-    from lmforge.data.go_refinement import validate
+    from lmforge.go_syntax import validate
 
     parser = go_parser()
     assert validate(parser, "func f() int", "{\n\treturn 1\n}\n", "return 1") == ""
@@ -459,7 +476,7 @@ def test_go_build_check(corpus, tmp_path):
     if not shutil.which("go"):  # without Go the check is off: eval reports no compile_rate (tested below)
         assert GoBuildCheck.__init__ is not None
         return
-    from lmforge.data.go_functions import GoFunction
+    from lmforge.recipes.hrgc.functions import GoFunction
 
     fn = next(f for f in read_go_functions(corpus["data"] / "train.jsonl") if f.name.endswith("Max"))
     check = GoBuildCheck(corpus["src"], shutil.which("go"))
@@ -492,7 +509,7 @@ def test_go_build_check(corpus, tmp_path):
 
 
 def test_head_accuracy_counts_the_labelled_states(corpus):
-    from lmforge.eval.hrgc import head_accuracy
+    from lmforge.recipes.hrgc.evaluate import head_accuracy
 
     tok = Tokenizer.load(corpus["tokenizer"])
     functions = list(read_go_functions(corpus["data"] / "val.jsonl"))
@@ -506,8 +523,8 @@ def test_head_accuracy_counts_the_labelled_states(corpus):
 
 
 def test_generate_and_eval_through_the_cli(corpus, tmp_path, capsys):
-    run = train_cli(corpus, tmp_path, "model.refinement_warmup=2", "model.validation_frequency=3",
-                    "model.validation_samples=2", "model.max_refinement_iterations=2")
+    run = train_cli(corpus, tmp_path, "recipe.refinement_warmup=2", "recipe.validation_frequency=3",
+                    "recipe.validation_samples=2", "model.max_refinement_iterations=2")
     out = capsys.readouterr().out
     assert "probe/parse_rate" in out
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -539,8 +556,8 @@ def test_generate_and_eval_through_the_cli(corpus, tmp_path, capsys):
 
 
 def test_plain_baseline_trains_and_evaluates(corpus, tmp_path, capsys):
-    run = train_cli(corpus, tmp_path, "model.hierarchical=false", "model.validation_frequency=3",
-                    "model.validation_samples=2")
+    run = train_cli(corpus, tmp_path, "model.hierarchical=false", "recipe.validation_frequency=3",
+                    "recipe.validation_samples=2")
     m = evaluate_hrgc(run, corpus["data"], split="test", limit=2, progress=False)
     assert m["hierarchical"] is False and m["avg_iterations"] == 1.0 and "plan_exact" not in m
     assert "head_accuracy" not in m
@@ -558,7 +575,7 @@ def test_bad_data_gets_a_clear_error(corpus, tmp_path):
         train(cfg)
     from lmforge.bench import run_bench  # random token windows mean nothing to HRGC: refused, not crashed
 
-    with pytest.raises(LMForgeError, match="go functions"):
+    with pytest.raises(LMForgeError, match="kind 'hrgc', which cannot"):
         run_bench("hrgc_go_tiny", [], steps=1, show=False)
 
 
@@ -574,10 +591,10 @@ def test_eval_loader_is_fixed_and_labels_every_state(corpus):
 
 
 def test_an_interrupted_run_resumes(corpus, tmp_path):
-    run = train_cli(corpus, tmp_path, "training.max_steps=3", "training.save_interval=3", "model.refinement_warmup=2",
-                    "model.validation_frequency=2", "model.validation_samples=2")
-    train_cli(corpus, tmp_path, "training.max_steps=5", "training.save_interval=3", "model.refinement_warmup=2",
-              "model.validation_frequency=2", "model.validation_samples=2", resume=True)
+    run = train_cli(corpus, tmp_path, "training.max_steps=3", "training.save_interval=3", "recipe.refinement_warmup=2",
+                    "recipe.validation_frequency=2", "recipe.validation_samples=2")
+    train_cli(corpus, tmp_path, "training.max_steps=5", "training.save_interval=3", "recipe.refinement_warmup=2",
+              "recipe.validation_frequency=2", "recipe.validation_samples=2", resume=True)
     state = json.loads((run / "checkpoints" / "step-000005" / "trainer_state.json").read_text())
     assert state["step"] == 5 and state["data"]["drawn"] == 5
 
@@ -600,3 +617,25 @@ def test_plain_model_resamples_until_it_parses_when_asked(corpus):
     assert written.iterations == 3 and written.stopped == "iteration cap"
     assert [a.action for a in written.attempts] == ["resample", "resample", "stop"]
     assert len({a.code for a in written.attempts}) > 1  # resamples are sampled, not greedy copies
+
+
+def test_two_processes_run_the_probe_on_every_rank(corpus, tmp_path):
+    """Under torchrun each process writes its own sample of functions and keeps its own failures; the
+    logged probe metrics are the mean over both (the probe ran on rank 0 alone before, and fed rank 0's
+    loader only)."""
+    import subprocess
+    import sys
+
+    args = hrgc_args(corpus, tmp_path, "training.max_steps=4", "training.device=cpu", "training.log_interval=2",
+                     "training.eval_interval=4", "recipe.refinement_warmup=2", "recipe.validation_frequency=2",
+                     "recipe.validation_samples=1")
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                          "lmforge", *args], cwd=Path(__file__).parent.parent, capture_output=True, text=True,
+                         timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    probes = [r for r in rows if "probe/parse_rate" in r]
+    assert [r["step"] for r in probes] == [2, 4]
+    assert all(r["probe/parse_rate"] in (0.0, 0.5, 1.0) for r in probes)  # one function per rank, averaged
+    tokens = [r["train/tokens"] for r in rows if "train/tokens" in r]
+    assert tokens == sorted(tokens) and tokens[0] > 0

@@ -10,7 +10,7 @@ import torch
 
 from lmforge.config import load_config
 from lmforge.train import train
-from lmforge.train.device import measure_matmul_flops, model_flops_utilization, peak_cache_path, remember_peak
+from lmforge.device import measure_matmul_flops, model_flops_utilization, peak_cache_path, remember_peak
 from tests.train_helpers import make_prepared_data, write_recipe
 
 

@@ -12,15 +12,15 @@ import torch
 
 from lmforge.cli import main
 from lmforge.config import load_config
-from lmforge.data.sudoku import build_sudoku_dataset, format_grid, generate_puzzles
+from lmforge.recipes.puzzles.sudoku import build_sudoku_dataset, format_grid, generate_puzzles
 from lmforge.errors import LMForgeError
 from lmforge.models import build_model
-from lmforge.models.hrm import HRMConfig
-from lmforge.models.puzzle import exploration_min_steps, halt_decision
-from lmforge.models.reasoning_layers import stablemax_cross_entropy
-from lmforge.models.trm import TRMConfig
-from lmforge.train.optimizers import AdamATan2SignSGD
-from lmforge.train.safe_state import load_state
+from lmforge.recipes.puzzles.hrm import HRMConfig
+from lmforge.recipes.puzzles.model import exploration_min_steps, halt_decision
+from lmforge.recipes.puzzles.layers import stablemax_cross_entropy
+from lmforge.recipes.puzzles.trm import TRMConfig
+from lmforge.recipes.puzzles.optimizers import AdamATan2SignSGD
+from lmforge.safe_state import load_state
 from tests.train_helpers import PEAK_FLOPS
 
 SMALL = {"seq_len": 81, "vocab_size": 11, "num_puzzle_identifiers": 4, "hidden_size": 32, "num_heads": 2,
@@ -80,10 +80,12 @@ def test_sign_sgd_touches_only_rows_in_the_batch():
     with torch.no_grad():
         model.puzzle_emb.weight.normal_()
     before = model.puzzle_emb.weight.detach().clone()
-    groups = model.param_groups(weight_decay=0.1, lr=1e-3)
-    emb_group = next(g for g in groups if g["name"] == "puzzle_emb")
-    assert emb_group["algorithm"] == "sign_sgd" and emb_group["lr"] == model.config.puzzle_emb_lr
-    opt = model.make_optimizer(groups, load_config(None).training, torch.device("cpu"))
+    from lmforge.recipes.puzzles.training import make_optimizer
+
+    cfg = load_config("hrm_sudoku", ["recipe.puzzle_emb_lr=0.01", "recipe.puzzle_emb_weight_decay=0.5"])
+    opt = make_optimizer(model, cfg, torch.device("cpu"))  # the puzzle kind's optimizer (its RecipeSpec's)
+    emb_group = next(g for g in opt.param_groups if g["name"] == "puzzle_emb")
+    assert emb_group["algorithm"] == "sign_sgd" and emb_group["lr"] == 0.01 and emb_group["weight_decay"] == 0.5
     model.train()
     loss, _ = model(random_batch(2, ids=(1, 3)))
     loss.backward()
@@ -91,7 +93,7 @@ def test_sign_sgd_touches_only_rows_in_the_batch():
     opt.step()
     after = model.puzzle_emb.weight.detach()
     assert torch.equal(after[[0, 2]], before[[0, 2]])  # outside the batch: not moved, not decayed
-    lr, wd = model.config.puzzle_emb_lr, model.config.puzzle_emb_weight_decay
+    lr, wd = 0.01, 0.5
     expect = before[[1, 3]] * (1 - lr * wd) - lr * torch.sign(grad[[1, 3]])
     assert torch.allclose(after[[1, 3]], expect)
 
@@ -199,9 +201,12 @@ SEED_WORDS = ["epochs=500", "eval_interval=100", "global_batch_size=4", "lr=1e-4
 
 def test_seed_003_command_words_map_to_config():
     cfg = load_config("hrm_sudoku", ["data_path=data/x", *SEED_WORDS])
-    t, m = cfg.training, cfg.model
+    t, m, s = cfg.training, cfg.model, cfg.recipe
     assert (cfg.data.path, t.epochs, t.eval_interval_epochs, t.global_batch_size) == ("data/x", 500, 100, 4)
-    assert (t.lr, t.weight_decay, m.puzzle_emb_lr, m.puzzle_emb_weight_decay) == (1e-4, 1.0, 1e-4, 1.0)
+    assert (t.lr, t.weight_decay, s.puzzle_emb_lr, s.puzzle_emb_weight_decay) == (1e-4, 1.0, 1e-4, 1.0)
+    # lmforge <= 0.2's spelling (model.*) and HRM's (arch.*) reach the same training setting
+    assert load_config("hrm_sudoku", ["model.puzzle_emb_lr=0.02"]).recipe.puzzle_emb_lr == 0.02
+    assert load_config("hrm_sudoku", ["arch.puzzle_emb_lr=0.03"]).recipe.puzzle_emb_lr == 0.03
     assert (m.hidden_size, m.H_layers, m.L_layers, m.num_heads, m.expansion) == (32, 1, 1, 1, 2)
     assert load_config("hrm_sudoku", ["lr=3e-4"]).training.lr == 3e-4  # an alias overrides the recipe
     with pytest.raises(LMForgeError, match="model.H_layrs"):
@@ -275,10 +280,10 @@ def test_resume_restores_ema_and_raw_weights_and_resets_carry(sudoku_dir, tmp_pa
     assert any(not torch.equal(ema[n], r) for n, r in zip(names, raw))  # the checkpoint holds the EMA
 
     # the Trainer is what `lmforge train --resume` builds; load the checkpoint into a fresh one
-    from lmforge.train.device import setup_device
+    from lmforge.device import setup_device
     from lmforge.train.distributed import DistInfo
     from lmforge.train.loop import Trainer
-    from lmforge.train.data import build_puzzle_data
+    from lmforge.recipes.puzzles.training import build_puzzle_data
 
     cfg2 = load_config("trm_sudoku", [*words, "model.ema_decay=0.9", "training.max_steps=8"])
     info = DistInfo()
@@ -312,6 +317,14 @@ def test_solve_prints_grid_validity_and_steps(trained, sudoku_dir, capsys):
     assert "valid solution:" in out and "steps used:" in out
     assert code == (0 if "valid solution: yes" in out else 1)
     assert out.count("|") >= 18  # the 9x9 grid with box separators
+    # `lmforge generate CKPT --puzzle` is the same entry point (the puzzle kind's generate); sampling options
+    # belong to text kinds and are refused here, with the kinds they are for
+    assert main(["generate", str(trained), "--puzzle", format_grid(q.astype(np.uint8)), "--device", "cpu"]) == code
+    assert capsys.readouterr().out == out
+    assert main(["generate", str(trained), "--puzzle", format_grid(q.astype(np.uint8)), "--temperature", "0"]) == 2
+    assert "--temperature is for hrgc, lm checkpoints" in capsys.readouterr().err
+    assert main(["generate", str(trained)]) == 2
+    assert "give it a Sudoku with --puzzle" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("puzzle, message", [
@@ -345,15 +358,14 @@ def test_eval_on_dataset_and_csv_agree(trained, sudoku_dir, tmp_path, capsys):
 def test_epochs_and_global_batch_become_steps():
     from lmforge.train import _resolve_batch, _resolve_epochs
     from lmforge.train.distributed import DistInfo
-    from lmforge.train.loop import DataBundle
+    from lmforge.recipes import TrainData
 
     cfg = load_config("hrm_sudoku", ["epochs=3", "eval_interval=1", "global_batch_size=8",
                                      "training.grad_accum_steps=2"])
     two_ranks = DistInfo(rank=0, local_rank=0, world_size=2)
     _resolve_batch(cfg, two_ranks)
     assert cfg.training.micro_batch_size == 2  # 8 rows = 2 ranks x 2 micro-batches x 2
-    _resolve_epochs(cfg, DataBundle(train=None, val=None, tokens_per_micro_batch=1, seq_len=1,
-                                    examples_per_epoch=100), two_ranks)
+    _resolve_epochs(cfg, TrainData(train=None, val=None, examples_per_epoch=100), two_ranks)
     assert (cfg.training.max_steps, cfg.training.eval_interval) == (38, 12)  # ceil(3 x 100 / 8), round(12.5)
     bad = load_config("hrm_sudoku", ["global_batch_size=6", "training.grad_accum_steps=4"])
     with pytest.raises(LMForgeError, match="not divisible"):

@@ -279,7 +279,7 @@ def test_serve_binds_to_loopback_by_default():
 def test_serve_refuses_models_that_do_not_generate_text(tmp_path, checkpoint, capsys):
     from lmforge.cli import main
     from lmforge.models import build_model
-    from lmforge.models.trm import TRMConfig
+    from lmforge.recipes.puzzles.trm import TRMConfig
 
     build_model(TRMConfig(seq_len=81, vocab_size=11, num_puzzle_identifiers=4, hidden_size=32, num_heads=2,
                           L_layers=1, H_cycles=1, L_cycles=1, puzzle_emb_len=2)).save_pretrained(tmp_path / "trm")

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from lmforge.cli import main
-from lmforge.data.puzzles import (DIFFICULTY_NAMES, GroupSampler, PuzzleEvalLoader, PuzzleSplit, difficulty_bucket,
+from lmforge.recipes.puzzles.data import (DIFFICULTY_NAMES, GroupSampler, PuzzleEvalLoader, PuzzleSplit, difficulty_bucket,
                                   rating_histogram)
-from lmforge.data.sudoku import (Puzzle, augment, build_sudoku_dataset, format_grid, generate_puzzles,
+from lmforge.recipes.puzzles.sudoku import (Puzzle, augment, build_sudoku_dataset, format_grid, generate_puzzles,
                                  is_valid_solution, parse_grid, pretty_grid, rate, read_sudoku_csv, solve, subsample)
 from lmforge.errors import LMForgeError
 

@@ -21,7 +21,7 @@ from lmforge.cli import main
 from lmforge.config import load_config
 from lmforge.errors import LMForgeError
 from lmforge.train import train
-from lmforge.train.safe_state import load_state
+from lmforge.safe_state import load_state
 from tests.train_helpers import REPO, FakeClock, lmforge_cmd, run, subprocess_env, write_recipe
 
 
@@ -166,7 +166,7 @@ def test_sigterm_saves_a_resumable_checkpoint(tmp_path, data_dir):
 
 KILL_DURING_WRITE = textwrap.dedent("""
     import sys, time
-    import lmforge.train.checkpoint as ck
+    import lmforge.checkpoint as ck
     real = ck._fsync_dir_tree
     def slow(directory):
         real(directory)
@@ -206,7 +206,7 @@ def test_kill_9_during_checkpoint_write_keeps_previous_checkpoint(tmp_path, data
 
 
 def test_crash_between_the_renames_of_a_checkpoint_replacement_is_undone(tmp_path):
-    from lmforge.train import checkpoint as ck
+    from lmforge import checkpoint as ck
 
     root = tmp_path / "checkpoints"
     ck.write_checkpoint(root, 2, lambda d: (d / ck.STATE_FILE).write_text('{"step": 2}'), keep_last=3)

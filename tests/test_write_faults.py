@@ -106,7 +106,7 @@ def read_only(directory: Path):
 # ---- training: checkpoints ---------------------------------------------------------------------------
 def test_a_full_disk_during_a_checkpoint_stops_training_and_keeps_the_earlier_ones(tmp_path, prepared,
                                                                                       monkeypatch, capsys):
-    from lmforge.train import checkpoint as ck
+    from lmforge import checkpoint as ck
 
     recipe = write_recipe(tmp_path / "r.yaml", prepared / "data", tmp_path / "runs",
                           training={"max_steps": 6, "save_interval": 2, "eval_interval": 0})
@@ -131,7 +131,7 @@ def test_a_full_disk_during_a_checkpoint_stops_training_and_keeps_the_earlier_on
 
 
 def test_a_read_only_checkpoint_directory_ends_training_with_the_path(tmp_path, prepared, capsys):
-    from lmforge.train import checkpoint as ck
+    from lmforge import checkpoint as ck
 
     recipe = write_recipe(tmp_path / "r.yaml", prepared / "data", tmp_path / "runs",
                           training={"max_steps": 2, "save_interval": 2, "eval_interval": 0})
@@ -186,7 +186,7 @@ def test_a_full_disk_during_tokenizer_train_keeps_the_previous_tokenizer(tmp_pat
 
 
 def test_a_full_disk_during_data_sudoku_keeps_the_previous_dataset(tmp_path, monkeypatch, capsys):
-    from lmforge.data import sudoku
+    from lmforge.recipes.puzzles import sudoku
 
     out = tmp_path / "sudoku"
     args = ["data", "sudoku", "--out", str(out), "--generate", "6", "--workers", "1", "--no-progress"]
@@ -200,7 +200,7 @@ def test_a_full_disk_during_data_sudoku_keeps_the_previous_dataset(tmp_path, mon
 
 
 def test_permission_denied_during_data_go_functions_keeps_the_previous_dataset(tmp_path, monkeypatch, capsys):
-    from lmforge.data import go_functions
+    from lmforge.recipes.hrgc import functions as go_functions
 
     src = write_go_corpus(tmp_path / "src", n_files=6)
     out = tmp_path / "fns"
@@ -378,7 +378,7 @@ def test_kill_9_during_data_sudoku_keeps_the_previous_dataset(tmp_path):
     args = ["data", "sudoku", "--out", str(out), "--generate", "6", "--workers", "1", "--no-progress"]
     assert main(args) == 0
     before = snapshot(out)
-    kill_9_at(tmp_path, "lmforge.data.sudoku:_write_split", "after", 1, *args, "--seed", "1", "--overwrite")
+    kill_9_at(tmp_path, "lmforge.recipes.puzzles.sudoku:_write_split", "after", 1, *args, "--seed", "1", "--overwrite")
     assert snapshot(out) == before and len(leftovers(tmp_path)) == 1  # train/ of the new one, not test/
     assert main([*args, "--seed", "1", "--overwrite"]) == 0
     assert snapshot(out) != before and leftovers(tmp_path) == []

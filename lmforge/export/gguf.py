@@ -165,7 +165,7 @@ def export_gguf(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: st
     from lmforge.infer.loading import find_tokenizer
     from lmforge.models import load_model
     from lmforge.tokenizer import Tokenizer
-    from lmforge.train.checkpoint import resolve_model_dir
+    from lmforge.checkpoint import resolve_model_dir
 
     if dtype not in GGUF_DTYPES:
         raise LMForgeError(f"unknown GGUF dtype {dtype!r}; use one of: {', '.join(GGUF_DTYPES)}")

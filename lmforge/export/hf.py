@@ -52,7 +52,7 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, overwrite: 
     from lmforge.models import load_model
     from lmforge.models.hf_compat import gpt2_state_dict_for_hf, llama_state_dict_for_hf
     from lmforge.tokenizer import Tokenizer
-    from lmforge.train.checkpoint import resolve_model_dir
+    from lmforge.checkpoint import resolve_model_dir
 
     model_dir = resolve_model_dir(checkpoint)
     model = load_model(model_dir)

@@ -8,8 +8,8 @@ import torch
 
 from lmforge.errors import LMForgeError
 from lmforge.models import load_model
-from lmforge.train.checkpoint import resolve_model_dir
-from lmforge.train.device import pick_device, pick_precision
+from lmforge.checkpoint import resolve_model_dir
+from lmforge.device import pick_device, pick_precision
 
 
 def find_tokenizer(model_dir: Path) -> Path:
@@ -40,10 +40,10 @@ def inference_dtype(precision: str, device) -> torch.dtype:
 
 
 def load_for_inference(checkpoint: str | Path, device: str = "auto", precision: str = "fp32",
-                       family: str = "gpt"):
+                       model_class: type | None = None):
     """Returns ``(model, tokenizer, device)`` with the model in eval mode, its weights in ``precision``
-    (``inference_dtype``; the default fp32 is what evaluation needs). ``family="hrgc"`` loads an HRGC
-    model (``lmforge.infer.hrgc``) instead of a text generator."""
+    (``inference_dtype``; the default fp32 is what evaluation needs). ``model_class``: the class the
+    checkpoint must hold; by default a text generator (a model with a KV cache)."""
     from lmforge.tokenizer import Tokenizer
 
     model_dir = resolve_model_dir(checkpoint)
@@ -53,12 +53,12 @@ def load_for_inference(checkpoint: str | Path, device: str = "auto", precision: 
     model.eval()
     if dtype != torch.float32:
         model.to(dtype)
-    if family == "hrgc" and model.family != "hrgc":
-        raise LMForgeError(f"{model_dir} holds a {model.family!r} model, not an HRGC model")
-    if family != "hrgc" and not hasattr(model, "new_kv_cache"):
+    if model_class is not None and not isinstance(model, model_class):
+        raise LMForgeError(f"{model_dir} holds a {model.family!r} model, not a {model_class.family!r} model")
+    if model_class is None and not hasattr(model, "new_kv_cache"):
         raise LMForgeError(f"{model_dir} holds a {model.family!r} model, which does not generate text; this "
-                           "command takes gpt-family checkpoints (for Sudoku models use `lmforge solve` / "
-                           "`lmforge eval`; for HRGC models `lmforge generate CKPT --spec ...`)")
+                           "command takes gpt-family checkpoints (`lmforge generate --help` lists what each "
+                           "kind's checkpoints take)")
     tokenizer = Tokenizer.load(find_tokenizer(model_dir))
     vocab = getattr(model.config, "vocab_size", None)
     if vocab is not None and tokenizer.vocab_size > vocab:

@@ -21,7 +21,7 @@ def chat(checkpoint: str, system: str | None = None, max_tokens: int = 512, temp
          top_p: float = 0.95, top_k: int = 0, seed: int | None = None, device: str = "auto", precision: str = "auto",
          stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> None:
     from lmforge.infer.loading import load_for_inference
-    from lmforge.train.checkpoint import resolve_model_dir
+    from lmforge.checkpoint import resolve_model_dir
 
     SamplingParams(max_tokens, temperature, top_p, top_k, seed)  # check the settings before loading
     model, tokenizer, _ = load_for_inference(checkpoint, device, precision)

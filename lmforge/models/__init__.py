@@ -1,69 +1,29 @@
-"""Model families, registered by name. ``build_model(config)`` and ``load_model(dir)`` are the entry points."""
+"""Model classes and their on-disk format. ``build_model(config)`` and ``load_model(dir)`` are the entry
+points; which class a family name means is the recipe registry's to say (``lmforge.recipes``), because
+kinds bring their own families."""
 
 from __future__ import annotations
 
-import difflib
 from typing import Any
 
-from lmforge.errors import LMForgeError
 from lmforge.models.base import LMForgeModel
-
-_REGISTRY: dict[str, type[LMForgeModel]] = {}
-
-
-def register(model_cls: type[LMForgeModel]) -> type[LMForgeModel]:
-    _REGISTRY[model_cls.family] = model_cls
-    return model_cls
-
-
-def families() -> list[str]:
-    _load_builtin()
-    return sorted(_REGISTRY)
-
-
-def model_class(family: str | None) -> type[LMForgeModel]:
-    _load_builtin()
-    if family not in _REGISTRY:
-        close = difflib.get_close_matches(str(family), list(_REGISTRY), n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise LMForgeError(f"unknown model family {family!r}; known: {', '.join(sorted(_REGISTRY))}.{hint}")
-    return _REGISTRY[family]
+from lmforge.recipes import families, family_of_config, model_class
 
 
 def config_class(family: str | None) -> type:
     return model_class(family).config_class
 
 
-def config_from_dict(family: str | None, values: dict[str, Any], source: str = "model") -> Any:
-    """Build a family's config dataclass from a plain dict, rejecting unknown keys with a suggestion."""
-    from lmforge.config import dataclass_from_dict
-
-    return dataclass_from_dict(config_class(family), values, prefix=source)
-
-
 def build_model(config: Any) -> LMForgeModel:
-    for family, cls in _registry_items():
-        if isinstance(config, cls.config_class):
-            return cls(config)
-    raise LMForgeError(f"no model family takes a config of type {type(config).__name__}")
+    return model_class(family_of_config(config))(config)
 
 
 def load_model(directory, map_location="cpu") -> LMForgeModel:
     return LMForgeModel.from_pretrained(directory, map_location=map_location)
 
 
-def _registry_items():
-    _load_builtin()
-    return list(_REGISTRY.items())
-
-
-def _load_builtin() -> None:
-    # Importing a family module registers it; keep this list the one place families are named.
-    from lmforge.models import gpt, hrgc, hrm, puzzle_transformer, trm  # noqa: F401
-
-
-__all__ = ["LMForgeModel", "build_model", "load_model", "register", "families", "model_class",
-           "config_class", "config_from_dict"]
+__all__ = ["LMForgeModel", "build_model", "load_model", "families", "model_class", "config_class",
+]
 
 
 def __getattr__(name: str):

@@ -19,6 +19,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from lmforge.errors import LMForgeError
+from lmforge.recipes import model_class
+from lmforge.typed import dataclass_from_dict
 
 CONFIG_FILE = "config.yaml"
 WEIGHTS_FILE = "model.safetensors"
@@ -43,8 +45,8 @@ class LMForgeModel(nn.Module):
     def param_groups(self, weight_decay: float, lr: float) -> list[dict[str, Any]]:
         """Optimizer groups. Default: decay matrices (dim >= 2), not biases/norms/scalars.
 
-        Families with per-module learning rates return groups with their own ``lr`` (the loop
-        scales every group's lr by the schedule multiplier, keeping each group's base lr).
+        A group may carry its own ``lr`` (the loop scales every group's lr by the schedule multiplier,
+        keeping each group's base lr); a kind with another optimizer names it in its RecipeSpec.
         """
         decay, no_decay = [], []
         for name, p in self.named_parameters():
@@ -60,13 +62,6 @@ class LMForgeModel(nn.Module):
         """Whether weight decay applies to this parameter (default: matrices do, vectors do not)."""
         return param.dim() >= 2
 
-    def make_optimizer(self, groups: list[dict[str, Any]], training: Any, device: torch.device) -> torch.optim.Optimizer:
-        """The optimizer over ``groups``. Default AdamW (fused on CUDA, foreach elsewhere); families
-        with other optimizers (e.g. sign-SGD for embeddings) override this and return one optimizer."""
-        fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
-        return torch.optim.AdamW(groups, lr=training.lr, betas=(training.beta1, training.beta2),
-                                 eps=training.eps, **fast)
-
     # ---- hooks for families with extra training state (e.g. an EMA of the weights) -----------
     def on_optimizer_step(self) -> None:
         """Called by the loop after every optimizer update."""
@@ -77,7 +72,7 @@ class LMForgeModel(nn.Module):
 
     def training_state(self) -> dict[str, Any]:
         """Extra state a resume needs beyond model.safetensors; saved in optimizer.safetensors
-        (tensors, numpy arrays and plain values in dicts/lists/tuples: ``lmforge.train.safe_state``)."""
+        (tensors, numpy arrays and plain values in dicts/lists/tuples: ``lmforge.safe_state``)."""
         return {}
 
     def load_training_state(self, state: dict[str, Any]) -> None:
@@ -126,8 +121,6 @@ class LMForgeModel(nn.Module):
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, map_location: str | torch.device = "cpu"):
         """Load a model saved by ``save_pretrained``; works on the base class for any family."""
-        from lmforge.models import config_from_dict, model_class
-
         directory = Path(directory)
         config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
         if not config_path.is_file() or not weights_path.is_file():
@@ -140,8 +133,8 @@ class LMForgeModel(nn.Module):
         except yaml.YAMLError as e:
             raise LMForgeError(f"{config_path} is not valid YAML ({e}); the checkpoint is corrupt.") from e
         family = raw.pop("family", None)
-        config = config_from_dict(family, raw, source=str(config_path))
         klass = model_class(family)
+        config = dataclass_from_dict(klass.config_class, raw, prefix=str(config_path))
         if cls is not LMForgeModel and not issubclass(klass, cls):
             raise LMForgeError(f"{directory} holds a {family!r} model, not a {cls.family!r} model")
         model = klass(config)

@@ -40,7 +40,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lmforge.errors import LMForgeError
-from lmforge.models import register
 from lmforge.models.base import LMForgeModel
 from lmforge.models.losses import linear_cross_entropy
 from lmforge.models.mhc import UNHEALTHY_GAIN, MHCLayer, MHCMetrics, gain_tensors, metrics_from_gains
@@ -408,7 +407,6 @@ class Block(nn.Module):
         return x, (attn_coeffs, mlp_coeffs)
 
 
-@register
 class GPT(LMForgeModel):
     family = "gpt"
     config_class = GPTConfig

@@ -15,7 +15,7 @@ def load_engine(checkpoint: str | Path, device: str = "auto", max_batch_size: in
     """``(engine, tokenizer, model_dir)`` for a gpt-family checkpoint."""
     from lmforge.infer.engine import Engine
     from lmforge.infer.loading import load_for_inference
-    from lmforge.train.checkpoint import resolve_model_dir
+    from lmforge.checkpoint import resolve_model_dir
 
     model, tokenizer, _ = load_for_inference(checkpoint, device, precision)
     engine = Engine(model, eos_id=tokenizer.eos_id, max_batch_size=max_batch_size, background=background)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import random
 import shutil
 import time
@@ -13,16 +12,15 @@ from typing import Callable
 import numpy as np
 import torch
 
+from lmforge import checkpoint as ckpt
 from lmforge.config import RunConfig
+from lmforge.device import setup_device
 from lmforge.errors import LMForgeError
-from lmforge.models import build_model, model_class
+from lmforge.models import build_model
+from lmforge.recipes import TrainData
 from lmforge.tokenizer import CONFIG_FILE, SPECIAL_MAP_FILE, TOKENIZER_FILE
-from lmforge.train import checkpoint as ckpt
-from lmforge.train.data import (build_go_function_data, build_puzzle_data, build_token_data, prepare_train_path,
-                                token_data_dir)
-from lmforge.train.device import setup_device
 from lmforge.train.distributed import DistInfo, barrier, init_distributed, shutdown
-from lmforge.train.loop import DataBundle, Trainer, TrainResult
+from lmforge.train.loop import Trainer, TrainResult
 
 TOKENIZER_FILES = (TOKENIZER_FILE, CONFIG_FILE, SPECIAL_MAP_FILE)
 
@@ -60,28 +58,12 @@ def _train(cfg: RunConfig, resume: bool | str, distinfo: DistInfo, clock: Callab
     if resume_from is not None and cfg.training.init_from:
         raise LMForgeError("training.init_from starts a new run from a checkpoint's weights; it cannot be "
                            "combined with resuming. Drop one of them.")
-    if os.environ.get("DISABLE_COMPILE", "").strip().lower() in ("1", "true", "yes") and cfg.training.compile:
-        cfg.training.compile = False  # HRM's switch, honoured as its users expect
-        if distinfo.is_main:
-            print("note: DISABLE_COMPILE is set: training.compile=false")
+    spec = cfg.spec
+    if spec.configure is not None:
+        spec.configure(cfg, distinfo.is_main)
     _resolve_batch(cfg, distinfo)
-
-    data_kind = getattr(model_class_of(cfg.model), "data_kind", "tokens")
-    tokenizer_path = None
-    if data_kind == "puzzles":
-        data = build_puzzle_data(cfg, distinfo)
-    elif data_kind == "go_functions":
-        data, tokenizer_path = build_go_function_data(cfg, distinfo)
-    else:
-        n_positions = getattr(cfg.model, "n_positions", None)
-        if n_positions is not None and cfg.data.seq_len > n_positions:
-            raise LMForgeError(f"data.seq_len={cfg.data.seq_len} is longer than the model's context "
-                               f"model.n_positions={n_positions}; lower one or raise the other")
-        if cfg.data.train_path:
-            prepare_train_path(cfg, distinfo)
-        data = build_token_data(cfg, distinfo)
-        tokenizer_path = _tokenizer_path(cfg)
-        _check_vocab(cfg, tokenizer_path)
+    data = spec.build_data(cfg, distinfo)  # may fill data-dependent model sizes (vocabulary, grid size)
+    tokenizer_path = data.tokenizer_path
     _resolve_epochs(cfg, data, distinfo)
 
     seed_everything(cfg.seed)  # same initial weights on every rank
@@ -108,7 +90,7 @@ def _train(cfg: RunConfig, resume: bool | str, distinfo: DistInfo, clock: Callab
     if distinfo.is_main:
         n = model.num_parameters()
         where = f"resuming from {resume_from} (step {trainer.step})" if resume_from else "from scratch"
-        print(f"lmforge train: {cfg.name} | {type(model).__name__} {n / 1e6:.2f}M params | "
+        print(f"lmforge train: {cfg.name} | kind {spec.name} | {type(model).__name__} {n / 1e6:.2f}M params | "
               f"{devinfo.device} {devinfo.precision} x{distinfo.world_size} | {data.description}")
         print(f"run dir {run_dir} | {where} | MFU against {devinfo.peak_flops / 1e12:.2f} TFLOP/s "
               f"({devinfo.peak_source})")
@@ -128,7 +110,7 @@ def _resolve_batch(cfg: RunConfig, distinfo: DistInfo) -> None:
     t.micro_batch_size = t.global_batch_size // per_step
 
 
-def _resolve_epochs(cfg: RunConfig, data: DataBundle, distinfo: DistInfo) -> None:
+def _resolve_epochs(cfg: RunConfig, data: TrainData, distinfo: DistInfo) -> None:
     """HRM counts training length and evaluation interval in epochs: turn them into steps."""
     t = cfg.training
     if t.epochs <= 0 and t.eval_interval_epochs <= 0:
@@ -174,56 +156,10 @@ def _resume_point(run_dir: Path, resume: bool | str) -> Path | None:
     return None
 
 
-def model_class_of(model_config) -> type:
-    from lmforge.models import _registry_items
-
-    for _, cls in _registry_items():
-        if isinstance(model_config, cls.config_class):
-            return cls
-    return model_class("gpt")
-
-
-def _tokenizer_path(cfg: RunConfig) -> Path:
-    path = Path(cfg.data.tokenizer) if cfg.data.tokenizer else token_data_dir(cfg)
-    if path.is_dir():
-        path = path / "tokenizer.json"
-    if not path.is_file():
-        raise LMForgeError(f"tokenizer {path} not found: set data.tokenizer=PATH/tokenizer.json (or a Hugging "
-                           "Face tokenizer directory), or prepare the data with `lmforge data prepare`, which "
-                           "stores the tokenizer beside the shards")
-    return path
-
-
-def _check_vocab(cfg: RunConfig, tokenizer_path: Path) -> None:
-    """The data, tokenizer and model agree; fills model.vocab_size (if 0) and the special-token ids."""
-    from lmforge.data.loader import TokenDataset
-    from lmforge.tokenizer import Tokenizer
-
-    tok = Tokenizer.load(tokenizer_path)
-    data_dir = token_data_dir(cfg)
-    meta = TokenDataset(data_dir, "train")
-    if meta.tokenizer_sha256 and meta.tokenizer_sha256 != tok.sha256:
-        raise LMForgeError(f"the data in {data_dir} was tokenized with a different tokenizer than "
-                           f"{tokenizer_path}; re-run `lmforge data prepare` with this tokenizer or point "
-                           "data.tokenizer at the one the data was made with")
-    model_vocab = getattr(cfg.model, "vocab_size", None)
-    if model_vocab is None:
-        return
-    if model_vocab == 0:
-        cfg.model.vocab_size = tok.vocab_size
-    elif model_vocab < tok.vocab_size or model_vocab < meta.vocab_size:
-        raise LMForgeError(f"model.vocab_size={model_vocab} but the tokenizer {tokenizer_path} has "
-                           f"{tok.vocab_size} tokens: set model.vocab_size={tok.vocab_size} (or 0 to take it "
-                           "from the tokenizer)")
-    for key, value in (("eos_token_id", tok.eos_id), ("bos_token_id", tok.bos_id), ("pad_token_id", tok.pad_id)):
-        if hasattr(cfg.model, key):
-            setattr(cfg.model, key, tok.eos_id if value is None else value)
-
-
 def _load_initial_weights(model, path: str, distinfo: DistInfo) -> None:
     """training.init_from: copy a trained model's weights into ``model`` (same architecture)."""
     from lmforge.models import load_model
-    from lmforge.train.checkpoint import resolve_model_dir
+    from lmforge.checkpoint import resolve_model_dir
 
     source_dir = resolve_model_dir(path)
     source = load_model(source_dir)

@@ -1,9 +1,10 @@
-"""The one training loop, for every model family.
+"""The one training loop, for every training kind.
 
-It knows nothing about what a model computes: a model takes a batch dict and returns
-``(loss, metrics)``; a data bundle hands out batches and can save/restore its position. Everything
-else — precision, accumulation, clipping, schedules, evaluation, checkpoints, resume, signals,
-NaN detection, logging, DDP — lives here once.
+It knows nothing about what a kind computes: the kind's spec (``lmforge.recipes.RecipeSpec``) gives
+the loss of a batch, what a batch counts for (tokens, examples, FLOPs), the optimizer, the metric
+that picks ``best/`` and an optional probe; its ``TrainData`` hands out batches and can save/restore
+its position. Everything else — precision, accumulation, clipping, schedules, evaluation,
+checkpoints, resume, signals, NaN detection, logging, DDP — lives here once.
 """
 
 from __future__ import annotations
@@ -22,34 +23,37 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from lmforge import checkpoint as ckpt
 from lmforge.config import RunConfig
+from lmforge.device import DeviceInfo, model_flops_utilization
 from lmforge.errors import LMForgeError
 from lmforge.models.base import LMForgeModel
-from lmforge.train import checkpoint as ckpt
-from lmforge.train.device import DeviceInfo, model_flops_utilization
+from lmforge.recipes import TrainData
+from lmforge.safe_state import save_state
 from lmforge.train.distributed import DistInfo
 from lmforge.train.loggers import MetricsLogger
-from lmforge.train.safe_state import save_state
 from lmforge.train.schedule import lr_multiplier, lr_multiplier_at
 
 
-@dataclass
-class DataBundle:
-    """What the loop needs from a dataset, whatever the model family."""
+def default_optimizer(model: LMForgeModel, cfg: RunConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW over the model's parameter groups (fused on CUDA, foreach elsewhere): the optimizer of every
+    kind that does not name its own (``RecipeSpec.make_optimizer``)."""
+    t = cfg.training
+    fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    return torch.optim.AdamW(model.param_groups(t.weight_decay, t.lr), lr=t.lr, betas=(t.beta1, t.beta2),
+                             eps=t.eps, **fast)
 
-    train: Any  # .next_batch() -> dict of CPU tensors; .state_dict(); .load_state_dict(state)
-    val: Any | None  # .iter_eval_batches(max_batches) -> iterable of batch dicts; None = no eval
-    tokens_per_micro_batch: int  # per process, for throughput figures
-    seq_len: int
-    derive_eval_metrics: Callable[[dict[str, float]], dict[str, float]] = lambda m: m
-    description: str = ""
-    best_metric: str = "eval/loss"  # which eval metric picks checkpoints/best
-    best_higher_is_better: bool = False
-    examples_per_epoch: int = 0  # what one epoch of `training.epochs` counts (all processes together)
-    tokens_per_example: int = 0  # > 0: also log examples/s (puzzles: cells per puzzle)
-    eval_weight_by_rows: bool = False  # True: eval means are per example (puzzles), else per label token
-    probe: Callable[[Any, int], dict[str, float]] | None = None  # (model, step) -> metrics, on rank 0
-    probe_interval: int = 0  # steps between probes (e.g. HRGC writes functions and parses them)
+
+@dataclass
+class _Window:
+    """What the steps since the last log line did, on this process."""
+
+    seconds: float = 0.0
+    tokens: int = 0
+    examples: int = 0
+    flops: float = 0.0
+    losses: list[float] = field(default_factory=list)
+    unseen: int = 0  # tokens not yet in Trainer.tokens_seen (added at log lines and checkpoints)
 
 
 @dataclass
@@ -111,10 +115,11 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, model: LMForgeModel, data: DataBundle, devinfo: DeviceInfo,
+    def __init__(self, cfg: RunConfig, model: LMForgeModel, data: TrainData, devinfo: DeviceInfo,
                  distinfo: DistInfo, run_dir: Path, extra_files: Callable[[Path], None] | None = None,
                  clock: Callable[[], float] = time.perf_counter):
         self.cfg, self.t = cfg, cfg.training
+        self.spec = cfg.spec  # the training kind: loss, counts, optimizer, best metric
         self.clock = clock  # every duration the loop measures (time limit, schedule, tokens/s) reads this
         self.model = model  # the raw module: saved, evaluated and checkpointed
         self.data, self.dev, self.dist = data, devinfo, distinfo
@@ -128,13 +133,14 @@ class Trainer:
         self.last_checkpoint: Path | None = None
         self._warned: dict[str, int] = {}  # metric warning -> step it was last shown
 
-        groups = model.param_groups(self.t.weight_decay, self.t.lr)
-        for g in groups:
-            g.setdefault("lr", self.t.lr)
-            g["base_lr"] = g["lr"]
-        self.optimizer = model.make_optimizer(groups, self.t, devinfo.device)
+        if self.spec.prepare_model is not None:
+            self.spec.prepare_model(model, cfg)
+        self.optimizer = (self.spec.make_optimizer or default_optimizer)(model, cfg, devinfo.device)
+        for g in self.optimizer.param_groups:
+            g["base_lr"] = g["lr"]  # the schedule scales each group's own lr
         self.scaler = torch.amp.GradScaler(devinfo.device.type, enabled=devinfo.precision == "fp16")
-        self.params = [p for g in groups for p in g["params"]]
+        self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        self._window = _Window()
 
         self.fwd_model: torch.nn.Module = model
         if self.t.compile:
@@ -143,7 +149,7 @@ class Trainer:
             ids = [devinfo.device.index] if devinfo.device.type == "cuda" else None
             self.fwd_model = torch.nn.parallel.DistributedDataParallel(
                 self.fwd_model, device_ids=ids,
-                find_unused_parameters=getattr(model, "ddp_find_unused_parameters", False))
+                find_unused_parameters=self.spec.ddp_find_unused_parameters)
 
     # ---- resume ---------------------------------------------------------------------------
     def load_checkpoint(self, path: Path) -> None:
@@ -217,6 +223,7 @@ class Trainer:
             self.extra_files(directory)
 
     def save_checkpoint(self) -> Path | None:
+        self._count_window()  # tokens_seen is complete in the state written (the log window is kept)
         rng = capture_rng()
         if self.dist.enabled:
             gathered: list[Any] = [None] * self.dist.world_size
@@ -234,7 +241,7 @@ class Trainer:
             ckpt.save_json(tmp / ckpt.STATE_FILE, {
                 "step": self.step, "tokens_seen": self.tokens_seen, "train_seconds": self.train_seconds,
                 "best_score": self.best_score if math.isfinite(self.best_score) else None,
-                "best_metric": self.data.best_metric,
+                "best_metric": self.spec.best_metric,
                 "data": self.data.train.state_dict(), "world_size": self.dist.world_size,
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
             })
@@ -274,8 +281,8 @@ class Trainer:
             for batch in self.data.val.iter_eval_batches(self.t.eval_batches or None):
                 batch = _to_device(batch, self.dev.device)
                 with self.dev.autocast():
-                    loss, metrics = self.model(batch)
-                w = float(_batch_weight(batch, self.data.eval_weight_by_rows))
+                    loss, metrics = self.spec.loss(self.model, batch)
+                w = float(self.spec.eval_weight(batch))
                 sums["loss"] += float(loss) * w
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + float(v) * w
@@ -310,13 +317,22 @@ class Trainer:
         accum = self.t.grad_accum_steps
         loss_sum = torch.zeros((), device=self.dev.device)
         metric_sums: dict[str, torch.Tensor] = {}
+        window = self._window
+        if self.data.on_step is not None:
+            self.data.on_step(self.step)
         for micro in range(accum):
-            batch = _to_device(self.data.train.next_batch(), self.dev.device)
+            batch = self.data.train.next_batch()
+            counts = self.spec.count(self.model, batch)  # on the CPU batch: no device synchronisation
+            window.tokens += counts.tokens
+            window.unseen += counts.tokens
+            window.examples += counts.examples
+            window.flops += counts.flops
+            batch = _to_device(batch, self.dev.device)
             sync = (self.fwd_model.no_sync() if self.dist.enabled and micro < accum - 1
                     else contextlib.nullcontext())
             with sync:
                 with self.dev.autocast():
-                    loss, metrics = self.fwd_model(batch)
+                    loss, metrics = self.spec.loss(self.fwd_model, batch)
                 self.scaler.scale(loss / accum).backward()
             loss_sum += loss.detach().float()
             for k, v in metrics.items():
@@ -347,8 +363,6 @@ class Trainer:
             log = self.cfg.logging
             logger = MetricsLogger(self.run_dir, log.tensorboard, log.wandb_project, log.wandb_run_name,
                                    config=self.cfg.to_dict(), start_step=self.step, wandb_entity=log.wandb_entity)
-        tokens_per_step = self.data.tokens_per_micro_batch * t.grad_accum_steps * self.dist.world_size
-        flops_per_token = self.model.flops_per_token(self.data.seq_len)
         by_time = t.schedule_over == "time"
         budget = 60 * t.max_time_minutes  # seconds: the run's length by_time, else a wall-time guard
         if by_time:  # the bar counts seconds of training time
@@ -361,7 +375,7 @@ class Trainer:
         start = self.clock()
         # Tokens/s and MFU count the time of training steps only: evaluation, probes, checkpoints and
         # logging happen between steps and are left out.
-        window_seconds, window_tokens, window_losses = 0.0, 0, []
+        self._window = window = _Window()
         stopped, eval_metrics, train_loss, tok_s = "completed", {}, float("nan"), 0.0
         mfu_trusted = True  # False once the peak proved wrong (MFU above 100%)
         finished = self.train_seconds >= budget if by_time else self.step >= t.max_steps
@@ -390,12 +404,10 @@ class Trainer:
                     lr = self._set_lr(progress)
                     self.apply_update()
                     self.step += 1
-                    self.tokens_seen += tokens_per_step
                     step_seconds = self.clock() - step_start
                     self.train_seconds += step_seconds
-                    window_seconds += step_seconds
-                    window_tokens += tokens_per_step
-                    window_losses.append(loss_value)
+                    window.seconds += step_seconds
+                    window.losses.append(loss_value)
                     finished = progress >= 1.0 if by_time else self.step == t.max_steps
                     if by_time:
                         bar.update(max(0, min(round(self.train_seconds), bar.total) - bar.n))
@@ -403,21 +415,23 @@ class Trainer:
                         bar.update(1)
 
                     if self.step % t.log_interval == 0 or finished:
-                        tok_s = window_tokens / max(window_seconds, 1e-9)
-                        train_loss = _mean_across_ranks(sum(window_losses) / len(window_losses), self.dist,
-                                                        self.dev.device)
+                        seconds = max(window.seconds, 1e-9)
+                        losses = list(window.losses)
+                        tokens, examples, flops = self._count_window()  # all processes together
+                        window.tokens, window.examples, window.flops = 0, 0, 0.0
+                        tok_s = tokens / seconds
+                        train_loss = _mean_across_ranks(sum(losses) / len(losses), self.dist, self.dev.device)
                         row = {"train/loss": train_loss, "train/lr": lr, "train/grad_norm": float(grad_norm),
-                               "train/tokens_per_s": tok_s, "train/tokens": self.tokens_seen}
-                        mfu = model_flops_utilization(tok_s, flops_per_token, self.dev.peak_flops,
+                               "train/tokens_per_s": tok_s, "train/examples_per_s": examples / seconds,
+                               "train/tokens": self.tokens_seen}
+                        mfu = model_flops_utilization(tok_s, flops / max(tokens, 1), self.dev.peak_flops,
                                                       self.dist.world_size) if mfu_trusted else None
                         if mfu is not None:
                             row["train/mfu"] = mfu
                         elif mfu_trusted:
                             mfu_trusted = False
                             if is_main:
-                                self._mfu_unknown_note(tok_s * flops_per_token / self.dist.world_size)
-                        if self.data.tokens_per_example:
-                            row["train/examples_per_s"] = tok_s / self.data.tokens_per_example
+                                self._mfu_unknown_note(flops / seconds / self.dist.world_size)
                         # A model's own sections (mhc/...) are logged under their names, the rest under train/.
                         row.update({(k if k.split("/")[0] in self.model.metric_sections else f"train/{k}"): float(v)
                                     for k, v in metrics.items()})
@@ -428,15 +442,15 @@ class Trainer:
                         shown = {"step": self.step} if by_time else {}
                         bar.set_postfix(**shown, loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}",
                                         mfu="?" if mfu is None else f"{100 * mfu:.1f}%", refresh=False)
-                        window_seconds, window_tokens, window_losses = 0.0, 0, []
+                        window.seconds, window.losses = 0.0, []
 
                     if flags[1] > 0 or flags[2] > 0:
                         stopped = "signal" if flags[1] > 0 else "time"
                         break
                     if (t.eval_interval and self.step % t.eval_interval == 0) or finished:
                         eval_metrics = self._eval_and_keep_best(logger, bar)
-                    if self.data.probe is not None and self.data.probe_interval and (
-                            self.step % self.data.probe_interval == 0 or finished) and is_main:
+                    probe = self.data.probe
+                    if probe is not None and probe.interval and (self.step % probe.interval == 0 or finished):
                         self._probe(logger)
                     if (t.save_interval and self.step % t.save_interval == 0) or finished:
                         self.save_checkpoint()
@@ -466,26 +480,47 @@ class Trainer:
         if self.dist.is_main:
             shown = ", ".join(f"{k.split('/')[-1]} {v:.4f}" for k, v in metrics.items())
             tqdm.write(f"step {self.step}: eval {shown}")
-        value = metrics.get(self.data.best_metric)
-        score = math.inf if value is None else (-value if self.data.best_higher_is_better else value)
+        value = metrics.get(self.spec.best_metric)
+        score = math.inf if value is None else (-value if self.spec.best_higher_is_better else value)
         if score <= self.best_score:  # on a tie the newer weights win (plateaus of exact accuracy)
             self.best_score = score
             self._main_writes(lambda: ckpt.write_best(self.ckpt_root, self._write_model_dir) if self.dist.is_main
                               else None)
         return metrics
 
+    def _count_window(self) -> tuple[int, int, float]:
+        """The tokens, examples and FLOPs of the log window, summed over processes (every process calls
+        this at the same step); adds the tokens not yet counted to ``tokens_seen``."""
+        w = self._window
+        counts = [float(w.tokens), float(w.examples), float(w.flops), float(w.unseen)]
+        if self.dist.enabled:
+            reduced = torch.tensor(counts, dtype=_reduce_dtype(self.dev.device), device=self.dev.device)
+            dist.all_reduce(reduced)
+            counts = reduced.tolist()
+        self.tokens_seen += int(counts[3])
+        w.unseen = 0
+        return int(counts[0]), int(counts[1]), counts[2]
+
     @torch.no_grad()
     def _probe(self, logger: MetricsLogger | None) -> None:
-        """The data's probe on the current weights (rank 0 only; the others wait at the next sync)."""
+        """The kind's probe on the current weights, on every process (each on its own sample); the
+        metrics logged are the means across processes."""
         self.model.eval()
         try:
             with self.model.averaged_weights(), self.dev.autocast():
-                metrics = self.data.probe(self.model, self.step)
+                metrics = self.data.probe.run(self.model, self.step)
         finally:
             self.model.train()
+        keys = sorted(metrics)
+        if self.dist.enabled:
+            values = torch.tensor([float(metrics[k]) for k in keys], dtype=_reduce_dtype(self.dev.device),
+                                  device=self.dev.device)
+            dist.all_reduce(values)
+            metrics = {k: float(v) / self.dist.world_size for k, v in zip(keys, values.tolist())}
         if logger:
             logger.log(self.step, metrics)
-        tqdm.write(f"step {self.step}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
+        if self.dist.is_main:
+            tqdm.write(f"step {self.step}: " + ", ".join(f"{k} {metrics[k]:.3f}" for k in keys))
 
     def _mfu_unknown_note(self, achieved_flops: float) -> None:
         if self.dev.peak_flops <= 0:
@@ -523,15 +558,6 @@ def _reduce_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
 
 
-def _batch_weight(batch: dict[str, Any], by_rows: bool = False) -> float:
-    """Eval averages are weighted by predicted tokens where there are labels, else (or if asked) by rows."""
-    labels = batch.get("labels")
-    if torch.is_tensor(labels) and not by_rows:
-        return float((labels != -100).sum())
-    first = next(v for v in batch.values() if torch.is_tensor(v))
-    return float(first.shape[0])
-
-
 def _mean_across_ranks(value: float, info: DistInfo, device: torch.device) -> float:
     if not info.enabled:
         return value
@@ -540,4 +566,4 @@ def _mean_across_ranks(value: float, info: DistInfo, device: torch.device) -> fl
     return float(t.item() / info.world_size)
 
 
-__all__ = ["Trainer", "DataBundle", "TrainResult"]
+__all__ = ["Trainer", "TrainResult", "default_optimizer"]

@@ -31,8 +31,7 @@ from torch import nn
 
 from lmforge.errors import LMForgeError
 from lmforge.models.base import LMForgeModel
-from lmforge.models.reasoning_layers import LOSSES, Rotary, lecun_linear, trunc_normal_
-from lmforge.train.optimizers import AdamATan2SignSGD
+from lmforge.recipes.puzzles.layers import LOSSES, Rotary, lecun_linear, trunc_normal_
 
 IGNORE = -100
 POS_ENCODINGS = ("rope", "learned", "none")
@@ -50,8 +49,6 @@ class PuzzleModelConfig:
     expansion: float = 4.0
     puzzle_emb_ndim: int = -1  # size of the per-puzzle vector; -1 = hidden_size, 0 = none
     puzzle_emb_len: int = 0  # prefix tokens it fills; 0 = ceil(puzzle_emb_ndim / hidden_size)
-    puzzle_emb_lr: float = 1e-4  # sign-SGD learning rate of the puzzle embeddings
-    puzzle_emb_weight_decay: float = 0.1
     pos_encodings: str = "rope"  # rope | learned | none
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
@@ -59,6 +56,12 @@ class PuzzleModelConfig:
     halt_max_steps: int = 16  # ACT segments at most (1 = no ACT)
     halt_exploration_prob: float = 0.1
     ema_decay: float = 0.0  # EMA of the weights for eval and checkpoints; 0 = off (TRM uses 0.999)
+
+    @classmethod
+    def resolve_dict(cls, values: dict[str, Any]) -> dict[str, Any]:
+        # Checkpoints of lmforge <= 0.2 kept the sign-SGD settings here; they are training settings now
+        # (recipe.puzzle_emb_lr / recipe.puzzle_emb_weight_decay) and do not change the model.
+        return {k: v for k, v in values.items() if k not in ("puzzle_emb_lr", "puzzle_emb_weight_decay")}
 
     def validate(self) -> None:
         checks = [
@@ -72,8 +75,6 @@ class PuzzleModelConfig:
             (0.0 <= self.halt_exploration_prob <= 1.0, "halt_exploration_prob must be in [0, 1]"),
             (0.0 <= self.ema_decay < 1.0, "ema_decay must be in [0, 1)"),
             (self.puzzle_emb_ndim >= -1 and self.puzzle_emb_len >= 0, "puzzle_emb_ndim >= -1, puzzle_emb_len >= 0"),
-            (self.puzzle_emb_lr >= 0 and self.puzzle_emb_weight_decay >= 0,
-             "puzzle_emb_lr and puzzle_emb_weight_decay must be >= 0"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -139,7 +140,6 @@ class PuzzleModel(LMForgeModel, abc.ABC):
 
     has_q_continue = True  # HRM: Q head gives (halt, continue); TRM: halt only
     uses_act = True
-    data_kind = "puzzles"
 
     def __init__(self, config: PuzzleModelConfig):
         super().__init__(config)
@@ -343,7 +343,7 @@ class PuzzleModel(LMForgeModel, abc.ABC):
                 "halt_prediction": halt_pred}
 
     def _eval_forward(self, batch):
-        from lmforge.data.puzzles import DIFFICULTY_NAMES, difficulty_bucket
+        from lmforge.recipes.puzzles.data import DIFFICULTY_NAMES, difficulty_bucket
 
         labels = batch["labels"]
         out = self.rollout(batch["inputs"], batch["puzzle_identifiers"])
@@ -382,19 +382,14 @@ class PuzzleModel(LMForgeModel, abc.ABC):
             return out["halt_prediction"], out["halt_step"]
         return out["prediction"], torch.full_like(out["halt_step"], max_steps or self.config.halt_max_steps)
 
-    # ---- optimizer: AdamATan2 for the weights, sign-SGD for the puzzle embeddings -------------
+    # ---- parameter groups: the weights (AdamATan2), the puzzle embeddings (sign-SGD) -----------
     def param_groups(self, weight_decay: float, lr: float) -> list[dict[str, Any]]:
         emb = self.puzzle_emb.weight if self.puzzle_emb is not None else None
         weights = [p for p in self.parameters() if p.requires_grad and p is not emb]
-        groups = [{"params": weights, "weight_decay": weight_decay, "lr": lr, "algorithm": "adam_atan2",
-                   "name": "weights"}]
+        groups = [{"params": weights, "weight_decay": weight_decay, "lr": lr, "name": "weights"}]
         if emb is not None:
-            groups.append({"params": [emb], "weight_decay": self.config.puzzle_emb_weight_decay,
-                           "lr": self.config.puzzle_emb_lr, "algorithm": "sign_sgd", "name": "puzzle_emb"})
+            groups.append({"params": [emb], "weight_decay": weight_decay, "lr": lr, "name": "puzzle_emb"})
         return groups
-
-    def make_optimizer(self, groups, training, device) -> torch.optim.Optimizer:
-        return AdamATan2SignSGD(groups, lr=training.lr, betas=(training.beta1, training.beta2))
 
     # ---- EMA of the weights -------------------------------------------------------------------
     def on_optimizer_step(self) -> None:
@@ -446,7 +441,7 @@ class PuzzleModel(LMForgeModel, abc.ABC):
 
     def flops_per_token(self, seq_len: int) -> float:
         """Matmul FLOPs per grid cell of one training step (attention scores left out)."""
-        from lmforge.models.reasoning_layers import TokenMixer
+        from lmforge.recipes.puzzles.layers import TokenMixer
 
         total = 0.0
         for module, passes, with_grad in self.block_passes():

@@ -8,7 +8,7 @@ segment runs ``H_cycles`` x ``L_cycles`` updates::
 
 All but the last L update and the last H update run without gradient (the "one-step gradient"):
 backward goes through exactly one L and one H pass. The Q head's continue target comes from a second,
-gradient-free segment. ACT, the carry and the losses are in ``lmforge.models.puzzle``.
+gradient-free segment. ACT, the carry and the losses are in ``lmforge.recipes.puzzles.model``.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from lmforge.errors import LMForgeError
-from lmforge.models import register
-from lmforge.models.puzzle import PuzzleModel, PuzzleModelConfig
-from lmforge.models.reasoning_layers import Attention, PostNormBlock, ReasoningModule
+from lmforge.recipes.puzzles.model import PuzzleModel, PuzzleModelConfig
+from lmforge.recipes.puzzles.layers import Attention, PostNormBlock, ReasoningModule
 
 
 @dataclass
@@ -29,7 +28,6 @@ class HRMConfig(PuzzleModelConfig):
     L_layers: int = 4
     H_cycles: int = 2
     L_cycles: int = 2
-    puzzle_emb_weight_decay: float = 0.1
 
     def validate(self) -> None:
         super().validate()
@@ -42,7 +40,6 @@ def attention_blocks(c: PuzzleModelConfig, n: int, rotary) -> list[PostNormBlock
                           c.rms_norm_eps) for _ in range(n)]
 
 
-@register
 class HRM(PuzzleModel):
     family = "hrm"
     config_class = HRMConfig

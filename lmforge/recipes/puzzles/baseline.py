@@ -11,10 +11,9 @@ from dataclasses import dataclass
 import torch
 
 from lmforge.errors import LMForgeError
-from lmforge.models import register
-from lmforge.models.hrm import attention_blocks
-from lmforge.models.puzzle import PuzzleModel, PuzzleModelConfig
-from lmforge.models.reasoning_layers import ReasoningModule
+from lmforge.recipes.puzzles.hrm import attention_blocks
+from lmforge.recipes.puzzles.model import PuzzleModel, PuzzleModelConfig
+from lmforge.recipes.puzzles.layers import ReasoningModule
 
 
 @dataclass
@@ -30,7 +29,6 @@ class PuzzleTransformerConfig(PuzzleModelConfig):
             raise LMForgeError("model config: the puzzle_transformer baseline has no ACT; halt_max_steps must be 1")
 
 
-@register
 class PuzzleTransformer(PuzzleModel):
     family = "puzzle_transformer"
     config_class = PuzzleTransformerConfig

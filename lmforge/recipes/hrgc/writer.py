@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lmforge.data.go_refinement import validate
-from lmforge.data.hrgc_data import SequenceFormat
+from lmforge.go_syntax import go_parser, parse_body, validate
+from lmforge.recipes.hrgc.sequences import SequenceFormat
 from lmforge.errors import LMForgeError
 from lmforge.infer.generate import check_sampling, sample_next
-from lmforge.models.hrgc import HEAD_LABELS
+from lmforge.recipes.hrgc.model import HEAD_LABELS
 
 HEAD_SAYS_WRONG = "the refinement head judged the attempt wrong"
 RETRY_TEMPERATURE = 0.8  # the plain model's resamples when it decodes greedily
@@ -69,9 +69,6 @@ class SpecDoesNotFit(LMForgeError):
 def check_spec(spec: str, parser=None) -> None:
     """A spec is a Go signature (``func name(...) results`` or a method), optionally after its doc
     comment, and nothing else: checked with the real parser."""
-    from lmforge.data.go_functions import go_parser
-    from lmforge.data.go_refinement import parse_body
-
     parser = parser or go_parser()
     example = ("e.g. --spec '// readFile reads a file.\\nfunc readFile(path string) ([]byte, error)'")
     if not spec.strip():
@@ -93,8 +90,6 @@ class Writer:
 
     def __init__(self, model, tokenizer, parser=None, max_iterations: int | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None):
-        from lmforge.data.go_functions import go_parser
-
         check_sampling(temperature, top_k, top_p)
         self.model, self.tokenizer = model, tokenizer
         self.cfg = model.config
@@ -236,47 +231,4 @@ class Writer:
         return result
 
 
-class WritingProbe:
-    """``validation_frequency``: write a few training functions' bodies (plan, then one attempt,
-    greedy), parse them, and log the shares that parse, match the real body and plan, and the AST
-    similarity. Failed
-    attempts join the training loader's pool of the model's own failures (refine, or continue when
-    the context cut them), so refinement also learns from the model's own mistakes."""
-
-    def __init__(self, loader, tokenizer, parser, samples: int, seed: int):
-        self.loader, self.tokenizer, self.parser, self.samples, self.seed = loader, tokenizer, parser, samples, seed
-
-    def __call__(self, model, step: int) -> dict[str, float]:
-        import random
-
-        from lmforge.eval.hrgc import ast_similarity
-
-        data = self.loader.data
-        rng = random.Random(f"{self.seed}-probe-{step}")
-        writer = Writer(model, self.tokenizer, self.parser, max_iterations=1)
-        parsed = plan_exact = code_exact = similarity = 0.0
-        picks = rng.sample(range(len(data)), min(self.samples, len(data)))
-        for i in picks:
-            fn = data.functions[i]
-            # Room for twice the real body: enough for a right answer, bounded for a rambling one.
-            try:
-                written = writer.write(fn.spec, max_new_tokens=2 * len(data.code(i)) + 16)
-            except LMForgeError:  # a spec the model cannot take (too long with its plan): a failure
-                continue
-            attempt = written.attempts[0]
-            parsed += attempt.parses
-            plan_exact += written.plan == fn.plan
-            code_exact += attempt.code.strip() == fn.code.strip()
-            similarity += ast_similarity(self.parser, fn.spec, attempt.code, fn.code)
-            message = validate(self.parser, fn.spec, attempt.code, fn.plan) if model.config.hierarchical else ""
-            if message or (not model.config.hierarchical and not attempt.parses):
-                label = "refine" if attempt.finished else "continue"
-                self.loader.add_failure(i, attempt.code, message or attempt.verdict, label)
-        n = len(picks)
-        out = {"probe/parse_rate": parsed / n, "probe/code_exact": code_exact / n, "probe/ast_similarity": similarity / n}
-        if model.config.hierarchical:
-            out["probe/plan_exact"] = plan_exact / n
-        return out
-
-
-__all__ = ["Writer", "Written", "Attempt", "WritingProbe", "SpecDoesNotFit", "check_spec", "HEAD_SAYS_WRONG"]
+__all__ = ["Writer", "Written", "Attempt", "SpecDoesNotFit", "check_spec", "HEAD_SAYS_WRONG"]

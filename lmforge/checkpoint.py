@@ -142,7 +142,7 @@ def read_trainer_state(ckpt: Path) -> dict[str, Any]:
 
 def load_training_file(ckpt: Path, name: str, what: str) -> Any:
     """``OPTIMIZER_FILE`` or ``RNG_FILE`` of a checkpoint, in the current format or an older lmforge's."""
-    from lmforge.train.safe_state import load_legacy_torch_file, load_state
+    from lmforge.safe_state import load_legacy_torch_file, load_state
 
     path, legacy = ckpt / name, ckpt / LEGACY_FILES[name]
     if path.is_file():
@@ -156,7 +156,7 @@ def load_training_file(ckpt: Path, name: str, what: str) -> Any:
 def convert_legacy(ckpt: Path) -> list[str]:
     """Rewrite an older checkpoint's pickled files in the current format; returns what was converted.
     Each new file is complete on disk before its pickle is removed, so an interruption loses nothing."""
-    from lmforge.train.safe_state import load_legacy_torch_file, save_state
+    from lmforge.safe_state import load_legacy_torch_file, save_state
 
     done = []
     for name, legacy_name in LEGACY_FILES.items():
@@ -197,3 +197,15 @@ def resolve_model_dir(path: str | os.PathLike) -> Path:
         f"{p} holds no model: expected model.safetensors, or a run directory with checkpoints/. "
         "Train one with `lmforge train RECIPE` or pass runs/NAME/checkpoints/step-NNNNNN."
     )
+
+
+def checkpoint_family(path: str | Path) -> str | None:
+    """The model family a checkpoint (or run directory) holds, from its config alone; None when it
+    cannot be read (the caller's loading path then reports what is wrong)."""
+    import yaml
+
+    try:
+        config = yaml.safe_load((resolve_model_dir(path) / "config.yaml").read_text()) or {}
+    except (LMForgeError, OSError, yaml.YAMLError):
+        return None
+    return config.get("family") if isinstance(config, dict) else None

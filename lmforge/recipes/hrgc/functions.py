@@ -36,10 +36,9 @@ from pathlib import Path
 from lmforge.data.sources import FilterStats, iter_tree
 from lmforge.errors import LMForgeError
 from lmforge.files import atomic_directory, remove_stale
+from lmforge.go_syntax import PLAN_VERSION, go_parser, node_text, plan_of
 
-PLAN_VERSION = 1  # bump when plan_of changes: plans of different versions must not be mixed
 SPLITS = ("train", "val", "test")
-MAX_ITEM_CHARS = 40  # longest expression text kept in one plan item
 
 
 @dataclass(frozen=True)
@@ -50,115 +49,6 @@ class GoFunction:
     spec: str
     plan: str
     code: str
-
-
-def go_parser():
-    """A tree-sitter parser for Go."""
-    try:
-        import tree_sitter_go
-        from tree_sitter import Language, Parser
-    except ImportError as e:
-        raise LMForgeError("lmforge data go-functions needs tree-sitter and tree-sitter-go: "
-                           "pip install tree-sitter tree-sitter-go") from e
-    return Parser(Language(tree_sitter_go.language()))
-
-
-# ---- plans --------------------------------------------------------------------------------------
-def _compact(text: str, limit: int = MAX_ITEM_CHARS) -> str:
-    text = re.sub(r"\s+", " ", text).strip()
-    return text if len(text) <= limit else text[:limit - 1] + "…"
-
-
-def _text(node) -> str:
-    return node.text.decode("utf-8")
-
-
-def statements_of(block) -> list:
-    """The statements directly inside a ``block`` node (comments and empty statements dropped)."""
-    items = []
-    for child in block.named_children:
-        if child.type == "statement_list":
-            items.extend(c for c in child.named_children if c.type not in ("comment", "empty_statement"))
-        elif child.type not in ("comment", "empty_statement"):
-            items.append(child)
-    return items
-
-
-def _call_of(node) -> str | None:
-    """``call NAME`` when ``node`` is (or wraps a single) call expression."""
-    while node is not None and node.type in ("expression_list", "parenthesized_expression", "unary_expression"):
-        if node.named_child_count != 1:
-            return None
-        node = node.named_children[0]
-    if node is not None and node.type == "call_expression":
-        return "call " + _compact(_text(node.child_by_field_name("function")))
-    return None
-
-
-def _value(node) -> str:
-    return _call_of(node) or _compact(_text(node))
-
-
-def _outline(stmt) -> str:
-    kind = stmt.type
-    field = stmt.child_by_field_name
-    if kind == "if_statement":
-        init = field("initializer")
-        item = "if " + (_outline(init) + "; " if init is not None else "") + _compact(_text(field("condition")))
-        body = statements_of(field("consequence"))
-        if len(body) == 1 and body[0].type in ("return_statement", "break_statement", "continue_statement",
-                                               "goto_statement"):
-            item += " → " + body[0].type.removesuffix("_statement")
-        if field("alternative") is not None:
-            item += " else"
-        return item
-    if kind == "for_statement":
-        clause = next((c for c in stmt.named_children if c.type != "block"), None)
-        if clause is None:
-            return "for ever"
-        if clause.type == "range_clause":
-            return "for range " + _compact(_text(clause.child_by_field_name("right")))
-        if clause.type == "for_clause":
-            cond = clause.child_by_field_name("condition")
-            return "for " + (_compact(_text(cond)) if cond is not None else "ever")
-        return "for " + _compact(_text(clause))
-    if kind in ("expression_statement", "go_statement", "defer_statement"):
-        inner = stmt.named_children[0]
-        prefix = {"go_statement": "go ", "defer_statement": "defer "}.get(kind, "")
-        return prefix + _value(inner)
-    if kind == "short_var_declaration":
-        return f"{_compact(_text(field('left')))} := {_value(field('right'))}"
-    if kind == "assignment_statement":
-        op = next(c for c in stmt.children if not c.is_named).type
-        return f"{_compact(_text(field('left')))} {op} {_value(field('right'))}"
-    if kind == "return_statement":
-        values = stmt.named_children
-        return "return" + (" " + _value(values[0]) if values else "")
-    if kind in ("expression_switch_statement", "type_switch_statement", "select_statement"):
-        cases = sum(c.type in ("expression_case", "type_case", "communication_case", "default_case")
-                    for c in stmt.named_children)
-        head = {"expression_switch_statement": "switch", "type_switch_statement": "switch type",
-                "select_statement": "select"}[kind]
-        subject = field("value") if kind != "select_statement" else None
-        subject_text = " " + _compact(_text(subject)) if subject is not None else ""
-        return f"{head}{subject_text} ({cases} case{'' if cases == 1 else 's'})"
-    if kind in ("var_declaration", "const_declaration", "type_declaration"):
-        names = [_text(n) for spec in stmt.named_children for n in spec.children_by_field_name("name")]
-        return kind.removesuffix("_declaration") + " " + _compact(", ".join(names))
-    if kind in ("inc_statement", "dec_statement", "send_statement"):
-        return _compact(_text(stmt))
-    if kind == "labeled_statement":
-        inner = [c for c in stmt.named_children if c.type != "label_name"]
-        return f"{_text(field('label'))}: " + (_outline(inner[0]) if inner else "")
-    if kind == "block":
-        return "block"
-    return kind.removesuffix("_statement")  # break, continue, goto, fallthrough
-
-
-def plan_of(body) -> str:
-    """The plan of a function body (a tree-sitter ``block``): one item per top-level statement, joined
-    by `` | ``; the same body always gives the same plan."""
-    return " | ".join(_outline(s) for s in statements_of(body))
 
 
 # ---- functions ------------------------------------------------------------------------------------
@@ -174,12 +64,12 @@ def _doc_comment(decl, src: bytes) -> str:
 
 
 def _function_name(decl) -> str:
-    name = _text(decl.child_by_field_name("name"))
+    name = node_text(decl.child_by_field_name("name"))
     if decl.type != "method_declaration":
         return name
     receiver = decl.child_by_field_name("receiver").named_children
     rtype = receiver[0].child_by_field_name("type") if receiver else None
-    rtype_text = re.sub(r"\[.*\]", "", _text(rtype)) if rtype is not None else "?"  # drop type parameters
+    rtype_text = re.sub(r"\[.*\]", "", node_text(rtype)) if rtype is not None else "?"  # drop type parameters
     return f"({rtype_text}).{name}"
 
 
@@ -206,7 +96,7 @@ def functions_in_file(parser, text: str, file: str, package: str, stats: Counter
             plan=plan_of(body), code=src[body.start_byte:body.end_byte].decode("utf-8")))
     # Declarations the parser could not even recognise as functions.
     unrecognised = sum(1 for n in tree.root_node.named_children
-                       if n.type == "ERROR" and _text(n).lstrip().startswith("func"))
+                       if n.type == "ERROR" and node_text(n).lstrip().startswith("func"))
     if unrecognised:
         stats["does_not_parse"] += unrecognised
     return out

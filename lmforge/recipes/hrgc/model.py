@@ -10,7 +10,7 @@
 * **refinement generation** — the same generator continuing that sequence with
   ``<verdict> validator message <code> corrected body</s>``.
 
-The sequence layout lives in ``lmforge.data.hrgc_data``; the inference loop in ``lmforge.infer.hrgc``.
+The sequence layout lives in ``lmforge.recipes.hrgc.sequences``; the inference loop in ``lmforge.recipes.hrgc.writer``.
 With ``hierarchical: false`` the model is the plain baseline: one generator over ``spec <code> code``,
 no planner, no head (what HRGC is measured against).
 """
@@ -25,12 +25,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmforge.errors import LMForgeError
-from lmforge.models import register
 from lmforge.models.base import LMForgeModel
 from lmforge.models.gpt import FLAVORS, GPT, GPTConfig
 from lmforge.models.losses import IGNORE_INDEX, linear_cross_entropy
 
 HEAD_LABELS = ("continue", "refine", "done")  # the head's classes, in this order
+# The seed's training settings: the hrgc kind's `recipe.*` (lmforge.recipes.hrgc.training.HRGCSettings).
+TRAINING_KEYS = ("plan_loss_weight", "code_loss_weight", "refinement_loss_weight", "planner_lr", "generator_lr",
+                 "refinement_lr", "refinement_warmup", "validation_frequency", "validation_samples",
+                 "own_failure_share")
 
 
 @dataclass
@@ -52,17 +55,7 @@ class HRGCConfig:
     hierarchical: bool = True  # false: the plain spec -> code baseline (generator only)
     planner_config: ModuleConfig = field(default_factory=lambda: ModuleConfig(n_positions=512))
     generator_config: ModuleConfig = field(default_factory=lambda: ModuleConfig(n_positions=1024))
-    # Training knobs, as the seed names them (the loss weights and learning rates of each module).
-    plan_loss_weight: float = 0.4
-    code_loss_weight: float = 0.4
-    refinement_loss_weight: float = 0.2  # x (head cross-entropy + LM loss of corrected attempts)
-    planner_lr: float = 0.0  # 0 = training.lr
-    generator_lr: float = 0.0  # the generator and the bridge; 0 = training.lr
-    refinement_lr: float = 0.0  # the continue/refine/done head; 0 = training.lr
-    refinement_warmup: int = 5000  # optimizer steps before refinement examples join the batches
-    validation_frequency: int = 100  # steps between sampling-and-parsing probes; 0 = off
-    validation_samples: int = 4  # functions written per probe
-    own_failure_share: float = 0.25  # of refinement rows, at most this share from the model's own failures
+    # Inference defaults of this checkpoint (training settings are the kind's: lmforge.recipes.hrgc.training).
     max_refinement_iterations: int = 5  # attempts at most in `lmforge generate` / `lmforge eval`
     enable_validation: bool = True  # inference: the parser vetoes "done" on code it rejects
     bos_token_id: int = 1
@@ -90,19 +83,13 @@ class HRGCConfig:
             check(m.n_embd % m.n_head == 0, f"model.{name}.n_embd ({m.n_embd}) must be divisible by "
                                             f"model.{name}.n_head ({m.n_head})")
             check(0.0 <= m.dropout < 1.0, f"model.{name}.dropout must be in [0, 1), got {m.dropout}")
-        for key in ("plan_loss_weight", "code_loss_weight", "refinement_loss_weight", "planner_lr",
-                    "generator_lr", "refinement_lr", "own_failure_share"):
-            check(getattr(self, key) >= 0, f"model.{key} must be >= 0, got {getattr(self, key)}")
-        check(self.own_failure_share <= 1, f"model.own_failure_share must be in [0, 1], got {self.own_failure_share}")
-        check(self.refinement_warmup >= 0, f"model.refinement_warmup must be >= 0, got {self.refinement_warmup}")
-        check(self.validation_frequency >= 0, "model.validation_frequency must be >= 0 (0 = off)")
-        check(self.validation_samples >= 1, "model.validation_samples must be >= 1")
         check(self.max_refinement_iterations >= 1,
               f"model.max_refinement_iterations must be >= 1, got {self.max_refinement_iterations}")
 
     @classmethod
     def resolve_dict(cls, values: dict[str, Any]) -> dict[str, Any]:
-        values = dict(values)
+        # Checkpoints of lmforge <= 0.2 kept the training settings here; they do not change the model.
+        values = {k: v for k, v in values.items() if k not in TRAINING_KEYS}
         for name in ("planner_config", "generator_config"):  # YAML nulls would otherwise become None
             if values.get(name) is None:
                 values.pop(name, None)
@@ -116,13 +103,9 @@ def _decoder_config(c: HRGCConfig, m: ModuleConfig) -> GPTConfig:
                      pad_token_id=c.pad_token_id)
 
 
-@register
 class HRGC(LMForgeModel):
     family = "hrgc"
     config_class = HRGCConfig
-    data_kind = "go_functions"
-    # Before refinement_warmup the head gets no gradient: DistributedDataParallel must allow that.
-    ddp_find_unused_parameters = True
 
     def __init__(self, config: HRGCConfig):
         super().__init__(config)
@@ -140,6 +123,9 @@ class HRGC(LMForgeModel):
             nn.init.zeros_(self.head.bias)
         else:
             self.planner = self.bridge = self.head = None
+        # The weights of the plan, code and refinement losses: training settings (HRGCSettings), set by
+        # the kind before training; these are the seed's defaults.
+        self.loss_weights = {"plan": 0.4, "code": 0.4, "refinement": 0.2}
 
     # ---- pieces the inference loop uses ------------------------------------------------
     def condition(self, planner_hidden: torch.Tensor, prefix_len: torch.Tensor, length: int) -> torch.Tensor:
@@ -174,7 +160,8 @@ class HRGC(LMForgeModel):
         code_loss = linear_cross_entropy(hidden, gen.lm_head.weight, batch["code_labels"])
         if not c.hierarchical:
             return code_loss, {"code_loss": code_loss.detach()}
-        loss = c.plan_loss_weight * plan_loss + c.code_loss_weight * code_loss
+        w = self.loss_weights
+        loss = w["plan"] * plan_loss + w["code"] * code_loss
         metrics: dict[str, Any] = {"plan_loss": plan_loss.detach(), "code_loss": code_loss.detach()}
         if "refine_ids" in batch:  # after refinement_warmup (and always in evaluation)
             refine_ids = batch["refine_ids"]
@@ -186,31 +173,10 @@ class HRGC(LMForgeModel):
             valid = labels != IGNORE_INDEX
             count = valid.sum().clamp(min=1)
             head_loss = (F.cross_entropy(logits, labels.clamp(min=0), reduction="none") * valid).sum() / count
-            loss = loss + c.refinement_loss_weight * (head_loss + refine_loss)
+            loss = loss + w["refinement"] * (head_loss + refine_loss)
             metrics.update(head_loss=head_loss.detach(), refine_loss=refine_loss.detach(),
                            head_accuracy=((logits.argmax(-1) == labels) & valid).sum() / count)
         return loss, metrics
-
-    def param_groups(self, weight_decay: float, lr: float) -> list[dict[str, Any]]:
-        """One learning rate per module (the seed's planner_lr / generator_lr / refinement_lr; 0 = lr),
-        each split into decayed matrices and undecayed vectors."""
-        c = self.config
-        modules = {"planner": ([self.planner], c.planner_lr), "generator": ([self.generator, self.bridge], c.generator_lr),
-                   "refinement": ([self.head], c.refinement_lr)}
-        groups = []
-        for name, (parts, module_lr) in modules.items():
-            decay, no_decay = [], []
-            for part in parts:
-                if part is None:
-                    continue
-                for pname, p in part.named_parameters():
-                    if p.requires_grad:
-                        (decay if self.decays(pname, p) else no_decay).append(p)
-            for suffix, params, wd in (("decay", decay, weight_decay), ("no_decay", no_decay, 0.0)):
-                if params:
-                    groups.append({"params": params, "weight_decay": wd, "lr": module_lr or lr,
-                                   "name": f"{name}/{suffix}"})
-        return groups
 
     def set_activation_checkpointing(self, enabled: bool) -> None:
         for part in (self.planner, self.generator):

@@ -3,7 +3,7 @@
 A grid is a numpy ``uint8`` array of shape ``(81,)``, row by row, with values 0..9 (0 = blank).
 
 ``build_sudoku_dataset`` writes the on-disk layout of HRM's ``dataset/build_sudoku_dataset.py``, so
-HRM's own tools read lmforge's data and ``lmforge.data.puzzles.PuzzleSplit`` reads HRM's::
+HRM's own tools read lmforge's data and ``lmforge.recipes.puzzles.data.PuzzleSplit`` reads HRM's::
 
     OUT/identifiers.json          ["<blank>"]
     OUT/lmforge_sudoku.json       provenance: sources, seed, clue range, num_aug, counts
@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from lmforge.data.puzzles import rating_histogram
+from lmforge.recipes.puzzles.data import rating_histogram
 from lmforge.errors import LMForgeError
 from lmforge.files import atomic_directory, remove_stale
 

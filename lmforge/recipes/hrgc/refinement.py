@@ -20,7 +20,8 @@ import random
 import re
 from dataclasses import dataclass
 
-from lmforge.data.go_functions import GoFunction, plan_of, statements_of
+from lmforge.go_syntax import parse_body, statements_of, validate
+from lmforge.recipes.hrgc.functions import GoFunction
 
 LABELS = ("continue", "refine", "done")
 CORRUPTIONS = ("drop_brace", "delete_line", "swap_lines", "rename_variable")
@@ -36,59 +37,6 @@ class RefinementExample:
     kind: str  # done | prefix | one of CORRUPTIONS
     message: str  # what the validator said about the attempt ("" when it passes)
     target: str  # the real body
-
-
-def _signature(spec: str) -> str:
-    """The spec without its doc comment (a signature may span lines)."""
-    lines = spec.split("\n")
-    while lines and lines[0].lstrip().startswith("//"):
-        lines.pop(0)
-    return "\n".join(lines)
-
-
-def parse_body(parser, spec: str, code: str):
-    """``(tree, body node or None, offset of the body in the parsed source)``."""
-    prefix = "package p\n\n" + _signature(spec) + " "
-    src = (prefix + code + "\n").encode("utf-8")
-    tree = parser.parse(src)
-    decl = next((n for n in tree.root_node.named_children
-                 if n.type in ("function_declaration", "method_declaration")), None)
-    body = decl.child_by_field_name("body") if decl is not None else None
-    return tree, body, len(prefix.encode("utf-8"))
-
-
-def _first_error(node):
-    if node.type == "ERROR" or node.is_missing:
-        return node
-    for child in node.children:
-        if child.has_error:
-            return _first_error(child)
-    return None
-
-
-def validate(parser, spec: str, code: str, plan: str | None = None) -> str:
-    """The validator's verdict on ``code`` as the body of ``spec``: "" when it parses (and, given a
-    plan, follows it), else a message naming the first problem."""
-    tree, body, offset = parse_body(parser, spec, code)
-    if tree.root_node.has_error or body is None:
-        error = _first_error(tree.root_node) or tree.root_node
-        line = error.start_point[0] - 1  # the package clause and a blank line come first
-        near = error.text.decode("utf-8", "replace").strip().split("\n")[0][:30]
-        what = f"missing {error.type}" if error.is_missing else f"unexpected {near!r}" if near else "unexpected end"
-        return f"syntax error: line {max(line, 1)} of the function: {what}"
-    after = code.encode("utf-8")[body.end_byte - offset:].decode("utf-8", "replace").strip()
-    if after:  # a body that closes early and more code after it: not one function body
-        return f"syntax error: text after the function's closing brace: {after.split(chr(10))[0][:30]!r}"
-    if plan is not None:
-        got = plan_of(body)
-        if got != plan:
-            want_items, got_items = plan.split(" | "), got.split(" | ")
-            i = next((i for i, (a, b) in enumerate(zip(want_items, got_items)) if a != b),
-                     min(len(want_items), len(got_items)))
-            want = want_items[i] if i < len(want_items) else "(nothing more)"
-            have = got_items[i] if i < len(got_items) else "(nothing)"
-            return f"does not follow the plan: step {i + 1} should be {want!r}, the code has {have!r}"
-    return ""
 
 
 def _body_lines(code: str) -> list[int]:

@@ -1,7 +1,7 @@
 """Read puzzle datasets in HRM's on-disk layout; batches for training (``GroupSampler``) and evaluation.
 
 A dataset directory holds one directory per split (``train``, ``test``), each with ``dataset.json``
-and the set ``all``'s arrays (see ``lmforge.data.sudoku`` for the fields)::
+and the set ``all``'s arrays (see ``lmforge.recipes.puzzles.sudoku`` for the fields)::
 
     all__inputs.npy (N, seq_len)  all__labels.npy (N, seq_len)  all__puzzle_identifiers.npy (P,)
     all__puzzle_indices.npy (P+1,)  all__group_indices.npy (G+1,)  [all__ratings.npy (N,), lmforge only]

@@ -15,13 +15,13 @@ import torch
 from tqdm.auto import tqdm
 
 from lmforge.errors import LMForgeError
-from lmforge.train.checkpoint import resolve_model_dir
-from lmforge.train.device import pick_device
+from lmforge.checkpoint import resolve_model_dir
+from lmforge.device import pick_device
 
 
 def load_puzzle_model(checkpoint: str | Path, device: str = "auto"):
     from lmforge.models import load_model
-    from lmforge.models.puzzle import PuzzleModel
+    from lmforge.recipes.puzzles.model import PuzzleModel
 
     directory = resolve_model_dir(checkpoint)
     model = load_model(directory, map_location=pick_device(device))
@@ -35,14 +35,14 @@ def load_puzzle_model(checkpoint: str | Path, device: str = "auto"):
 def evaluate_puzzles(checkpoint: str | Path, data: str | Path, split: str = "test", batch_size: int = 256,
                      device: str = "auto", limit: int = 0, show_progress: bool = True) -> dict[str, Any]:
     """Metrics of ``checkpoint`` on ``data``: a dataset directory (``split`` of it) or a Sudoku CSV."""
-    from lmforge.data.puzzles import PuzzleEvalLoader, PuzzleSplit
-    from lmforge.train.data import puzzle_eval_metrics
+    from lmforge.recipes.puzzles.data import PuzzleEvalLoader, PuzzleSplit
+    from lmforge.recipes.puzzles.training import puzzle_eval_metrics
 
     model, directory = load_puzzle_model(checkpoint, device)
     data = Path(data)
     with tempfile.TemporaryDirectory() as tmp:
         if data.is_file():
-            from lmforge.data.sudoku import build_sudoku_dataset, read_sudoku_csv
+            from lmforge.recipes.puzzles.sudoku import build_sudoku_dataset, read_sudoku_csv
 
             puzzles = read_sudoku_csv(data)  # written as the test split (the layout needs a train split too)
             build_sudoku_dataset(Path(tmp) / "set", puzzles[:1], puzzles, num_aug=0, seed=0, show_progress=False)

@@ -6,7 +6,7 @@ One segment ("supervision step") with ``T = H_cycles`` and ``n = L_cycles``::
     once, with full backprop:     n times z = net(z, y + x);  y = net(y, z)
 
 (``net(a, b)`` runs the blocks on ``a + b``.) y is the carry's ``z_h`` and z its ``z_l``. Deep
-supervision, ACT and the losses are shared with HRM (``lmforge.models.puzzle``); TRM's halting is
+supervision, ACT and the losses are shared with HRM (``lmforge.recipes.puzzles.model``); TRM's halting is
 simpler: a single Q logit, halt when it is > 0, trained by BCE on "the answer is exactly right", so
 there is no second forward pass. ``mlp_t`` swaps attention for a SwiGLU across the sequence axis
 (Sudoku), usually with ``pos_encodings: none``. TRM keeps an EMA of the weights (``ema_decay``).
@@ -19,10 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from lmforge.errors import LMForgeError
-from lmforge.models import register
-from lmforge.models.hrm import attention_blocks
-from lmforge.models.puzzle import PuzzleModel, PuzzleModelConfig
-from lmforge.models.reasoning_layers import PostNormBlock, ReasoningModule, TokenMixer
+from lmforge.recipes.puzzles.hrm import attention_blocks
+from lmforge.recipes.puzzles.model import PuzzleModel, PuzzleModelConfig
+from lmforge.recipes.puzzles.layers import PostNormBlock, ReasoningModule, TokenMixer
 
 
 @dataclass
@@ -33,7 +32,6 @@ class TRMConfig(PuzzleModelConfig):
     mlp_t: bool = False  # token-mixing MLP instead of attention
     puzzle_emb_len: int = 16
     ema_decay: float = 0.999
-    puzzle_emb_weight_decay: float = 0.1
 
     def validate(self) -> None:
         super().validate()
@@ -41,7 +39,6 @@ class TRMConfig(PuzzleModelConfig):
             raise LMForgeError("model config: L_layers, H_cycles and L_cycles must be >= 1")
 
 
-@register
 class TRM(PuzzleModel):
     family = "trm"
     config_class = TRMConfig

@@ -9,7 +9,7 @@ Sequences (segment markers are plain text, so any tokenizer works; each segment 
 
 The plain baseline (``model.hierarchical: false``) has only ``spec <code> code </s>``. The
 ``spec <plan> plan`` prefix takes the same positions in all three, which is where the planner's
-states condition the generator (``lmforge.models.hrgc``).
+states condition the generator (``lmforge.recipes.hrgc.model``).
 
 Batches are bucketed by length (a shuffled pool of 50 batches is sorted, cut into batches, and the
 batches shuffled), so padding stays small without packing functions together: every row is one
@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmforge.data.go_functions import GoFunction
-from lmforge.data.go_refinement import refinement_examples
-from lmforge.models.hrgc import HEAD_LABELS
+from lmforge.recipes.hrgc.functions import GoFunction
+from lmforge.recipes.hrgc.refinement import refinement_examples
+from lmforge.recipes.hrgc.model import HEAD_LABELS
 from lmforge.models.losses import IGNORE_INDEX
 
 MARKERS = {"plan": "\n<plan>\n", "code": "\n<code>\n", "attempt": "\n<attempt>\n", "judge": "\n<judge>",
@@ -237,12 +237,12 @@ class HRGCTrainLoader(_Batcher):
     plus extra rows from the model's own failures (``add_failure``) once the validation probe finds some."""
 
     def __init__(self, data: EncodedFunctions, parser, micro_batch_size: int, seed: int, rank: int,
-                 world_size: int, grad_accum_steps: int, refinement_warmup: int, own_failure_share: float):
+                 world_size: int, refinement_warmup: int, own_failure_share: float):
         super().__init__(data, parser, seed)
         if len(data) < micro_batch_size * world_size:
             raise_small(len(data), micro_batch_size * world_size)
         self.micro_batch_size, self.rank, self.world_size = micro_batch_size, rank, world_size
-        self.grad_accum_steps = grad_accum_steps
+        self.step = 0  # the optimizer step being drawn for: the loop says (set_step)
         self.refinement_warmup, self.own_failure_share = refinement_warmup, own_failure_share
         self.epoch, self.position, self.drawn = 0, 0, 0
         self.failures: list[dict[str, Any]] = []
@@ -252,9 +252,10 @@ class HRGCTrainLoader(_Batcher):
         return bucketed_batches(self.data.lengths, self.micro_batch_size, self.seed, self.epoch, self.rank,
                                 self.world_size)
 
-    @property
-    def step(self) -> int:
-        return self.drawn // self.grad_accum_steps
+    def set_step(self, step: int) -> None:
+        """The training loop's optimizer step, before its micro-batches are drawn (TrainData.on_step):
+        refinement rows join from step ``refinement_warmup`` on."""
+        self.step = step
 
     def add_failure(self, index: int, attempt: str, message: str, label: str) -> None:
         """Keep one of the model's failed attempts at training function ``index`` (target: its real body),

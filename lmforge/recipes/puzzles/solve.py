@@ -7,35 +7,14 @@ from typing import Any
 
 import numpy as np
 import torch
-import yaml
 
 from lmforge.errors import LMForgeError
-
-PUZZLE_FAMILIES = ("hrm", "trm", "puzzle_transformer")
-
-
-def checkpoint_family(path: str | Path) -> str | None:
-    """The model family a checkpoint (or run directory) holds, from its config alone; None when it
-    cannot be read (the caller's loading path then reports what is wrong)."""
-    from lmforge.train.checkpoint import resolve_model_dir
-
-    try:
-        config = yaml.safe_load((resolve_model_dir(path) / "config.yaml").read_text()) or {}
-    except (LMForgeError, OSError, yaml.YAMLError):
-        return None
-    return config.get("family") if isinstance(config, dict) else None
-
-
-def is_puzzle_checkpoint(path: str | Path) -> bool:
-    """Whether a checkpoint (or run directory) holds a puzzle model."""
-    return checkpoint_family(path) in PUZZLE_FAMILIES
-
 
 def solve_sudoku(checkpoint: str | Path, puzzle: str, max_steps: int | None = None, early_halt: bool = True,
                  device: str = "auto") -> dict[str, Any]:
     """The model's answer to ``puzzle`` (81 chars) with its validity and the steps it used."""
-    from lmforge.data.sudoku import is_valid_solution, parse_grid, solve
-    from lmforge.eval.puzzles import load_puzzle_model
+    from lmforge.recipes.puzzles.sudoku import is_valid_solution, parse_grid, solve
+    from lmforge.recipes.puzzles.evaluate import load_puzzle_model
 
     grid = parse_grid(puzzle.strip(), where="--puzzle")
     solutions, _ = solve(grid, limit=2)

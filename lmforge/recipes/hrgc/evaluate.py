@@ -1,7 +1,7 @@
 """``lmforge eval`` for HRGC (and its plain baseline) on a held-out split of ``data go-functions``.
 
 For every function (or the first ``limit``) the model writes a body from the spec alone, with the
-full inference loop (``lmforge.infer.hrgc``, greedy), and the answer is scored against the real body:
+full inference loop (``lmforge.recipes.hrgc.writer``, greedy), and the answer is scored against the real body:
 
 * plan_exact / plan_token_accuracy — the sampled plan against the reference plan (tokens compared
   position by position over the longer of the two);
@@ -23,7 +23,6 @@ right answer, a bound on a rambling one (the same for both models).
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 import shutil
@@ -35,29 +34,9 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from lmforge.data.go_functions import GoFunction, go_parser, read_go_functions
-from lmforge.data.go_refinement import parse_body
 from lmforge.errors import LMForgeError
-
-
-def node_kinds(parser, spec: str, code: str) -> list[str]:
-    """Named syntax-node kinds of a body, depth first (``ERROR`` where it does not parse)."""
-    _, body, _ = parse_body(parser, spec, code)
-    if body is None:
-        return []
-    out, stack = [], [body]
-    while stack:
-        node = stack.pop()
-        out.append(node.type)
-        stack.extend(reversed(node.named_children))
-    return out
-
-
-def ast_similarity(parser, spec: str, code: str, reference: str) -> float:
-    a, b = node_kinds(parser, spec, code), node_kinds(parser, spec, reference)
-    if not a and not b:
-        return 1.0
-    return difflib.SequenceMatcher(None, a, b, autojunk=False).ratio()
+from lmforge.go_syntax import ast_similarity, go_parser
+from lmforge.recipes.hrgc.functions import GoFunction, read_go_functions
 
 
 def token_accuracy(hyp: list[int], ref: list[int]) -> float:
@@ -136,7 +115,7 @@ def _source_root(data_dir: Path) -> Path | None:
 def head_accuracy(model, tokenizer, parser, functions: list[GoFunction], seed: int = 0,
                   batch_size: int = 16) -> tuple[float, int]:
     """Accuracy of the head on the functions' labelled refinement states, and how many were scored."""
-    from lmforge.data.hrgc_data import EncodedFunctions, HRGCEvalLoader, SequenceFormat
+    from lmforge.recipes.hrgc.sequences import EncodedFunctions, HRGCEvalLoader, SequenceFormat
 
     cfg = model.config
     data = EncodedFunctions(functions, SequenceFormat(tokenizer, True), cfg.planner_config.n_positions,
@@ -157,8 +136,9 @@ def head_accuracy(model, tokenizer, parser, functions: list[GoFunction], seed: i
 def evaluate_hrgc(checkpoint: str | Path, data_dir: str | Path, split: str = "test", limit: int = 0,
                   device: str = "auto", max_iterations: int | None = None, compile_check: bool = True,
                   progress: bool = True) -> dict[str, Any]:
-    from lmforge.infer.hrgc import SpecDoesNotFit, Writer
+    from lmforge.recipes.hrgc.writer import SpecDoesNotFit, Writer
     from lmforge.infer.loading import load_for_inference
+    from lmforge.recipes.hrgc.model import HRGC
 
     data_dir = Path(data_dir)
     split_file = data_dir / f"{split}.jsonl"
@@ -170,7 +150,7 @@ def evaluate_hrgc(checkpoint: str | Path, data_dir: str | Path, split: str = "te
         functions = functions[:limit]
     if not functions:
         raise LMForgeError(f"{split_file} holds no functions")
-    model, tokenizer, _ = load_for_inference(checkpoint, device, "fp32", family="hrgc")
+    model, tokenizer, _ = load_for_inference(checkpoint, device, "fp32", model_class=HRGC)
     parser = go_parser()
     writer = Writer(model, tokenizer, parser, max_iterations=max_iterations)
     hierarchical = model.config.hierarchical
@@ -222,4 +202,4 @@ def evaluate_hrgc(checkpoint: str | Path, data_dir: str | Path, split: str = "te
     return out
 
 
-__all__ = ["evaluate_hrgc", "ast_similarity", "node_kinds", "token_accuracy", "GoBuildCheck", "head_accuracy"]
+__all__ = ["evaluate_hrgc", "token_accuracy", "GoBuildCheck", "head_accuracy"]

@@ -1,0 +1,38 @@
+"""Pieces every command-line verb shares, at the bottom of lmforge's layers so that training kinds can
+add their own verbs and options with them (``lmforge.recipes``)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default, unless it is empty (None, []) or the help already states it."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, "", [], argparse.SUPPRESS) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def formatter(prog):
+    return HelpFormatter(prog, max_help_position=32)
+
+
+PRECISION_HELP = ("weight precision for generation: auto = bf16 on GPUs and CPUs with bf16 units (it halves the "
+                  "memory traffic that bounds decoding), else fp32")
+
+
+def add_device_args(p, precision: bool = True) -> None:
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    if precision:
+        p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help=PRECISION_HELP)
+
+
+def add_sampling_args(p, max_new_tokens: int) -> None:
+    """How replies are sampled: the same names in `generate`, `chat` and for every kind that writes text."""
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="longest reply, in tokens")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = off")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass; 1.0 = off")
+    p.add_argument("--seed", type=int, default=None, help="seed for reproducible samples")

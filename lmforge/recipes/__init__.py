@@ -1,0 +1,203 @@
+"""Training kinds as plug-ins: the ``RecipeSpec`` each kind fills in, and the registry that finds them.
+
+A *kind* is one way of training: ``lm`` (next-token pretraining of the gpt family), ``puzzles`` (HRM,
+TRM and the plain transformer on Sudoku-style grids), ``hrgc`` (the planner + generator Go coder).
+Each lives in its own package, ``lmforge/recipes/<kind>/``, whose ``__init__`` builds one
+``RecipeSpec`` and calls ``register``. The loop (``lmforge.train``), the command line (``train``,
+``eval``, ``generate``, ``bench``, ``data``) and checkpoint loading read the spec; none of them names
+a kind or a model family.
+
+Adding a kind: a new folder with its spec, and one line in ``BUILTIN`` below (see
+``docs/adding-a-recipe.md``). The registry imports those packages by name, on first use: it sits at
+the bottom of lmforge's layers (``lmforge.models`` asks it for a family's class), while the kinds sit
+near the top, so the one link from here up to them is this list of names, as with any plug-in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmforge.errors import LMForgeError
+
+# The built-in kinds, one package each. A new kind adds its line here.
+BUILTIN = (
+    "lmforge.recipes.lm",
+    "lmforge.recipes.puzzles",
+    "lmforge.recipes.hrgc",
+)
+
+
+@dataclass(frozen=True)
+class Counts:
+    """What one micro-batch held, for throughput and MFU: the tokens the model processed (padding not
+    counted), the examples (rows, puzzles, functions), and the training FLOPs it cost."""
+
+    tokens: int
+    examples: int
+    flops: float
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Something a kind runs on the current weights every ``interval`` steps, on every process (e.g.
+    HRGC writes functions and parses them). ``run(model, step)`` returns metrics, averaged across
+    processes by the loop."""
+
+    interval: int
+    run: Callable[[Any, int], dict[str, float]]
+
+
+@dataclass
+class TrainData:
+    """What a kind's ``build_data`` hands the loop."""
+
+    train: Any  # .next_batch() -> dict of CPU tensors; .state_dict(); .load_state_dict(state)
+    val: Any | None  # .iter_eval_batches(max_batches) -> iterable of batch dicts; None = no evaluation
+    description: str = ""
+    derive_eval_metrics: Callable[[dict[str, float]], dict[str, float]] = lambda m: m
+    examples_per_epoch: int = 0  # what one epoch of `training.epochs` counts (all processes together)
+    tokenizer_path: Any = None  # a tokenizer.json copied into the run and every checkpoint; None = none
+    probe: Probe | None = None
+    on_step: Callable[[int], None] | None = None  # told each optimizer step before its batches are drawn (curricula)
+
+
+@dataclass(frozen=True)
+class CLIOptions:
+    """The options a kind adds to one verb (``eval`` or ``generate``) and the function that runs it.
+
+    ``add(group)`` adds the kind's own options to an argparse group titled with the kind; ``uses``
+    names the shared option sets it takes too (``sampling``: temperature, top-k, top-p, seed,
+    --max-new-tokens). ``run(args)`` does the work and returns the exit code. The command line refuses
+    an option of another kind with a message naming the kind it belongs to."""
+
+    run: Callable[[argparse.Namespace], int]
+    add: Callable[[Any], None] = lambda group: None
+    uses: tuple[str, ...] = ()
+    help: str = ""  # what the verb does for this kind, one line
+
+
+def _call_model(model, batch):
+    return model(batch)
+
+
+def _predicted_tokens_or_rows(batch: dict[str, Any]) -> float:
+    """Evaluation means are weighted by predicted tokens where a batch has labels, else by rows."""
+    import torch
+
+    labels = batch.get("labels")
+    if torch.is_tensor(labels):
+        return float((labels != -100).sum())
+    first = next(v for v in batch.values() if torch.is_tensor(v))
+    return float(first.shape[0])
+
+
+@dataclass(frozen=True)
+class RecipeSpec:
+    """Everything lmforge needs to know about one training kind."""
+
+    name: str  # the kind: `kind: NAME` in a recipe (default: the kind of model.family)
+    summary: str  # one line, shown in --help
+    families: tuple[type, ...]  # the model classes it trains (LMForgeModel subclasses); the first is the default
+    build_data: Callable[[Any, Any], TrainData]  # (RunConfig, DistInfo) -> TrainData; may fill model sizes
+    count: Callable[[Any, dict[str, Any]], Counts]  # (model, CPU batch) -> what the micro-batch held
+    # --- configuration ----------------------------------------------------------------------------
+    settings: type | None = None  # dataclass of the kind's training-only settings: config section `recipe`
+    aliases: Callable[[dict[str, Any]], dict[str, Any]] | None = None  # a guide's names -> lmforge's, per layer
+    supersedes: dict[str, dict[str, list[tuple[str, Any]]]] = field(default_factory=dict)  # see config.py
+    configure: Callable[[Any, bool], None] | None = None  # (RunConfig, is_main): last adjustments before a run
+    # --- the step ---------------------------------------------------------------------------------
+    prepare_model: Callable[[Any, Any], None] | None = None  # (model, RunConfig): training settings onto it
+    make_optimizer: Callable[[Any, list, Any, Any], Any] | None = None  # (model, groups, RunConfig, device)
+    loss: Callable[[Any, dict[str, Any]], tuple[Any, dict[str, Any]]] = _call_model  # (module, batch)
+    ddp_find_unused_parameters: bool = False  # some parameters get no gradient in some steps
+    # --- evaluation -------------------------------------------------------------------------------
+    best_metric: str = "eval/loss"  # the metric that picks checkpoints/best
+    best_higher_is_better: bool = False
+    eval_weight: Callable[[dict[str, Any]], float] = _predicted_tokens_or_rows  # a batch's share of eval means
+    # --- command line -----------------------------------------------------------------------------
+    eval: CLIOptions | None = None  # `lmforge eval CKPT` for this kind's checkpoints
+    generate: CLIOptions | None = None  # `lmforge generate CKPT` (its inference entry point)
+    add_data_verbs: Callable[[Any], None] | None = None  # adds `lmforge data VERB` builders of its data
+    add_verbs: Callable[[Any], None] | None = None  # adds top-level verbs of its own (puzzles: `solve`)
+    bench_data: Callable[[Any], Any] | None = None  # (RunConfig) -> a train loader of random batches
+
+    def family_names(self) -> tuple[str, ...]:
+        return tuple(cls.family for cls in self.families)
+
+
+_KINDS: dict[str, RecipeSpec] = {}
+_FAMILIES: dict[str, tuple[type, RecipeSpec]] = {}  # family -> (model class, the kind that owns it)
+_loaded = False
+
+
+def register(spec: RecipeSpec) -> RecipeSpec:
+    """Make a kind known (called by its package on import). A family belongs to the first kind that
+    registers it; later kinds may train it too (e.g. fine-tuning the gpt family)."""
+    if spec.name in _KINDS and _KINDS[spec.name] is not spec:
+        raise LMForgeError(f"two training kinds are named {spec.name!r}")
+    _KINDS[spec.name] = spec
+    for cls in spec.families:
+        _FAMILIES.setdefault(cls.family, (cls, spec))
+    return spec
+
+
+def _load_builtin() -> None:
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    for module in BUILTIN:
+        importlib.import_module(module)
+
+
+def kinds() -> list[RecipeSpec]:
+    _load_builtin()
+    return [_KINDS[k] for k in sorted(_KINDS)]
+
+
+def get_kind(name: str) -> RecipeSpec:
+    _load_builtin()
+    if name not in _KINDS:
+        close = difflib.get_close_matches(str(name), list(_KINDS), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise LMForgeError(f"unknown training kind {name!r}; known: {', '.join(sorted(_KINDS))}.{hint}")
+    return _KINDS[name]
+
+
+def families() -> list[str]:
+    _load_builtin()
+    return sorted(_FAMILIES)
+
+
+def model_class(family: str | None) -> type:
+    """The model class of a family name (``gpt``, ``trm`` ...)."""
+    _load_builtin()
+    if family not in _FAMILIES:
+        close = difflib.get_close_matches(str(family), list(_FAMILIES), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise LMForgeError(f"unknown model family {family!r}; known: {', '.join(sorted(_FAMILIES))}.{hint}")
+    return _FAMILIES[family][0]
+
+
+def kind_of_family(family: str | None) -> RecipeSpec:
+    """The kind a family's checkpoints belong to (what `lmforge eval` / `generate` run for them)."""
+    model_class(family)  # the error for an unknown family
+    return _FAMILIES[family][1]
+
+
+def family_of_config(config: Any) -> str:
+    """The family whose config dataclass ``config`` is."""
+    _load_builtin()
+    for name, (cls, _) in _FAMILIES.items():
+        if type(config) is cls.config_class:
+            return name
+    raise LMForgeError(f"no model family takes a config of type {type(config).__name__}")
+
+
+__all__ = ["BUILTIN", "CLIOptions", "Counts", "Probe", "RecipeSpec", "TrainData", "families", "family_of_config",
+           "get_kind", "kind_of_family", "kinds", "model_class", "register"]

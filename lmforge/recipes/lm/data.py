@@ -1,0 +1,145 @@
+"""The language-model kind's data: token shards (``lmforge data prepare``), or raw text prepared into the
+run on first use, checked against the tokenizer and the model."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from lmforge.config import RunConfig
+from lmforge.errors import LMForgeError
+from lmforge.eval.lm import lm_metrics
+from lmforge.recipes import TrainData
+from lmforge.tokenizer import DEFAULT_TRAINED_VOCAB, Tokenizer
+from lmforge.train.distributed import DistInfo, barrier
+
+
+
+
+def token_data_dir(cfg: RunConfig) -> Path:
+    """Where the token shards are: data.path, or RUN_DIR/data for data.train_path."""
+    return Path(cfg.data.path) if cfg.data.path or not cfg.data.train_path else cfg.run_dir / "data"
+
+
+def prepare_train_path(cfg: RunConfig, distinfo: DistInfo) -> None:
+    """data.train_path (raw JSONL / text / a directory): tokenize it into RUN_DIR/data once, with
+    data.tokenizer or a tokenizer trained on it (model.vocab_size tokens, or 8192), and reuse that
+    directory on resumed runs. Rank 0 does the work; the others wait."""
+    from lmforge.data import prepare_data, train_tokenizer_from_sources
+    from lmforge.data.loader import read_meta
+    src, out = Path(cfg.data.train_path), token_data_dir(cfg)
+    if distinfo.is_main:
+        if not src.exists():
+            raise LMForgeError(f"data.train_path={src} does not exist: point it at a JSONL file of "
+                               '{"text": ...} records, a text file or a directory of files')
+        include = tuple(cfg.data.include)
+        if (out / "meta.json").is_file():
+            meta = read_meta(out)
+            prepared_from = [s["path"] for s in meta["sources"]]
+            if prepared_from != [str(src.resolve())]:
+                raise LMForgeError(f"{out} was prepared from {prepared_from}, not data.train_path={src}; "
+                                   "train into a new run (name=NEW) or delete that directory")
+            if cfg.data.tokenizer and Tokenizer.load(cfg.data.tokenizer).sha256 != meta["tokenizer_sha256"]:
+                raise LMForgeError(f"{out} was tokenized with another tokenizer than data.tokenizer="
+                                   f"{cfg.data.tokenizer}; train into a new run (name=NEW)")
+            print(f"data: reusing {out} (prepared from {src})")
+        else:
+            tokenizer: Path | str = cfg.data.tokenizer
+            scratch = cfg.run_dir / ".tokenizer-training"  # the tokenizer's lasting copy goes into `out`
+            try:
+                if not tokenizer:
+                    vocab = getattr(cfg.model, "vocab_size", 0) or DEFAULT_TRAINED_VOCAB
+                    print(f"data: no data.tokenizer given: training a {vocab}-token byte-level BPE on {src}")
+                    train_tokenizer_from_sources([src], scratch, vocab_size=vocab, include=include,
+                                                 text_field=cfg.data.text_field, seed=cfg.seed, overwrite=True)
+                    tokenizer = scratch
+                print(f"data: tokenizing {src} into {out}")
+                prepare_data([src], out, tokenizer, include=include, text_field=cfg.data.text_field,
+                             val_fraction=cfg.data.val_fraction, seed=cfg.seed)
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+    barrier(distinfo)
+
+
+def build_token_data(cfg: RunConfig, distinfo: DistInfo) -> TrainData:
+    from lmforge.data.loader import PackedLoader, TokenDataset, read_meta
+
+    path = token_data_dir(cfg)
+    if not cfg.data.path and not cfg.data.train_path:
+        raise LMForgeError("no training data: set data.train_path to a JSONL file of {\"text\": ...} records "
+                           "(or a text file / directory), or data.path to a directory made by `lmforge data "
+                           "prepare` (e.g. data.path=data/go)")
+    if not path.exists():
+        raise LMForgeError(f"data.path={path} does not exist; run `lmforge data prepare SRC --tokenizer TOK "
+                           f"--out {path}` first")
+    train_ds = TokenDataset(path, "train")
+    mb, seq = cfg.training.micro_batch_size, cfg.data.seq_len
+    train = PackedLoader(train_ds, seq_len=seq, micro_batch_size=mb, rank=distinfo.rank,
+                         world_size=distinfo.world_size, seed=cfg.seed, shuffle=True)
+    val, val_ds = None, None
+    if "val" in read_meta(path)["splits"]:  # a val split that is there but corrupt raises, never hides
+        val_ds = TokenDataset(path, "val")
+        if val_ds.num_tokens > seq:
+            val = PackedLoader(val_ds, seq_len=seq, micro_batch_size=mb, rank=distinfo.rank,
+                               world_size=distinfo.world_size, seed=cfg.seed, shuffle=False)
+    if val is None and distinfo.is_main:
+        print(f"note: {path} has no validation split longer than data.seq_len={seq}; evaluation is off")
+
+    bytes_per_token = val_ds.bytes / val_ds.num_tokens if val is not None and val_ds.num_tokens else 0.0
+
+    def derive(metrics: dict[str, float]) -> dict[str, float]:
+        return {**metrics, **lm_metrics(metrics["loss"], bytes_per_token)}
+
+    return TrainData(train=train, val=val, derive_eval_metrics=derive, examples_per_epoch=train.num_windows,
+                     description=f"{path}: {train_ds.num_tokens:,} train tokens"
+                                 + (f", {val_ds.num_tokens:,} val tokens" if val is not None else ""))
+
+
+def build_lm_data(cfg: RunConfig, distinfo: DistInfo) -> TrainData:
+    """``RecipeSpec.build_data`` of the lm kind: prepares data.train_path if given, then the shards."""
+    n_positions = cfg.model.n_positions
+    if cfg.data.seq_len > n_positions:
+        raise LMForgeError(f"data.seq_len={cfg.data.seq_len} is longer than the model's context "
+                           f"model.n_positions={n_positions}; lower one or raise the other")
+    if cfg.data.train_path:
+        prepare_train_path(cfg, distinfo)
+    data = build_token_data(cfg, distinfo)
+    data.tokenizer_path = tokenizer_path(cfg)
+    check_vocab(cfg, data.tokenizer_path)
+    return data
+
+
+def tokenizer_path(cfg: RunConfig) -> Path:
+    path = Path(cfg.data.tokenizer) if cfg.data.tokenizer else token_data_dir(cfg)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise LMForgeError(f"tokenizer {path} not found: set data.tokenizer=PATH/tokenizer.json (or a Hugging "
+                           "Face tokenizer directory), or prepare the data with `lmforge data prepare`, which "
+                           "stores the tokenizer beside the shards")
+    return path
+
+
+def check_vocab(cfg: RunConfig, tokenizer_path: Path) -> None:
+    """The data, tokenizer and model agree; fills model.vocab_size (if 0) and the special-token ids."""
+    from lmforge.data.loader import TokenDataset
+
+    tok = Tokenizer.load(tokenizer_path)
+    data_dir = token_data_dir(cfg)
+    meta = TokenDataset(data_dir, "train")
+    if meta.tokenizer_sha256 and meta.tokenizer_sha256 != tok.sha256:
+        raise LMForgeError(f"the data in {data_dir} was tokenized with a different tokenizer than "
+                           f"{tokenizer_path}; re-run `lmforge data prepare` with this tokenizer or point "
+                           "data.tokenizer at the one the data was made with")
+    model_vocab = getattr(cfg.model, "vocab_size", None)
+    if model_vocab is None:
+        return
+    if model_vocab == 0:
+        cfg.model.vocab_size = tok.vocab_size
+    elif model_vocab < tok.vocab_size or model_vocab < meta.vocab_size:
+        raise LMForgeError(f"model.vocab_size={model_vocab} but the tokenizer {tokenizer_path} has "
+                           f"{tok.vocab_size} tokens: set model.vocab_size={tok.vocab_size} (or 0 to take it "
+                           "from the tokenizer)")
+    for key, value in (("eos_token_id", tok.eos_id), ("bos_token_id", tok.bos_id), ("pad_token_id", tok.pad_id)):
+        if hasattr(cfg.model, key):
+            setattr(cfg.model, key, tok.eos_id if value is None else value)

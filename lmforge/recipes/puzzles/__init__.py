@@ -1,0 +1,35 @@
+"""The ``puzzles`` kind: HRM, TRM and the plain transformer baseline on Sudoku-style grids in HRM's
+dataset layout (seed 003). Deep supervision with adaptive halting, AdamATan2 + sign-SGD for the
+puzzle embeddings, exact accuracy picks `best/`."""
+
+from __future__ import annotations
+
+from lmforge.recipes import CLIOptions, RecipeSpec, register
+from lmforge.recipes.puzzles import cli
+from lmforge.recipes.puzzles.aliases import hrm_aliases
+from lmforge.recipes.puzzles.baseline import PuzzleTransformer
+from lmforge.recipes.puzzles.cli_data import add_data_verbs
+from lmforge.recipes.puzzles.hrm import HRM
+from lmforge.recipes.puzzles.training import (PuzzleSettings, build_puzzle_data, configure, count, eval_weight,
+                                              make_optimizer)
+from lmforge.recipes.puzzles.trm import TRM
+
+SPEC = register(RecipeSpec(
+    name="puzzles",
+    summary="puzzle models (hrm, trm, puzzle_transformer): exact accuracy on Sudoku; solve one puzzle",
+    families=(HRM, TRM, PuzzleTransformer),
+    build_data=build_puzzle_data,
+    count=count,
+    settings=PuzzleSettings,
+    aliases=hrm_aliases,
+    configure=configure,
+    make_optimizer=make_optimizer,
+    best_metric="eval/exact_accuracy",
+    best_higher_is_better=True,
+    eval_weight=eval_weight,
+    eval=CLIOptions(run=cli.run_eval, help="exact and cell accuracy on a puzzle dataset or a Sudoku CSV "
+                                           "(--limit N: the first N puzzles)"),
+    generate=CLIOptions(run=cli.run_solve, add=cli.add_solve_args, help="solve one Sudoku (also `lmforge solve`)"),
+    add_data_verbs=add_data_verbs,
+    add_verbs=cli.add_verbs,
+))

@@ -1,0 +1,95 @@
+"""Dataclasses from plain dicts (YAML, JSON, overrides), with type checks and "did you mean" for
+unknown keys. Every config lmforge reads goes through ``dataclass_from_dict``."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from typing import Any
+
+from lmforge.errors import LMForgeError
+
+
+def dataclass_from_dict(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        raise LMForgeError(f"config section {prefix or '<root>'!r} must be a mapping, got {values!r}")
+    resolve = getattr(cls, "resolve_dict", None)
+    if resolve is not None:
+        values = resolve(dict(values))
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in values.items():
+        dotted = f"{prefix}.{key}" if prefix else key
+        if key not in fields:
+            raise LMForgeError(_unknown_key_message(dotted, key, cls, prefix))
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+            kwargs[key] = dataclass_from_dict(hint, value, prefix=dotted)
+        elif key in getattr(cls, "built_separately", ()):
+            continue  # e.g. RunConfig.model: its dataclass depends on another key
+        else:
+            kwargs[key] = _coerce(value, hint, dotted)
+    try:
+        obj = cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise LMForgeError(f"invalid config section {prefix or '<root>'!r}: {e}") from e
+    return obj
+
+
+def _unknown_key_message(dotted: str, key: str, cls: type, prefix: str) -> str:
+    names = [f.name for f in dataclasses.fields(cls)]
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
+    where = f"{prefix}." if prefix else ""
+    hint = f" Did you mean '{where}{close[0]}'?" if close else ""
+    return f"unknown config key '{dotted}'.{hint} Valid keys here: {', '.join(where + n for n in names)}"
+
+
+def _coerce(value: Any, hint: Any, dotted: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if hint is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, dotted)
+            except LMForgeError as e:
+                errors.append(str(e))
+        raise LMForgeError(errors[0] if errors else f"bad value for {dotted}: {value!r}")
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise LMForgeError(f"config key '{dotted}' expects a list, got {value!r}")
+        inner = args[0] if args else Any
+        items = [_coerce(v, inner, f"{dotted}[{i}]") for i, v in enumerate(value)]
+        return items if origin is list else tuple(items)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise LMForgeError(f"config key '{dotted}' expects a mapping, got {value!r}")
+        return dict(value)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise LMForgeError(f"config key '{dotted}' expects true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+            raise LMForgeError(f"config key '{dotted}' expects an integer, got {value!r}")
+        return int(value)
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise LMForgeError(f"config key '{dotted}' expects a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if isinstance(value, (dict, list)):
+            raise LMForgeError(f"config key '{dotted}' expects a string, got {value!r}")
+        return "" if value is None else str(value)
+    return value

@@ -1,0 +1,159 @@
+"""lmforge's import graph: no cycles, no module importing a layer above its own, no training kind
+importing another, and no code outside a kind's folder that tests a family or kind name.
+
+Every ``import`` statement counts, at module level or inside a function (a lazy import is still a
+dependency). The registry's list of built-in kinds (``lmforge.recipes.BUILTIN``) names packages as
+strings, the plug-in link, and is not an import statement. Run alone: ``python -m pytest -q
+tests/test_architecture.py``."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import lmforge
+from lmforge import recipes
+
+ROOT = Path(lmforge.__file__).parent
+
+# Lowest first. A module may import its own layer or a lower one. The first prefix that matches
+# a module's name gives its layer; `lmforge.recipes` alone is the registry, its subpackages the kinds.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("foundation", ("lmforge.errors", "lmforge.files", "lmforge.typed", "lmforge.cli_common", "lmforge.recipes=")),
+    ("formats", ("lmforge.device", "lmforge.safe_state", "lmforge.checkpoint", "lmforge.chat", "lmforge.go_syntax")),
+    ("tokenizer", ("lmforge.tokenizer",)),
+    ("models and data", ("lmforge.models", "lmforge.data")),
+    ("config", ("lmforge.config",)),
+    ("inference and evaluation", ("lmforge.infer", "lmforge.eval")),
+    ("training, export, serving", ("lmforge.train", "lmforge.export", "lmforge.serve", "lmforge.plot")),
+    ("training kinds", ("lmforge.recipes.",)),
+    ("command line", ("lmforge.cli", "lmforge.cli_data", "lmforge.bench", "lmforge.quickstart", "lmforge.__main__",
+                      "lmforge=")),
+]
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def layer_of(module: str) -> int:
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if prefix.endswith("="):
+                if module == prefix[:-1]:
+                    return index
+            elif module == prefix or module.startswith(prefix + ".") or (prefix.endswith(".") and module.startswith(prefix)):
+                return index
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS in tests/test_architecture.py")
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the lmforge modules it imports (a `from pkg import name` counts as pkg.name when that
+    is a module, else pkg)."""
+    modules = {module_name(p): p for p in ROOT.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            else:
+                continue
+            edges.update(t for t in targets if t in modules and t != name)
+        graph[name] = edges
+    return graph
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{a} ({LAYERS[layer_of(a)][0]}) imports {b} ({LAYERS[layer_of(b)][0]})"
+                  for a, targets in graph.items() for b in targets if layer_of(b) > layer_of(a))
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[str]:
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    cycles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join(path[path.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for start in sorted(graph):
+        if start not in state:
+            visit(start, [start])
+    return cycles
+
+
+def kind_crossings(graph: dict[str, set[str]]) -> list[str]:
+    def kind(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[2] if len(parts) > 2 and parts[:2] == ["lmforge", "recipes"] else None
+
+    return [f"{a} imports {b}" for a, targets in graph.items() for b in targets
+            if kind(a) and kind(b) and kind(a) != kind(b)]
+
+
+def test_every_module_has_a_layer_and_imports_point_down():
+    upward = upward_imports(import_graph())
+    assert not upward, "imports that point up a layer:\n" + "\n".join(upward)
+
+
+def test_the_import_graph_has_no_cycles():
+    cycles = find_cycles(import_graph())
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_a_kind_imports_no_other_kind():
+    crossing = kind_crossings(import_graph())
+    assert not crossing, "\n".join(crossing)
+
+
+def _named_constants(node: ast.AST) -> list[str]:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return [c.value for c in node.elts if isinstance(c, ast.Constant) and isinstance(c.value, str)]
+    return []
+
+
+def family_tests(source: str, names: set[str]) -> list[int]:
+    """Lines of ``source`` that compare something with one of ``names`` (== / != / in)."""
+    return [node.lineno for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Compare)
+            and any(names.intersection(_named_constants(side)) for side in [node.left, *node.comparators])]
+
+
+def test_no_code_outside_a_kinds_folder_tests_a_family_or_kind_name():
+    names = set(recipes.families()) | {spec.name for spec in recipes.kinds()}
+    found = [f"{module_name(path)}:{line}" for path in ROOT.rglob("*.py")
+             if not module_name(path).startswith("lmforge.recipes.")
+             for line in family_tests(path.read_text(), names)]
+    assert not found, "family or kind names tested outside lmforge/recipes/<kind>/:\n" + "\n".join(found)
+
+
+def test_the_checks_find_what_they_look_for():
+    """Each check fails on a graph or source that breaks its rule, and the walker sees lazy imports."""
+    graph = import_graph()
+    assert "lmforge.recipes" in graph["lmforge.models"]  # module level
+    assert "lmforge.train.loggers" in graph["lmforge.plot"]
+    assert "lmforge.recipes.puzzles.sudoku" in graph["lmforge.recipes.puzzles.cli"]  # inside a function
+    bad = {**graph, "lmforge.data.loader": graph["lmforge.data.loader"] | {"lmforge.train.loop"}}
+    assert upward_imports(bad) == ["lmforge.data.loader (models and data) imports lmforge.train.loop "
+                                   "(training, export, serving)"]
+    bad = {**graph, "lmforge.train.loop": graph["lmforge.train.loop"] | {"lmforge.train"}}
+    assert any("lmforge.train.loop -> lmforge.train" in c for c in find_cycles(bad))
+    bad = {**graph, "lmforge.recipes.hrgc.model": graph["lmforge.recipes.hrgc.model"] | {"lmforge.recipes.puzzles.model"}}
+    assert kind_crossings(bad) == ["lmforge.recipes.hrgc.model imports lmforge.recipes.puzzles.model"]
+    assert family_tests('if model.family == "hrgc":\n    pass\nok = x in ("trm", "hrm")', {"hrgc", "trm"}) == [1, 3]

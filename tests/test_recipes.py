@@ -1,0 +1,222 @@
+"""Training kinds as plug-ins (lmforge.recipes): a new kind in one folder trains, evaluates and is
+counted through its spec alone; the command line shows each kind's options where they apply; old
+checkpoints and old spellings of moved settings still load; each kind counts what it processed."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+
+import pytest
+import torch
+import yaml
+
+from lmforge import recipes
+from lmforge.cli import main
+from lmforge.config import load_config
+from lmforge.errors import LMForgeError
+from lmforge.models import load_model
+from tests.train_helpers import PEAK_FLOPS, FakeClock
+
+# A whole training kind, as a newcomer would write it in lmforge/recipes/toy/__init__.py: its own model
+# family (a linear map that learns to add two numbers), data, loss, counts, metric for best/ and eval verb.
+TOY_KIND = textwrap.dedent('''
+    from dataclasses import dataclass
+
+    import torch
+    from torch import nn
+
+    from lmforge.models.base import LMForgeModel
+    from lmforge.recipes import CLIOptions, Counts, RecipeSpec, TrainData, register
+
+
+    @dataclass
+    class AdderConfig:
+        width: int = 2
+
+
+    class Adder(LMForgeModel):
+        family = "toy_adder"
+        config_class = AdderConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.proj = nn.Linear(config.width, 1)
+
+        def forward(self, batch):
+            error = self.proj(batch["x"]).squeeze(-1) - batch["x"].sum(-1)
+            return (error ** 2).mean(), {"abs_error": error.abs().mean().detach()}
+
+
+    @dataclass
+    class ToySettings:
+        loss_scale: float = 1.0
+
+
+    class Pairs:
+        def __init__(self, seed, rows=4):
+            self.gen, self.rows, self.drawn = torch.Generator().manual_seed(seed), rows, 0
+
+        def next_batch(self):
+            self.drawn += 1
+            return {"x": torch.rand(self.rows, 2, generator=self.gen)}
+
+        def iter_eval_batches(self, max_batches=None):
+            gen = torch.Generator().manual_seed(99)
+            for _ in range(max_batches or 2):
+                yield {"x": torch.rand(8, 2, generator=gen)}
+
+        def state_dict(self):
+            return {"drawn": self.drawn}
+
+        def load_state_dict(self, state):
+            self.drawn = state["drawn"]
+
+
+    SEEN_LOSS_SCALES = []
+
+
+    def loss(module, batch):
+        value, metrics = module(batch)
+        return value * SEEN_LOSS_SCALES[-1], metrics
+
+
+    def build_data(cfg, dist):
+        SEEN_LOSS_SCALES.append(cfg.recipe.loss_scale)
+        return TrainData(train=Pairs(cfg.seed), val=Pairs(0), description="random pairs",
+                         derive_eval_metrics=lambda m: {**m, "score": 1.0 / (1.0 + m["abs_error"])})
+
+
+    def run_eval(args):
+        print(f"toy eval of {args.checkpoint} with --toy-answers {args.toy_answers}")
+        return 0
+
+
+    SPEC = register(RecipeSpec(
+        name="toy", summary="adds two numbers", families=(Adder,), build_data=build_data,
+        count=lambda model, batch: Counts(tokens=3 * batch["x"].shape[0], examples=batch["x"].shape[0], flops=1e3),
+        settings=ToySettings, loss=loss, best_metric="eval/score", best_higher_is_better=True,
+        eval=CLIOptions(run=run_eval, add=lambda g: g.add_argument("--toy-answers", type=int, default=1),
+                        help="prints what it was asked"),
+    ))
+''')
+
+
+@pytest.fixture
+def toy_kind(tmp_path, monkeypatch):
+    """The toy kind registered as a plug-in for one test (the registry is restored afterwards)."""
+    package = tmp_path / "plugins" / "toy_recipe"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(TOY_KIND)
+    recipes.kinds()  # the built-in kinds first, so the copies below hold them
+    monkeypatch.setattr(recipes, "_KINDS", dict(recipes._KINDS))
+    monkeypatch.setattr(recipes, "_FAMILIES", dict(recipes._FAMILIES))
+    monkeypatch.syspath_prepend(str(tmp_path / "plugins"))
+    monkeypatch.delitem(sys.modules, "toy_recipe", raising=False)
+    import toy_recipe  # the one registry line of a built-in kind does this import
+
+    return toy_recipe
+
+
+def toy_recipe_file(tmp_path, **training):
+    recipe = {"name": "toy", "out_dir": str(tmp_path / "runs"), "kind": "toy", "model": {"family": "toy_adder"},
+              "recipe": {"loss_scale": 2.0},
+              "training": {"max_steps": 6, "lr": 0.05, "warmup_steps": 0, "eval_interval": 2, "save_interval": 3,
+                           "log_interval": 2, "eval_batches": 2, "device": "cpu", "precision": "fp32",
+                           "peak_flops": PEAK_FLOPS, **training},
+              "logging": {"tensorboard": False, "progress_bar": False}}
+    path = tmp_path / "toy.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def test_a_new_kind_in_one_folder_trains_evaluates_and_counts_through_its_spec(toy_kind, tmp_path, monkeypatch, capsys):
+    from lmforge.train import train
+    from lmforge.train.loop import Trainer
+
+    assert "toy" in [s.name for s in recipes.kinds()] and recipes.kind_of_family("toy_adder").name == "toy"
+    cfg = load_config(str(toy_recipe_file(tmp_path)))
+    assert cfg.kind == "toy" and cfg.recipe.loss_scale == 2.0 and cfg.to_dict()["recipe"] == {"loss_scale": 2.0}
+    clock = FakeClock()
+    clock.charge(monkeypatch, Trainer, "_train_step", 0.5)
+    result = train(cfg, clock=clock)
+    assert result.step == 6 and toy_kind.SEEN_LOSS_SCALES == [2.0]  # its settings reached its data and loss
+    rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in rows if "train/tokens_per_s" in r]
+    # The kind counts 3 tokens and 1 example per row, 4 rows a step: 12 tokens / 0.5 s, 4 examples / 0.5 s.
+    assert [(r["train/tokens_per_s"], r["train/examples_per_s"], r["train/tokens"]) for r in logged] == \
+        [(24.0, 8.0, 24), (24.0, 8.0, 48), (24.0, 8.0, 72)]
+    assert all(r["train/mfu"] == pytest.approx(1e3 / 0.5 / PEAK_FLOPS) for r in logged)  # 1e3 FLOPs per 0.5 s step
+    scores = {r["step"]: r["eval/score"] for r in rows if "eval/score" in r}
+    best_step = max(scores, key=lambda s: (scores[s], s))
+    state = json.loads((result.run_dir / "checkpoints" / "step-000006" / "trainer_state.json").read_text())
+    assert state["best_metric"] == "eval/score" and state["best_score"] == pytest.approx(-scores[best_step])
+    best = load_model(result.run_dir / "checkpoints" / "best")
+    assert type(best).__name__ == "Adder"
+
+    # its eval verb, with its own option, reached through the checkpoint's family
+    assert main(["eval", str(result.run_dir), "--data", "unused", "--toy-answers", "3"]) == 0
+    assert f"toy eval of {result.run_dir} with --toy-answers 3" in capsys.readouterr().out
+    assert main(["eval", str(result.run_dir), "--data", "unused", "--max-iterations", "2"]) == 2
+    assert "--max-iterations is for hrgc checkpoints" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    assert "kind toy: prints what it was asked" in capsys.readouterr().out
+
+
+def test_kind_options_are_refused_on_other_kinds_checkpoints(trained_run, capsys):
+    run = trained_run.run_dir
+    assert main(["generate", str(run), "--puzzle", "." * 81]) == 2
+    err = capsys.readouterr().err
+    assert "--puzzle is for puzzles checkpoints" in err and "'gpt' model (kind lm)" in err
+    assert main(["eval", str(run), "--data", "x", "--no-compile"]) == 2
+    assert "--no-compile is for hrgc checkpoints" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    out = capsys.readouterr().out
+    for heading in ("sampling (kinds: hrgc, lm)", "kind lm: continue a prompt", "kind puzzles: solve one Sudoku",
+                    "kind hrgc: write one function body"):
+        assert heading in out
+
+
+def test_old_spellings_and_old_checkpoints_of_moved_settings(tmp_path):
+    # lmforge <= 0.2 wrote HRGC's and the puzzle models' training settings into the model's config.yaml
+    from lmforge.recipes.hrgc.model import HRGC, HRGCConfig
+    from lmforge.recipes.puzzles.trm import TRM, TRMConfig
+
+    for model, extra in ((HRGC(HRGCConfig(vocab_size=64)), {"plan_loss_weight": 0.5, "validation_frequency": 7}),
+                         (TRM(TRMConfig(seq_len=4, vocab_size=5, num_puzzle_identifiers=1, hidden_size=16,
+                                        num_heads=2)), {"puzzle_emb_lr": 0.01, "puzzle_emb_weight_decay": 0.2})):
+        directory = model.save_pretrained(tmp_path / model.family)
+        config = yaml.safe_load((directory / "config.yaml").read_text())
+        assert not set(extra) & set(config)  # no longer written
+        (directory / "config.yaml").write_text(yaml.safe_dump({**config, **extra}))
+        again = load_model(directory)
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+    cfg = load_config("hrgc_go_tiny", ["model.plan_loss_weight=0.3", "model.validation_samples=2"])
+    assert (cfg.recipe.plan_loss_weight, cfg.recipe.validation_samples) == (0.3, 2)
+    with pytest.raises(LMForgeError, match="'model.plan_loss_weight' and 'recipe.plan_loss_weight' are both given"):
+        load_config("hrgc_go_tiny", ["model.plan_loss_weight=0.3", "recipe.plan_loss_weight=0.2"])
+    with pytest.raises(LMForgeError, match="unknown config key 'recipe.plan_loss_wieght'"):
+        load_config("hrgc_go_tiny", ["recipe.plan_loss_wieght=0.3"])
+    with pytest.raises(LMForgeError, match="kind 'lm' has no settings of its own"):
+        load_config("go_coder_tiny", ["recipe.x=1"])
+    with pytest.raises(LMForgeError, match="kind 'puzzles' trains the model families hrm, trm, puzzle_transformer"):
+        load_config("go_coder_tiny", ["kind=puzzles"])
+    with pytest.raises(LMForgeError, match="unknown training kind 'lmm'.*Did you mean 'lm'"):
+        load_config("go_coder_tiny", ["kind=lmm"])
+
+
+def test_hrgc_counts_the_tokens_it_read_not_the_padding():
+    from lmforge.recipes.hrgc.model import HRGC, HRGCConfig, ModuleConfig
+    from lmforge.recipes.hrgc.training import count
+
+    model = HRGC(HRGCConfig(vocab_size=64, planner_config=ModuleConfig(n_positions=16, n_embd=16, n_layer=1, n_head=2),
+                            generator_config=ModuleConfig(n_positions=32, n_embd=32, n_layer=2, n_head=2)))
+    pad = model.config.pad_token_id
+    plan = torch.tensor([[5, 6, 7, pad], [5, 6, pad, pad]])  # 5 real tokens of 8
+    code = torch.tensor([[5, 6, 7, 8, 9, pad], [5, 6, 7, pad, pad, pad]])  # 8 of 12
+    c = count(model, {"plan_ids": plan, "code_ids": code})
+    assert (c.tokens, c.examples) == (13, 2)
+    assert c.flops == 5 * model.planner.flops_per_token(4) + 8 * model.generator.flops_per_token(6)
