@@ -323,6 +323,7 @@ def config_from_dict(values: dict[str, Any]) -> RunConfig:
     model_values = dict(model_values)
     family = model_values.pop("family", None) or spec.families[0].family
     recipe_values = values.pop("recipe", None) or {}
+    _refuse_other_kinds_names(values, spec)
     cfg = dataclass_from_dict(RunConfig, values, prefix="")
     cfg.kind = spec.name
     cls = model_class(family)
@@ -338,6 +339,29 @@ def config_from_dict(values: dict[str, Any]) -> RunConfig:
                            f"({', '.join(sorted(recipe_values))})")
     validate_run_config(cfg)
     return cfg
+
+
+def _refuse_other_kinds_names(values: dict[str, Any], spec: RecipeSpec) -> None:
+    """A top-level key this kind does not know but another kind's guide does (HRM's `lr=` on a language
+    model): say which lmforge key it means, instead of only "unknown"."""
+    known = {f.name for f in dataclasses.fields(RunConfig)}
+    for key in [k for k in values if k not in known]:
+        for other in kinds():
+            if other is spec or other.aliases is None:
+                continue
+            try:
+                moved = other.aliases({key: values[key]})
+            except LMForgeError:
+                continue
+            if key in moved:
+                continue
+            path, node = [], moved
+            while isinstance(node, dict) and len(node) == 1:
+                name, node = next(iter(node.items()))
+                path.append(name)
+            target = ".".join(path)
+            raise LMForgeError(f"unknown config key {key!r}: it is how the {other.name} kind's guide spells {target}; "
+                               f"for this {spec.name} run write {target}={values[key]!r}")
 
 
 def validate_run_config(cfg: RunConfig) -> None:

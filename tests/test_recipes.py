@@ -206,6 +206,11 @@ def test_old_spellings_and_old_checkpoints_of_moved_settings(tmp_path):
         load_config("go_coder_tiny", ["kind=puzzles"])
     with pytest.raises(LMForgeError, match="unknown training kind 'lmm'.*Did you mean 'lm'"):
         load_config("go_coder_tiny", ["kind=lmm"])
+    # a guide's name belongs to its kind: on another kind's run it is refused with the key it means
+    with pytest.raises(LMForgeError, match="'lr': it is how the puzzles kind's guide spells training.lr; for this lm "
+                                           "run write training.lr=0.001"):
+        load_config("go_coder_tiny", ["lr=1e-3"])
+    assert load_config("hrm_sudoku", ["lr=1e-3"]).training.lr == 1e-3
 
 
 def test_hrgc_counts_the_tokens_it_read_not_the_padding():
