@@ -1,6 +1,6 @@
 """lmforge: train small language and reasoning models from scratch, then serve and export them."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from lmforge.errors import LMForgeError  # noqa: E402
 

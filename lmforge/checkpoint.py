@@ -199,13 +199,28 @@ def resolve_model_dir(path: str | os.PathLike) -> Path:
     )
 
 
-def checkpoint_family(path: str | Path) -> str | None:
-    """The model family a checkpoint (or run directory) holds, from its config alone; None when it
-    cannot be read (the caller's loading path then reports what is wrong)."""
+def checkpoint_family(path: str | Path, strict: bool = False) -> str | None:
+    """The model family a checkpoint (or run directory) holds, from its config.yaml alone. When that
+    cannot be read: None, or with ``strict`` an error that says what is wrong and what to pass."""
     import yaml
 
     try:
-        config = yaml.safe_load((resolve_model_dir(path) / "config.yaml").read_text()) or {}
-    except (LMForgeError, OSError, yaml.YAMLError):
+        model_dir = resolve_model_dir(path)
+        config_path = model_dir / "config.yaml"
+        if not config_path.is_file():
+            raise LMForgeError(f"{model_dir} is not a model directory: it has no config.yaml. Pass a checkpoint "
+                               "directory (runs/NAME/checkpoints/step-NNNNNN) or a run directory.")
+        try:
+            config = yaml.safe_load(config_path.read_text()) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise LMForgeError(f"{config_path} is not valid YAML ({e}); the checkpoint is corrupt: use an earlier "
+                               f"one in {model_dir.parent}") from e
+        family = config.get("family") if isinstance(config, dict) else None
+        if not isinstance(family, str) or not family:
+            raise LMForgeError(f"{config_path} names no model family (a 'family:' key); the checkpoint is corrupt: "
+                               f"use an earlier one in {model_dir.parent}")
+        return family
+    except (LMForgeError, OSError):
+        if strict:
+            raise
         return None
-    return config.get("family") if isinstance(config, dict) else None

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from lmforge.cli_common import add_device_args, add_sampling_args, formatter
+from lmforge.cli_common import add_device_args, add_precision_arg, add_sampling_args, formatter
 from lmforge.errors import LMForgeError
 
 RECIPE_HELP = "a recipe name from configs/ (e.g. go_coder_tiny) or the path of a YAML file"
@@ -60,7 +60,8 @@ def _cmd_train(args) -> int:
 
 # ---- eval and generate: common options, then each training kind's --------------------------------
 # Option sets several kinds share, named in their RecipeSpec's CLIOptions.uses.
-SHARED_OPTIONS = {"sampling": lambda group: add_sampling_args(group, max_new_tokens=200)}
+SHARED_OPTIONS = {"sampling": lambda group: add_sampling_args(group, max_new_tokens=200),
+                  "precision": lambda group: add_precision_arg(group)}
 
 
 def _add_kind_options(p, verb: str) -> None:
@@ -89,13 +90,10 @@ def _add_kind_options(p, verb: str) -> None:
 
 
 def _checkpoint_kind(checkpoint: str):
-    from lmforge.checkpoint import checkpoint_family, resolve_model_dir
+    from lmforge.checkpoint import checkpoint_family
     from lmforge.recipes import kind_of_family
 
-    family = checkpoint_family(checkpoint)
-    if family is None:  # reports what is wrong with the path or its config.yaml
-        resolve_model_dir(checkpoint)
-        raise LMForgeError(f"{checkpoint}: its config.yaml does not name a model family; the checkpoint is corrupt")
+    family = checkpoint_family(checkpoint, strict=True)  # an error says what is wrong with the path
     return family, kind_of_family(family)
 
 
@@ -153,7 +151,7 @@ def _add_generate(sub) -> None:
                                    "what it takes depends on the training kind of its model, and options under a "
                                    f"kind's heading apply to that kind only. {_kinds_text('generate')}")
     p.add_argument("checkpoint", help="checkpoint directory or run directory")
-    add_device_args(p)
+    add_device_args(p, precision=False)
     _add_kind_options(p, "generate")
     p.set_defaults(func=_generate)
 
@@ -279,7 +277,7 @@ def _add_chat(sub) -> None:
     p.add_argument("checkpoint", help="a checkpoint, best/, or a run directory")
     p.add_argument("--system", default=None, help="a system message that opens the conversation")
     add_sampling_args(p, max_new_tokens=512)
-    p.add_argument("--max-tokens", type=int, dest="max_new_tokens", help=argparse.SUPPRESS)  # lmforge <= 0.2
+    p.add_argument("--max-tokens", type=int, dest="max_new_tokens", help=argparse.SUPPRESS)  # lmforge 0.1
     add_device_args(p)
     p.set_defaults(func=_cmd_chat)
 

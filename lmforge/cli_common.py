@@ -26,7 +26,11 @@ PRECISION_HELP = ("weight precision for generation: auto = bf16 on GPUs and CPUs
 def add_device_args(p, precision: bool = True) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     if precision:
-        p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help=PRECISION_HELP)
+        add_precision_arg(p)
+
+
+def add_precision_arg(p) -> None:
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help=PRECISION_HELP)
 
 
 def add_sampling_args(p, max_new_tokens: int) -> None:

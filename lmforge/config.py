@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from lmforge.errors import LMForgeError
-from lmforge.recipes import RecipeSpec, family_of_config, get_kind, kind_of_family, kinds, model_class
+from lmforge.recipes import RecipeSpec, default_kind, family_of_config, get_kind, kind_of_family, kinds, model_class
 from lmforge.typed import dataclass_from_dict
 
 RECIPE_DIR = Path(__file__).parent / "configs"
@@ -234,7 +234,7 @@ def kind_of_layers(layers: list[dict[str, Any]]) -> RecipeSpec:
                 break
     if kind:
         return get_kind(str(kind))
-    return kind_of_family(family or "gpt")
+    return kind_of_family(family) if family else default_kind()
 
 
 def set_dotted(out: dict[str, Any], target: str, value: Any, alias: str) -> None:
@@ -342,26 +342,36 @@ def config_from_dict(values: dict[str, Any]) -> RunConfig:
 
 
 def _refuse_other_kinds_names(values: dict[str, Any], spec: RecipeSpec) -> None:
-    """A top-level key this kind does not know but another kind's guide does (HRM's `lr=` on a language
-    model): say which lmforge key it means, instead of only "unknown"."""
-    known = {f.name for f in dataclasses.fields(RunConfig)}
-    for key in [k for k in values if k not in known]:
+    """A key this kind does not know but another kind's guide does (HRM's `lr=`, seed 002's
+    `training.optimizer.lr` on another kind's run): say which lmforge key it means, not only "unknown"."""
+    sections = {f.name: f.type for f in dataclasses.fields(RunConfig)}
+    unknown: list[tuple[str, dict[str, Any]]] = []  # (the dotted key as given, that key alone as a config)
+    for key, value in values.items():
+        if key not in sections:
+            unknown.append((key, {key: value}))
+        elif isinstance(value, dict) and dataclasses.is_dataclass(_SECTION_CLASSES.get(key)):
+            fields = {f.name for f in dataclasses.fields(_SECTION_CLASSES[key])}
+            unknown += [(f"{key}.{sub}", {key: {sub: v}}) for sub, v in value.items() if sub not in fields]
+    for dotted, alone in unknown:
         for other in kinds():
             if other is spec or other.aliases is None:
                 continue
             try:
-                moved = other.aliases({key: values[key]})
+                moved = other.aliases(alone)
             except LMForgeError:
                 continue
-            if key in moved:
+            if moved == alone:
                 continue
             path, node = [], moved
             while isinstance(node, dict) and len(node) == 1:
                 name, node = next(iter(node.items()))
                 path.append(name)
             target = ".".join(path)
-            raise LMForgeError(f"unknown config key {key!r}: it is how the {other.name} kind's guide spells {target}; "
-                               f"for this {spec.name} run write {target}={values[key]!r}")
+            raise LMForgeError(f"unknown config key {dotted!r}: it is how the {other.name} kind's guide spells {target}; "
+                               f"for this {spec.name} run write {target}={node!r}")
+
+
+_SECTION_CLASSES = {"data": DataConfig, "training": TrainingConfig, "logging": LoggingConfig}
 
 
 def validate_run_config(cfg: RunConfig) -> None:

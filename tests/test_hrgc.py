@@ -308,7 +308,7 @@ def test_inference_builds_what_training_scored(corpus):
 
 
 def test_module_learning_rates_and_loss_weights_reach_the_optimizer(corpus, tmp_path):
-    # model.* is lmforge <= 0.2's spelling of these training settings (recipe.* now): both work
+    # model.* is lmforge 0.1's spelling of these training settings (recipe.* now): both work
     run = train_cli(corpus, tmp_path, "model.planner_lr=0.0036", "recipe.generator_lr=0.0024",
                     "model.refinement_lr=0.003", "training.lr=0.001", "recipe.refinement_warmup=3",
                     "training.grad_accum_steps=2",  # the warmup counts optimizer steps, not micro-batches
@@ -639,3 +639,7 @@ def test_two_processes_run_the_probe_on_every_rank(corpus, tmp_path):
     assert all(r["probe/parse_rate"] in (0.0, 0.5, 1.0) for r in probes)  # one function per rank, averaged
     tokens = [r["train/tokens"] for r in rows if "train/tokens" in r]
     assert tokens == sorted(tokens) and tokens[0] > 0
+    # each process's loader (its own failures) is in the checkpoint, for an exact resume on 2 processes
+    state = json.loads((tmp_path / "r" / "checkpoints" / "step-000004" / "trainer_state.json").read_text())
+    assert len(state["data_per_rank"]) == 2 and state["data"] == state["data_per_rank"][0]
+    assert all("failures" in s for s in state["data_per_rank"])

@@ -165,6 +165,40 @@ def test_a_new_kind_in_one_folder_trains_evaluates_and_counts_through_its_spec(t
     assert "kind toy: prints what it was asked" in capsys.readouterr().out
 
 
+def test_kinds_of_installed_packages_load_through_entry_points(tmp_path, monkeypatch):
+    """A kind in another package registers through the `lmforge.recipes` entry-point group; one that does not
+    import is named in the error; a second class under a taken family name is refused."""
+    import importlib.metadata
+
+    package = tmp_path / "plugins" / "toy_recipe"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(TOY_KIND)
+    monkeypatch.syspath_prepend(str(tmp_path / "plugins"))
+    monkeypatch.delitem(sys.modules, "toy_recipe", raising=False)
+    recipes.kinds()  # the built-in kinds first, so the copies below hold them
+    monkeypatch.setattr(recipes, "_KINDS", dict(recipes._KINDS))
+    monkeypatch.setattr(recipes, "_FAMILIES", dict(recipes._FAMILIES))
+    monkeypatch.setattr(recipes, "_state", {"loaded": False, "loading": False})
+    entry = importlib.metadata.EntryPoint(name="toy", value="toy_recipe", group=recipes.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(importlib.metadata, "entry_points",
+                        lambda group=None: [entry] if group == recipes.ENTRY_POINT_GROUP else [])
+    assert [s.name for s in recipes.kinds()] == ["hrgc", "lm", "puzzles", "toy"]
+    assert recipes.model_class("toy_adder").__name__ == "Adder"
+
+    import toy_recipe
+
+    class Other(toy_recipe.Adder):
+        pass
+    with pytest.raises(LMForgeError, match="'toy_adder' that kind 'toy' already defines with another class"):
+        recipes.register(recipes.RecipeSpec(name="toy2", summary="", families=(Other,), build_data=None, count=None))
+
+    broken = importlib.metadata.EntryPoint(name="broken", value="no_such_module_here", group=recipes.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [broken])
+    monkeypatch.setattr(recipes, "_state", {"loaded": False, "loading": False})
+    with pytest.raises(LMForgeError, match="the training kind 'broken' of an installed package.*does not import"):
+        recipes.kinds()
+
+
 def test_kind_options_are_refused_on_other_kinds_checkpoints(trained_run, capsys):
     run = trained_run.run_dir
     assert main(["generate", str(run), "--puzzle", "." * 81]) == 2
@@ -181,7 +215,7 @@ def test_kind_options_are_refused_on_other_kinds_checkpoints(trained_run, capsys
 
 
 def test_old_spellings_and_old_checkpoints_of_moved_settings(tmp_path):
-    # lmforge <= 0.2 wrote HRGC's and the puzzle models' training settings into the model's config.yaml
+    # lmforge 0.1 wrote HRGC's and the puzzle models' training settings into the model's config.yaml
     from lmforge.recipes.hrgc.model import HRGC, HRGCConfig
     from lmforge.recipes.puzzles.trm import TRM, TRMConfig
 
@@ -211,6 +245,9 @@ def test_old_spellings_and_old_checkpoints_of_moved_settings(tmp_path):
                                            "run write training.lr=0.001"):
         load_config("go_coder_tiny", ["lr=1e-3"])
     assert load_config("hrm_sudoku", ["lr=1e-3"]).training.lr == 1e-3
+    with pytest.raises(LMForgeError, match="'training.batch_size': it is how the lm kind's guide spells "
+                                           "training.micro_batch_size; for this hrgc run write training.micro_batch_size=4"):
+        load_config("hrgc_go_tiny", ["training.batch_size=4"])
 
 
 def test_hrgc_counts_the_tokens_it_read_not_the_padding():

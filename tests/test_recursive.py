@@ -204,7 +204,7 @@ def test_seed_003_command_words_map_to_config():
     t, m, s = cfg.training, cfg.model, cfg.recipe
     assert (cfg.data.path, t.epochs, t.eval_interval_epochs, t.global_batch_size) == ("data/x", 500, 100, 4)
     assert (t.lr, t.weight_decay, s.puzzle_emb_lr, s.puzzle_emb_weight_decay) == (1e-4, 1.0, 1e-4, 1.0)
-    # lmforge <= 0.2's spelling (model.*) and HRM's (arch.*) reach the same training setting
+    # lmforge 0.1's spelling (model.*) and HRM's (arch.*) reach the same training setting
     assert load_config("hrm_sudoku", ["model.puzzle_emb_lr=0.02"]).recipe.puzzle_emb_lr == 0.02
     assert load_config("hrm_sudoku", ["arch.puzzle_emb_lr=0.03"]).recipe.puzzle_emb_lr == 0.03
     assert (m.hidden_size, m.H_layers, m.L_layers, m.num_heads, m.expansion) == (32, 1, 1, 1, 2)

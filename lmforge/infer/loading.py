@@ -8,6 +8,7 @@ import torch
 
 from lmforge.errors import LMForgeError
 from lmforge.models import load_model
+from lmforge.recipes import kind_of_family
 from lmforge.checkpoint import resolve_model_dir
 from lmforge.device import pick_device, pick_precision
 
@@ -56,9 +57,10 @@ def load_for_inference(checkpoint: str | Path, device: str = "auto", precision: 
     if model_class is not None and not isinstance(model, model_class):
         raise LMForgeError(f"{model_dir} holds a {model.family!r} model, not a {model_class.family!r} model")
     if model_class is None and not hasattr(model, "new_kv_cache"):
-        raise LMForgeError(f"{model_dir} holds a {model.family!r} model, which does not generate text; this "
-                           "command takes gpt-family checkpoints (`lmforge generate --help` lists what each "
-                           "kind's checkpoints take)")
+        kind = kind_of_family(model.family)
+        what = f"`lmforge generate CKPT ...` runs it ({kind.generate.help})" if kind.generate else "it has no generate"
+        raise LMForgeError(f"{model_dir} holds a {model.family!r} model (kind {kind.name}), which does not generate "
+                           f"text, so this command cannot take it; {what}, and `lmforge eval` scores it")
     tokenizer = Tokenizer.load(find_tokenizer(model_dir))
     vocab = getattr(model.config, "vocab_size", None)
     if vocab is not None and tokenizer.vocab_size > vocab:

@@ -10,10 +10,6 @@ from lmforge.models.base import LMForgeModel
 from lmforge.recipes import families, family_of_config, model_class
 
 
-def config_class(family: str | None) -> type:
-    return model_class(family).config_class
-
-
 def build_model(config: Any) -> LMForgeModel:
     return model_class(family_of_config(config))(config)
 
@@ -22,8 +18,7 @@ def load_model(directory, map_location="cpu") -> LMForgeModel:
     return LMForgeModel.from_pretrained(directory, map_location=map_location)
 
 
-__all__ = ["LMForgeModel", "build_model", "load_model", "families", "model_class", "config_class",
-]
+__all__ = ["LMForgeModel", "build_model", "load_model", "families", "model_class"]
 
 
 def __getattr__(name: str):

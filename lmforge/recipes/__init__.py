@@ -8,7 +8,8 @@ Each lives in its own package, ``lmforge/recipes/<kind>/``, whose ``__init__`` b
 a kind or a model family.
 
 Adding a kind: a new folder with its spec, and one line in ``BUILTIN`` below (see
-``docs/adding-a-recipe.md``). The registry imports those packages by name, on first use: it sits at
+``docs/adding-a-recipe.md``); a kind in another package registers through the ``lmforge.recipes``
+entry-point group instead. The registry imports those packages by name, on first use: it sits at
 the bottom of lmforge's layers (``lmforge.models`` asks it for a family's class), while the kinds sit
 near the top, so the one link from here up to them is this list of names, as with any plug-in.
 """
@@ -18,6 +19,8 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import importlib.metadata
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +33,8 @@ BUILTIN = (
     "lmforge.recipes.puzzles",
     "lmforge.recipes.hrgc",
 )
+DEFAULT_KIND = "lm"  # the kind of a recipe that names neither `kind` nor `model.family`
+ENTRY_POINT_GROUP = "lmforge.recipes"  # kinds of other packages: `[project.entry-points."lmforge.recipes"]`
 
 
 @dataclass(frozen=True)
@@ -109,7 +114,6 @@ class RecipeSpec:
     settings: type | None = None  # dataclass of the kind's training-only settings: config section `recipe`
     aliases: Callable[[dict[str, Any]], dict[str, Any]] | None = None  # a guide's names -> lmforge's, per layer
     supersedes: dict[str, dict[str, list[tuple[str, Any]]]] = field(default_factory=dict)  # see config.py
-    configure: Callable[[Any, bool], None] | None = None  # (RunConfig, is_main): last adjustments before a run
     # --- the step ---------------------------------------------------------------------------------
     prepare_model: Callable[[Any, Any], None] | None = None  # (model, RunConfig): training settings onto it
     make_optimizer: Callable[[Any, list, Any, Any], Any] | None = None  # (model, groups, RunConfig, device)
@@ -132,7 +136,7 @@ class RecipeSpec:
 
 _KINDS: dict[str, RecipeSpec] = {}
 _FAMILIES: dict[str, tuple[type, RecipeSpec]] = {}  # family -> (model class, the kind that owns it)
-_loaded = False
+_state = {"loaded": False, "loading": False}
 
 
 def register(spec: RecipeSpec) -> RecipeSpec:
@@ -140,6 +144,12 @@ def register(spec: RecipeSpec) -> RecipeSpec:
     registers it; later kinds may train it too (e.g. fine-tuning the gpt family)."""
     if spec.name in _KINDS and _KINDS[spec.name] is not spec:
         raise LMForgeError(f"two training kinds are named {spec.name!r}")
+    for cls in spec.families:
+        owner = _FAMILIES.get(cls.family)
+        if owner is not None and owner[0] is not cls:
+            raise LMForgeError(f"kind {spec.name!r} registers a model family {cls.family!r} that kind {owner[1].name!r} "
+                               f"already defines with another class ({owner[0].__module__}.{owner[0].__name__}); "
+                               "choose another family name")
     _KINDS[spec.name] = spec
     for cls in spec.families:
         _FAMILIES.setdefault(cls.family, (cls, spec))
@@ -147,12 +157,22 @@ def register(spec: RecipeSpec) -> RecipeSpec:
 
 
 def _load_builtin() -> None:
-    global _loaded
-    if _loaded:
+    """Import the built-in kinds and those of installed packages (entry points), once."""
+    if _state["loaded"] or _state["loading"]:  # loading: a kind's own import asked the registry
         return
-    _loaded = True
-    for module in BUILTIN:
-        importlib.import_module(module)
+    _state["loading"] = True
+    try:
+        for module in BUILTIN:
+            importlib.import_module(module)
+        for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            try:
+                entry.load()
+            except Exception as e:  # noqa: BLE001 - a broken third-party kind must not hide the others
+                raise LMForgeError(f"the training kind {entry.name!r} of an installed package ({entry.value}) does not "
+                                   f"import: {type(e).__name__}: {e}. Fix or uninstall that package.") from e
+        _state["loaded"] = True
+    finally:
+        _state["loading"] = False
 
 
 def kinds() -> list[RecipeSpec]:
@@ -190,6 +210,22 @@ def kind_of_family(family: str | None) -> RecipeSpec:
     return _FAMILIES[family][1]
 
 
+def default_kind() -> RecipeSpec:
+    return get_kind(DEFAULT_KIND)
+
+
+_FLOPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {length: FLOPs per token}
+
+
+def flops_per_token(model: Any, length: int) -> float:
+    """``model.flops_per_token(length)``, remembered per model and length: ``count`` runs per micro-batch,
+    and some families walk their modules to answer."""
+    cache = _FLOPS.setdefault(model, {})
+    if length not in cache:
+        cache[length] = float(model.flops_per_token(length))
+    return cache[length]
+
+
 def family_of_config(config: Any) -> str:
     """The family whose config dataclass ``config`` is."""
     _load_builtin()
@@ -199,5 +235,6 @@ def family_of_config(config: Any) -> str:
     raise LMForgeError(f"no model family takes a config of type {type(config).__name__}")
 
 
-__all__ = ["BUILTIN", "CLIOptions", "Counts", "Probe", "RecipeSpec", "TrainData", "families", "family_of_config",
-           "get_kind", "kind_of_family", "kinds", "model_class", "register"]
+__all__ = ["BUILTIN", "DEFAULT_KIND", "CLIOptions", "Counts", "Probe", "RecipeSpec", "TrainData", "default_kind",
+           "families", "family_of_config", "flops_per_token", "get_kind", "kind_of_family", "kinds", "model_class",
+           "register"]

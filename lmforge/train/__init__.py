@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import random
 import shutil
 import time
@@ -58,9 +59,11 @@ def _train(cfg: RunConfig, resume: bool | str, distinfo: DistInfo, clock: Callab
     if resume_from is not None and cfg.training.init_from:
         raise LMForgeError("training.init_from starts a new run from a checkpoint's weights; it cannot be "
                            "combined with resuming. Drop one of them.")
+    if os.environ.get("DISABLE_COMPILE", "").strip().lower() in ("1", "true", "yes") and cfg.training.compile:
+        cfg.training.compile = False  # HRM's switch (seed 003), honoured for every kind as its users expect
+        if distinfo.is_main:
+            print("note: DISABLE_COMPILE is set: training.compile=false")
     spec = cfg.spec
-    if spec.configure is not None:
-        spec.configure(cfg, distinfo.is_main)
     _resolve_batch(cfg, distinfo)
     data = spec.build_data(cfg, distinfo)  # may fill data-dependent model sizes (vocabulary, grid size)
     tokenizer_path = data.tokenizer_path

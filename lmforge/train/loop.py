@@ -202,7 +202,9 @@ class Trainer:
             g["base_lr"] = base_lr
         if opt_state["scaler"] and self.scaler.is_enabled():
             self.scaler.load_state_dict(opt_state["scaler"])
-        self.data.train.load_state_dict(state["data"])
+        per_rank = state.get("data_per_rank")  # each process's own loader (e.g. HRGC's pool of its failures)
+        own = per_rank[self.dist.rank] if per_rank and len(per_rank) == self.dist.world_size else state["data"]
+        self.data.train.load_state_dict(own)
         saved_world = len(rng["per_rank"])
         if saved_world == self.dist.world_size:
             restore_rng(rng["per_rank"][self.dist.rank])
@@ -228,8 +230,11 @@ class Trainer:
         if self.dist.enabled:
             gathered: list[Any] = [None] * self.dist.world_size
             dist.all_gather_object(gathered, rng)
+            data_states: list[Any] = [None] * self.dist.world_size
+            dist.all_gather_object(data_states, self.data.train.state_dict())
         else:
             gathered = [rng]
+            data_states = [self.data.train.state_dict()]
 
         def write(tmp: Path) -> None:
             self._write_model_dir(tmp)
@@ -242,7 +247,8 @@ class Trainer:
                 "step": self.step, "tokens_seen": self.tokens_seen, "train_seconds": self.train_seconds,
                 "best_score": self.best_score if math.isfinite(self.best_score) else None,
                 "best_metric": self.spec.best_metric,
-                "data": self.data.train.state_dict(), "world_size": self.dist.world_size,
+                "data": data_states[0], "world_size": self.dist.world_size,
+                **({"data_per_rank": data_states} if self.dist.enabled else {}),
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
             })
 

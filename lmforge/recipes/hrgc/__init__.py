@@ -29,7 +29,7 @@ SPEC = register(RecipeSpec(
     eval_weight=eval_weight,
     eval=CLIOptions(run=cli.run_eval, add=cli.add_eval_args,
                     help="write each held-out function from its spec and score it (--limit N: the first N)"),
-    generate=CLIOptions(run=cli.run_generate, add=cli.add_generate_args, uses=("sampling",),
+    generate=CLIOptions(run=cli.run_generate, add=cli.add_generate_args, uses=("sampling", "precision"),
                         help="write one function body from --spec: plan, attempts, verdicts"),
     add_data_verbs=add_data_verbs,
 ))

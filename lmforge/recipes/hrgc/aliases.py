@@ -1,4 +1,4 @@
-"""Seed 000's names for the hrgc kind: its training settings, which lmforge <= 0.2 read under ``model.*``
+"""Seed 000's names for the hrgc kind: its training settings, which lmforge 0.1 read under ``model.*``
 (as the seed's config dict keeps them beside the model's sizes), are the kind's ``recipe.*`` now."""
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from lmforge.models.losses import IGNORE_INDEX, linear_cross_entropy
 
 HEAD_LABELS = ("continue", "refine", "done")  # the head's classes, in this order
 # The seed's training settings: the hrgc kind's `recipe.*` (lmforge.recipes.hrgc.training.HRGCSettings).
+DEFAULT_LOSS_WEIGHTS = {"plan": 0.4, "code": 0.4, "refinement": 0.2}  # the seed's; HRGCSettings starts from these
 TRAINING_KEYS = ("plan_loss_weight", "code_loss_weight", "refinement_loss_weight", "planner_lr", "generator_lr",
                  "refinement_lr", "refinement_warmup", "validation_frequency", "validation_samples",
                  "own_failure_share")
@@ -88,7 +89,7 @@ class HRGCConfig:
 
     @classmethod
     def resolve_dict(cls, values: dict[str, Any]) -> dict[str, Any]:
-        # Checkpoints of lmforge <= 0.2 kept the training settings here; they do not change the model.
+        # Checkpoints of lmforge 0.1 kept the training settings here; they do not change the model.
         values = {k: v for k, v in values.items() if k not in TRAINING_KEYS}
         for name in ("planner_config", "generator_config"):  # YAML nulls would otherwise become None
             if values.get(name) is None:
@@ -125,7 +126,7 @@ class HRGC(LMForgeModel):
             self.planner = self.bridge = self.head = None
         # The weights of the plan, code and refinement losses: training settings (HRGCSettings), set by
         # the kind before training; these are the seed's defaults.
-        self.loss_weights = {"plan": 0.4, "code": 0.4, "refinement": 0.2}
+        self.loss_weights = dict(DEFAULT_LOSS_WEIGHTS)
 
     # ---- pieces the inference loop uses ------------------------------------------------
     def condition(self, planner_hidden: torch.Tensor, prefix_len: torch.Tensor, length: int) -> torch.Tensor:

@@ -12,23 +12,23 @@ import torch
 from lmforge.config import RunConfig
 from lmforge.errors import LMForgeError
 from lmforge.go_syntax import go_parser
-from lmforge.recipes import Counts, Probe, TrainData
+from lmforge.recipes import Counts, Probe, TrainData, flops_per_token
 from lmforge.recipes.hrgc.functions import read_go_functions
+from lmforge.recipes.hrgc.model import DEFAULT_LOSS_WEIGHTS
 from lmforge.recipes.hrgc.probe import WritingProbe
 from lmforge.recipes.hrgc.sequences import EncodedFunctions, HRGCEvalLoader, HRGCTrainLoader, SequenceFormat
 from lmforge.tokenizer import DEFAULT_TRAINED_VOCAB, Tokenizer, train_tokenizer
 from lmforge.train.distributed import DistInfo, barrier
 
 
-
 @dataclass
 class HRGCSettings:
     """Training settings of the hrgc kind (config section ``recipe``; the seed's names, which lmforge
-    <= 0.2 read under ``model.*``, still work there)."""
+    0.1 read under ``model.*``, still work there)."""
 
-    plan_loss_weight: float = 0.4
-    code_loss_weight: float = 0.4
-    refinement_loss_weight: float = 0.2  # x (head cross-entropy + LM loss of corrected attempts)
+    plan_loss_weight: float = DEFAULT_LOSS_WEIGHTS["plan"]
+    code_loss_weight: float = DEFAULT_LOSS_WEIGHTS["code"]
+    refinement_loss_weight: float = DEFAULT_LOSS_WEIGHTS["refinement"]  # x (head CE + LM loss of corrected attempts)
     planner_lr: float = 0.0  # 0 = training.lr
     generator_lr: float = 0.0  # the generator and the bridge; 0 = training.lr
     refinement_lr: float = 0.0  # the continue/refine/done head; 0 = training.lr
@@ -87,7 +87,7 @@ def count(model, batch: dict[str, Any]) -> Counts:
             continue
         real = int((ids != pad).sum())
         tokens += real
-        flops += real * decoder.flops_per_token(ids.shape[1])
+        flops += real * flops_per_token(decoder, ids.shape[1])
     return Counts(tokens=tokens, examples=int(batch["code_ids"].shape[0]), flops=flops)
 
 

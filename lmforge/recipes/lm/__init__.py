@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from lmforge.models.gpt import GPT
-from lmforge.recipes import CLIOptions, Counts, RecipeSpec, register
+from lmforge.recipes import CLIOptions, Counts, RecipeSpec, flops_per_token, register
 from lmforge.recipes.lm import cli
 from lmforge.recipes.lm.aliases import SUPERSEDES, seed_aliases
 from lmforge.recipes.lm.data import build_lm_data
@@ -17,7 +17,7 @@ from lmforge.recipes.lm.data import build_lm_data
 def count(model, batch: dict[str, Any]) -> Counts:
     """Packed windows: every position is a real token."""
     rows, length = batch["input_ids"].shape
-    return Counts(tokens=rows * length, examples=rows, flops=rows * length * model.flops_per_token(length))
+    return Counts(tokens=rows * length, examples=rows, flops=rows * length * flops_per_token(model, length))
 
 
 class RandomTokens:
@@ -53,7 +53,7 @@ SPEC = register(RecipeSpec(
     supersedes=SUPERSEDES,
     eval=CLIOptions(run=cli.run_eval, add=cli.add_eval_args,
                     help="loss, perplexity and bits per byte on prepared shards or raw files"),
-    generate=CLIOptions(run=cli.run_generate, add=cli.add_generate_args, uses=("sampling",),
+    generate=CLIOptions(run=cli.run_generate, add=cli.add_generate_args, uses=("sampling", "precision"),
                         help="continue a prompt, streaming tokens"),
     bench_data=bench_data,
 ))

@@ -15,7 +15,7 @@ def add_eval_args(group) -> None:
                        "directory (repeatable; default **/*.go)")
     group.add_argument("--text-field", default="text", help="text field of JSONL/parquet sources")
     group.add_argument("--seq-len", type=int, default=0, help="window length; 0 = the model's context")
-    # lmforge <= 0.2 spelled --limit this way for language models.
+    # lmforge 0.1 spelled --limit this way for language models.
     group.add_argument("--max-tokens", type=int, default=None, dest="limit", help=argparse.SUPPRESS)
 
 

@@ -14,8 +14,6 @@ from lmforge.tokenizer import DEFAULT_TRAINED_VOCAB, Tokenizer
 from lmforge.train.distributed import DistInfo, barrier
 
 
-
-
 def token_data_dir(cfg: RunConfig) -> Path:
     """Where the token shards are: data.path, or RUN_DIR/data for data.train_path."""
     return Path(cfg.data.path) if cfg.data.path or not cfg.data.train_path else cfg.run_dir / "data"

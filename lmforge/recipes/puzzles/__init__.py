@@ -10,8 +10,7 @@ from lmforge.recipes.puzzles.aliases import hrm_aliases
 from lmforge.recipes.puzzles.baseline import PuzzleTransformer
 from lmforge.recipes.puzzles.cli_data import add_data_verbs
 from lmforge.recipes.puzzles.hrm import HRM
-from lmforge.recipes.puzzles.training import (PuzzleSettings, build_puzzle_data, configure, count, eval_weight,
-                                              make_optimizer)
+from lmforge.recipes.puzzles.training import PuzzleSettings, build_puzzle_data, count, eval_weight, make_optimizer
 from lmforge.recipes.puzzles.trm import TRM
 
 SPEC = register(RecipeSpec(
@@ -22,7 +21,6 @@ SPEC = register(RecipeSpec(
     count=count,
     settings=PuzzleSettings,
     aliases=hrm_aliases,
-    configure=configure,
     make_optimizer=make_optimizer,
     best_metric="eval/exact_accuracy",
     best_higher_is_better=True,

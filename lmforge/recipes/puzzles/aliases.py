@@ -25,7 +25,7 @@ HRM_ALIASES = {
     "project_name": "logging.wandb_project",
     "run_name": "name",
 }
-# Training settings that lmforge <= 0.2 kept under model.* (and HRM under arch.*): the puzzle kind's now.
+# Training settings that lmforge 0.1 kept under model.* (and HRM under arch.*): the puzzle kind's now.
 MOVED_FROM_MODEL = {f"model.{key}": f"recipe.{key}" for key in ("puzzle_emb_lr", "puzzle_emb_weight_decay")}
 
 

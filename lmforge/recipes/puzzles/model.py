@@ -59,7 +59,7 @@ class PuzzleModelConfig:
 
     @classmethod
     def resolve_dict(cls, values: dict[str, Any]) -> dict[str, Any]:
-        # Checkpoints of lmforge <= 0.2 kept the sign-SGD settings here; they are training settings now
+        # Checkpoints of lmforge 0.1 kept the sign-SGD settings here; they are training settings now
         # (recipe.puzzle_emb_lr / recipe.puzzle_emb_weight_decay) and do not change the model.
         return {k: v for k, v in values.items() if k not in ("puzzle_emb_lr", "puzzle_emb_weight_decay")}
 

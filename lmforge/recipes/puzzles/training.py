@@ -3,7 +3,6 @@ batch counts for."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,7 +11,7 @@ import torch
 
 from lmforge.config import RunConfig
 from lmforge.errors import LMForgeError
-from lmforge.recipes import Counts, TrainData
+from lmforge.recipes import Counts, TrainData, flops_per_token
 from lmforge.recipes.puzzles.data import GroupSampler, PuzzleEvalLoader, PuzzleSplit
 from lmforge.recipes.puzzles.optimizers import AdamATan2SignSGD
 from lmforge.train.distributed import DistInfo
@@ -45,19 +44,12 @@ def make_optimizer(model, cfg: RunConfig, device: torch.device) -> torch.optim.O
 def count(model, batch: dict[str, Any]) -> Counts:
     """One row = one ACT segment of one puzzle: every cell is a token."""
     rows, cells = batch["inputs"].shape
-    return Counts(tokens=rows * cells, examples=rows, flops=rows * cells * model.flops_per_token(cells))
+    return Counts(tokens=rows * cells, examples=rows, flops=rows * cells * flops_per_token(model, cells))
 
 
 def eval_weight(batch: dict[str, Any]) -> float:
     """Evaluation means are per puzzle."""
     return float(batch["inputs"].shape[0])
-
-
-def configure(cfg: RunConfig, is_main: bool) -> None:
-    if os.environ.get("DISABLE_COMPILE", "").strip().lower() in ("1", "true", "yes") and cfg.training.compile:
-        cfg.training.compile = False  # HRM's switch, honoured as its users expect
-        if is_main:
-            print("note: DISABLE_COMPILE is set: training.compile=false")
 
 
 def build_puzzle_data(cfg: RunConfig, distinfo: DistInfo) -> TrainData:
