@@ -21,8 +21,10 @@ def _add_train(sub) -> None:
     p = sub.add_parser("train", help="train a model from a recipe", formatter_class=formatter,
                        description="Train a model. Resolved config, metrics.jsonl, TensorBoard logs and "
                                    "checkpoints go to OUT_DIR/NAME (defaults runs/<recipe name>). "
-                                   f"Recipes: {', '.join(list_recipes())}. Every config key, with its "
-                                   "value, is listed by --print-config; the README's table explains them.")
+                                   f"Recipes: {', '.join(list_recipes())}. Training kinds (a recipe's `kind`, "
+                                   f"default the kind that trains its model.family): {_kinds_summary()}. Every "
+                                   "config key, with its value, is listed by --print-config; the README's table "
+                                   "explains them.")
     p.add_argument("recipe", help=RECIPE_HELP)
     p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CKPT",
@@ -87,6 +89,12 @@ def _add_kind_options(p, verb: str) -> None:
     for s in specs:
         add(f"kind {s.name}: {getattr(s, verb).help}", {s.name}, getattr(s, verb).add)
     p.set_defaults(kind_options=owners, verb_name=verb)
+
+
+def _kinds_summary() -> str:
+    from lmforge.recipes import kinds
+
+    return "; ".join(f"{s.name} (families {', '.join(s.family_names())})" for s in kinds())
 
 
 def _checkpoint_kind(checkpoint: str):
