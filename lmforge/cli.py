@@ -62,8 +62,12 @@ def _cmd_train(args) -> int:
 
 # ---- eval and generate: common options, then each training kind's --------------------------------
 # Option sets several kinds share, named in their RecipeSpec's CLIOptions.uses.
-SHARED_OPTIONS = {"sampling": lambda group: add_sampling_args(group, max_new_tokens=200),
-                  "precision": lambda group: add_precision_arg(group)}
+SHARED_OPTIONS = {
+    "sampling": lambda group: add_sampling_args(group, max_new_tokens=200),
+    "precision": lambda group: add_precision_arg(group),
+    "batch-size": lambda group: group.add_argument("--batch-size", type=int, default=None, help="rows per forward "
+                                                   "pass (default: 8 windows for language models, 256 puzzles)"),
+}
 
 
 def _add_kind_options(p, verb: str) -> None:
@@ -142,8 +146,6 @@ def _add_eval(sub) -> None:
                    "raw sources (language models) / a Sudoku CSV (puzzle models)")
     p.add_argument("--split", default=None, help="split of the data directory (default: val for language models, "
                    "test otherwise)")
-    p.add_argument("--batch-size", type=int, default=None, help="rows per forward pass (default: 8 windows for "
-                   "language models, 256 puzzles)")
     p.add_argument("--limit", type=int, default=0, help="score only the first N items: tokens (language models), "
                    "puzzles, functions (0 = all)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")

@@ -553,6 +553,7 @@ def test_generate_and_eval_through_the_cli(corpus, tmp_path, capsys):
     assert ("compile_rate" in m) == bool(shutil.which("go"))
     assert m.get("compile_rate", 0.0) <= m["parse_rate"] and m["first_attempt_parse_rate"] <= m["parse_rate"]
     assert main(["eval", str(run), "--data", str(tmp_path / "nowhere")]) == 2
+    assert main(["eval", str(run), "--data", str(corpus["data"]), "--batch-size", "4"]) == 2  # lm and puzzles only
 
 
 def test_plain_baseline_trains_and_evaluates(corpus, tmp_path, capsys):

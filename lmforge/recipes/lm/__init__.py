@@ -51,7 +51,7 @@ SPEC = register(RecipeSpec(
     count=count,
     aliases=seed_aliases,
     supersedes=SUPERSEDES,
-    eval=CLIOptions(run=cli.run_eval, add=cli.add_eval_args,
+    eval=CLIOptions(run=cli.run_eval, add=cli.add_eval_args, uses=("batch-size",),
                     help="loss, perplexity and bits per byte on prepared shards or raw files"),
     generate=CLIOptions(run=cli.run_generate, add=cli.add_generate_args, uses=("sampling", "precision"),
                         help="continue a prompt, streaming tokens"),

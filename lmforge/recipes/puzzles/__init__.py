@@ -25,7 +25,7 @@ SPEC = register(RecipeSpec(
     best_metric="eval/exact_accuracy",
     best_higher_is_better=True,
     eval_weight=eval_weight,
-    eval=CLIOptions(run=cli.run_eval, help="exact and cell accuracy on a puzzle dataset or a Sudoku CSV "
+    eval=CLIOptions(run=cli.run_eval, uses=("batch-size",), help="exact and cell accuracy on a puzzle dataset or a Sudoku CSV "
                                            "(--limit N: the first N puzzles)"),
     generate=CLIOptions(run=cli.run_solve, add=cli.add_solve_args, help="solve one Sudoku (also `lmforge solve`)"),
     add_data_verbs=add_data_verbs,
