@@ -19,9 +19,6 @@ from lmforge.errors import LMForgeError
 from lmforge.export.formats import check_exportable
 from lmforge.files import atomic_directory, remove_stale
 
-HF_FILES = ("config.json", "model.safetensors", "generation_config.json")
-
-
 def _gpt2_config(c) -> dict:
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": c.vocab_size,

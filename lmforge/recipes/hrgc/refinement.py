@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from lmforge.go_syntax import parse_body, statements_of, validate
 from lmforge.recipes.hrgc.functions import GoFunction
 
-LABELS = ("continue", "refine", "done")
 CORRUPTIONS = ("drop_brace", "delete_line", "swap_lines", "rename_variable")
 _TRIES = 8  # places tried per corruption before giving up on it
 
