@@ -323,6 +323,9 @@ def config_from_dict(values: dict[str, Any]) -> RunConfig:
     model_values = dict(model_values)
     family = model_values.pop("family", None) or spec.families[0].family
     recipe_values = values.pop("recipe", None) or {}
+    if not isinstance(recipe_values, dict):
+        raise LMForgeError(f"config section 'recipe' must be a mapping of the kind's settings (recipe.KEY=...), "
+                           f"got {recipe_values!r}")
     _refuse_other_kinds_names(values, spec)
     cfg = dataclass_from_dict(RunConfig, values, prefix="")
     cfg.kind = spec.name

@@ -236,6 +236,9 @@ def test_old_spellings_and_old_checkpoints_of_moved_settings(tmp_path):
         load_config("hrgc_go_tiny", ["recipe.plan_loss_wieght=0.3"])
     with pytest.raises(LMForgeError, match="kind 'lm' has no settings of its own"):
         load_config("go_coder_tiny", ["recipe.x=1"])
+    for recipe in ("go_coder_tiny", "trm_sudoku_tiny"):
+        with pytest.raises(LMForgeError, match="section 'recipe' must be a mapping"):
+            load_config(recipe, ["recipe=5"])
     with pytest.raises(LMForgeError, match="kind 'puzzles' trains the model families hrm, trm, puzzle_transformer"):
         load_config("go_coder_tiny", ["kind=puzzles"])
     with pytest.raises(LMForgeError, match="unknown training kind 'lmm'.*Did you mean 'lm'"):

@@ -101,7 +101,8 @@ def evaluate(checkpoint: str | Path, data: str | Path, split: str = "val", seq_l
     from lmforge.infer.loading import load_for_inference
 
     if batch_size < 1 or seq_len < 0 or (max_tokens is not None and max_tokens < 1):
-        raise LMForgeError("--batch-size and --max-tokens must be >= 1, --seq-len >= 0 (0 = the model's context)")
+        raise LMForgeError("--batch-size must be >= 1, --limit >= 0 (0 = every token) and --seq-len >= 0 (0 = the "
+                           "model's context)")
     model, tokenizer, device_ = load_for_inference(checkpoint, device)
     seq_len = seq_len or model.config.n_positions
     if seq_len > model.config.n_positions:
