@@ -25,12 +25,15 @@ def _add_train(sub) -> None:
                                    f"default the kind that trains its model.family): {_kinds_summary()}. Every "
                                    "config key, with its value, is listed by --print-config; the README's table "
                                    "explains them.")
-    p.add_argument("recipe", help=RECIPE_HELP)
+    p.add_argument("recipe", help=RECIPE_HELP + " (not needed with seed 004's --stage S)")
     p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CKPT",
                    help="continue the run from its latest checkpoint (or from CKPT): model, optimizer, "
                         "scaler, schedule, RNG and data position")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    from lmforge.staged_guide import add_help as add_guide_help
+
+    add_guide_help(p)  # documented here; main() translates them before parsing
     p.set_defaults(func=_cmd_train)
 
 
@@ -109,19 +112,32 @@ def _checkpoint_kind(checkpoint: str):
     return family, kind_of_family(family)
 
 
-def _check_kind_options(args, argv: list[str], family: str, kind: str) -> None:
-    """An option of another kind is an error (it would be ignored), naming the kind it belongs to."""
-    for token in argv:
-        option = token.split("=", 1)[0]
-        owners = args.kind_options.get(option)
-        if owners and kind not in owners:
+def _pick_kind(args, argv: list[str], family: str, owner) -> object:
+    """The kind that runs the verb: the family's own, or another kind that trains the family when options
+    only that kind has are given (``eval --tool-calls`` is the sft kind's, for gpt checkpoints). An option
+    no kind able to run it has is an error (it would be ignored), naming the kinds it belongs to."""
+    from lmforge.recipes import kinds
+
+    able = [owner] + [s for s in kinds() if s is not owner and family in s.family_names()
+                      and getattr(s, args.verb_name) is not None]
+    given = [(token.split("=", 1)[0], args.kind_options.get(token.split("=", 1)[0])) for token in argv]
+    given = [(option, owners) for option, owners in given if owners]
+    for spec in able:
+        if all(spec.name in owners for _, owners in given):
+            return spec
+    names = {s.name for s in able}
+    for option, owners in given:
+        if not owners & names:
             raise LMForgeError(f"{option} is for {', '.join(sorted(owners))} checkpoints; {args.checkpoint} holds a "
-                               f"{family!r} model (kind {kind}). See `lmforge {args.verb_name} --help`.")
+                               f"{family!r} model (kind {owner.name}). See `lmforge {args.verb_name} --help`.")
+    mixed = ", ".join(f"{option} ({'/'.join(sorted(owners & names))})" for option, owners in given)
+    raise LMForgeError(f"these options belong to different kinds and cannot be combined: {mixed}. See "
+                       f"`lmforge {args.verb_name} --help`.")
 
 
 def _run_for_kind(args) -> int:
-    family, spec = _checkpoint_kind(args.checkpoint)
-    _check_kind_options(args, args.argv, family, spec.name)
+    family, owner = _checkpoint_kind(args.checkpoint)
+    spec = _pick_kind(args, args.argv, family, owner)
     options = getattr(spec, args.verb_name)
     if options is None:
         raise LMForgeError(f"`lmforge {args.verb_name}` does not apply to {family!r} models (kind {spec.name})")
@@ -142,7 +158,7 @@ def _add_eval(sub) -> None:
                                    "scored depends on the training kind of its model; options under a kind's "
                                    f"heading apply to that kind only. {_kinds_text('eval')}")
     p.add_argument("checkpoint", help="checkpoint directory or run directory")
-    p.add_argument("--data", required=True, help="held-out data: a prepared directory of the checkpoint's kind, or "
+    p.add_argument("--data", default=None, help="held-out data: a prepared directory of the checkpoint's kind, or "
                    "raw sources (language models) / a Sudoku CSV (puzzle models)")
     p.add_argument("--split", default=None, help="split of the data directory (default: val for language models, "
                    "test otherwise)")
@@ -397,6 +413,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_export(sub)
     _add_checkpoint(sub)
+    from lmforge.pipeline.cli import register as register_pipeline
+
+    register_pipeline(sub)  # `lmforge pipeline run|status|serve FILE`
     _add_serve(sub)
     _add_chat(sub)
     return parser
@@ -404,6 +423,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["train"]:  # seed 004's `scripts/train.py --stage ...` flags -> a recipe and overrides
+        from lmforge.staged_guide import translate_train_argv
+
+        try:
+            argv = translate_train_argv(list(argv))
+        except LMForgeError as e:
+            print(f"lmforge: error: {e}", file=sys.stderr)
+            return 2
     args, extra = parser.parse_known_args(argv)
     # `key=value` overrides given after an option (`train RECIPE --resume training.lr=1e-4`) are
     # overrides too: argparse alone takes the positional list only before the first option.

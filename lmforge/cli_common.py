@@ -40,3 +40,12 @@ def add_sampling_args(p, max_new_tokens: int) -> None:
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = off")
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass; 1.0 = off")
     p.add_argument("--seed", type=int, default=None, help="seed for reproducible samples")
+
+
+def require_data(args, what: str) -> str:
+    """``lmforge eval``'s ``--data``, which this kind needs: ``what`` says what to pass."""
+    if not getattr(args, "data", None):
+        from lmforge.errors import LMForgeError
+
+        raise LMForgeError(f"--data is required for this checkpoint: {what}")
+    return args.data

@@ -15,7 +15,8 @@ from lmforge.data.sources import DEFAULT_INCLUDE
 def _add_source_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("inputs", nargs="+", metavar="INPUT",
                    help="directories (source trees or Hugging Face save_to_disk datasets) and files "
-                        "(.jsonl, .parquet, or plain text: one document per file)")
+                        "(.jsonl, .parquet, or plain text: one document per file, or per story between "
+                        "<|endoftext|> lines)")
     p.add_argument("--include", action="append", metavar="GLOB",
                    help="glob for files inside directory inputs, relative to each directory; repeatable "
                         f"(default: {' '.join(DEFAULT_INCLUDE)})")
@@ -118,6 +119,9 @@ def register(subparsers: argparse._SubParsersAction) -> dict[str, argparse._SubP
                          help="replace a non-empty --out directory once the new data is complete "
                               "(default: refuse)")
     prepare.set_defaults(func=cmd_data_prepare)
+    from lmforge.data.stories import add_cli as add_stories
+
+    add_stories(data_verbs)  # `lmforge data stories`: a stand-in for TinyStories (seed 004's stage 1)
     for spec in kinds():
         if spec.add_data_verbs is not None:
             spec.add_data_verbs(data_verbs)

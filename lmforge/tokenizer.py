@@ -68,6 +68,9 @@ class Tokenizer:
         else:
             self.special_tokens = self._foreign_specials(special_names or {})
         self._ids = {role: (None if t is None else backend.token_to_id(t)) for role, t in self.special_tokens.items()}
+        # A foreign tokenizer without a template of its own borrows lmforge's for serving; fine-tuning
+        # on chats needs to know whether the template is really the one the model will be prompted with.
+        self.has_chat_template = bool(chat_template) or self.is_native
 
     def _foreign_specials(self, named: dict[str, str | None]) -> dict[str, str | None]:
         vocab = self._backend.get_vocab(with_added_tokens=True)
@@ -229,6 +232,14 @@ def _configured_chat_template(directory: Path) -> str | None:
         return None  # _configured_specials has already reported a broken file
     template = data.get("chat_template") if isinstance(data, dict) else None
     return template if isinstance(template, str) and template else None
+
+
+def require_same_tokenizer(given: str | Path, theirs: str | Path, init_from: str) -> None:
+    """Fine-tuning with another tokenizer than the weights were trained with is refused: every id would
+    mean another token."""
+    if Tokenizer.load(given).sha256 != Tokenizer.load(theirs).sha256:
+        raise LMForgeError(f"data.tokenizer={given} is not the tokenizer the weights of training.init_from={init_from} "
+                           f"were trained with ({theirs}); leave data.tokenizer empty to use theirs")
 
 
 def _untrained_bpe() -> _RustTokenizer:

@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("training, export, serving", ("lmforge.train", "lmforge.export", "lmforge.serve", "lmforge.plot")),
     ("training kinds", ("lmforge.recipes.",)),
     ("command line", ("lmforge.cli", "lmforge.cli_data", "lmforge.bench", "lmforge.quickstart", "lmforge.__main__",
-                      "lmforge=")),
+                      "lmforge.staged_guide", "lmforge.pipeline", "lmforge=")),
 ]
 
 

@@ -10,7 +10,13 @@ A source path is one of (detected from the path):
   data); otherwise every split, in name order. ``source_id`` = ``NAME#row`` or ``NAME#split/row``;
 * a ``.jsonl`` file: one JSON object per line, ``source_id`` = ``NAME:line``;
 * a ``.parquet`` file: one document per row of the text column, ``source_id`` = ``NAME#row``;
-* any other file (``.txt``, ``.md``, ...): the whole file is one document, ``source_id`` = its name.
+* any other file (``.txt``, ``.md``, ...): the whole file is one document, ``source_id`` = its name;
+  except a file of stories separated by lines that hold only ``<|endoftext|>`` (TinyStories as
+  released, ``TinyStoriesV2-GPT4-train.txt``; ``lmforge data stories`` writes the same): each story is
+  one document, stripped of the blank lines around it, ``source_id`` = ``NAME#k`` (k = 0, 1, ... in
+  file order). Nothing between two separators is no story; the text after the last separator is the
+  last story. A marker inside a line of text does not separate; a file without a separator line
+  stays one document.
 
 Files in trees that are binary or not UTF-8 are skipped and counted, never decoded with replacement
 characters (those would teach the model garbage). Inside trees, anything under ``vendor/`` or
@@ -34,6 +40,7 @@ SKIPPED_DIRS = ("vendor", "testdata")  # Go's conventions for third-party code a
 # Go's marker for generated files (https://go.dev/s/generatedcode); \r? tolerates CRLF checkouts.
 GENERATED_MARKER = re.compile(r"^// Code generated .* DO NOT EDIT\.\r?$", re.MULTILINE)
 PACKAGE_CLAUSE = re.compile(r"^package\s", re.MULTILINE)
+STORY_SEPARATOR = b"<|endoftext|>"  # a line of its own between stories in a text file (TinyStories)
 _RECORD_BATCH = 1024  # rows per read from parquet / HF datasets
 
 
@@ -104,7 +111,11 @@ def iter_documents(paths: Sequence[str | Path], include: Sequence[str] = DEFAULT
 
 
 def _decode_file(path: Path, stats: FilterStats) -> str | None:
-    data = path.read_bytes()
+    return _decode_bytes(path.read_bytes(), stats)
+
+
+def _decode_bytes(data: bytes, stats: FilterStats) -> str | None:
+    """Binary (a NUL byte) or non-UTF-8 text is skipped and counted, never decoded with replacements."""
     if b"\x00" in data:
         stats.skipped["binary"] += 1
         return None
@@ -161,10 +172,43 @@ def iter_tree(root: Path, include: Sequence[str], exclude_tests: bool,
         yield Document(text, rel.as_posix())
 
 
+def _is_story_separator(line: bytes) -> bool:
+    return line.strip() == STORY_SEPARATOR
+
+
 def _iter_text_file(path: Path, stats: FilterStats) -> Iterator[Document]:
-    text = _decode_file(path, stats)
-    if text is not None:
-        yield Document(text, path.name)
+    """One document per file, or per story in a file of stories separated by ``<|endoftext|>`` lines.
+
+    Read line by line, so a released TinyStories file (2 GB) is never held whole: each story is checked
+    (binary, UTF-8) and yielded on its own. A file with no separator line is checked and yielded whole."""
+    lines: list[bytes] = []
+    stories = 0
+    with open(path, "rb") as f:
+        for line in f:
+            if not _is_story_separator(line):
+                lines.append(line)
+                continue
+            story = _decode_story(b"".join(lines), stats)
+            lines = []
+            if story:  # nothing between two separators (or before the first) is no story
+                yield Document(story, f"{path.name}#{stories}")
+                stories += 1
+    rest = b"".join(lines)
+    if stories == 0:
+        text = _decode_bytes(rest, stats)
+        if text is not None:
+            yield Document(text, path.name)
+        return
+    story = _decode_story(rest, stats)
+    if story:  # a last story without a separator after it
+        yield Document(story, f"{path.name}#{stories}")
+
+
+def _decode_story(data: bytes, stats: FilterStats) -> str:
+    if not data.strip():
+        return ""
+    text = _decode_bytes(data, stats)
+    return text.strip() if text is not None else ""
 
 
 def _record_text(value: object, where: str, text_field: str) -> str:

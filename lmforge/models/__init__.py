@@ -18,7 +18,17 @@ def load_model(directory, map_location="cpu") -> LMForgeModel:
     return LMForgeModel.from_pretrained(directory, map_location=map_location)
 
 
-__all__ = ["LMForgeModel", "build_model", "load_model", "families", "model_class"]
+def count_parameters(config: Any) -> int:
+    """Parameters of the model ``config`` describes (a shared tensor, e.g. a tied LM head, counted once),
+    without allocating them: the model is built on PyTorch's meta device, so a 7B config costs nothing."""
+    import torch
+
+    with torch.device("meta"):
+        model = build_model(config)
+    return model.num_parameters()
+
+
+__all__ = ["LMForgeModel", "build_model", "count_parameters", "families", "load_model", "model_class"]
 
 
 def __getattr__(name: str):

@@ -122,21 +122,10 @@ class LMForgeModel(nn.Module):
     def from_pretrained(cls, directory: str | os.PathLike, map_location: str | torch.device = "cpu"):
         """Load a model saved by ``save_pretrained``; works on the base class for any family."""
         directory = Path(directory)
-        config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
-        if not config_path.is_file() or not weights_path.is_file():
-            raise LMForgeError(
-                f"{directory} is not a model directory: it needs {CONFIG_FILE} and {WEIGHTS_FILE}. "
-                "Pass a checkpoint directory (runs/NAME/checkpoints/step-NNNNNN) or a run directory."
-            )
-        try:
-            raw = yaml.safe_load(config_path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise LMForgeError(f"{config_path} is not valid YAML ({e}); the checkpoint is corrupt.") from e
-        family = raw.pop("family", None)
-        klass = model_class(family)
-        config = dataclass_from_dict(klass.config_class, raw, prefix=str(config_path))
+        weights_path = directory / WEIGHTS_FILE
+        klass, config = read_model_config(directory)
         if cls is not LMForgeModel and not issubclass(klass, cls):
-            raise LMForgeError(f"{directory} holds a {family!r} model, not a {cls.family!r} model")
+            raise LMForgeError(f"{directory} holds a {klass.family!r} model, not a {cls.family!r} model")
         model = klass(config)
         try:
             state = load_file(str(weights_path), device=str(map_location))
@@ -177,3 +166,24 @@ def _dedupe_shared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         seen.add(key)
         out[k] = v
     return out
+
+
+def read_model_config(directory: str | os.PathLike) -> tuple[type, Any]:
+    """The model class and config dataclass a model directory (``save_pretrained``) holds, from its
+    ``config.yaml``, without loading weights."""
+    directory = Path(directory)
+    config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+    if not config_path.is_file() or not weights_path.is_file():
+        raise LMForgeError(
+            f"{directory} is not a model directory: it needs {CONFIG_FILE} and {WEIGHTS_FILE}. "
+            "Pass a checkpoint directory (runs/NAME/checkpoints/step-NNNNNN) or a run directory."
+        )
+    try:
+        raw = yaml.safe_load(config_path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise LMForgeError(f"{config_path} is not valid YAML ({e}); the checkpoint is corrupt.") from e
+    if not isinstance(raw, dict):
+        raise LMForgeError(f"{config_path} must hold a mapping of model settings; the checkpoint is corrupt.")
+    family = raw.pop("family", None)
+    klass = model_class(family)
+    return klass, dataclass_from_dict(klass.config_class, raw, prefix=str(config_path))

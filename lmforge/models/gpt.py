@@ -26,6 +26,24 @@ large    24 / 2048 / 16          1,208,602,624  1,313,626,112      1,276,235,776
 "non-embedding" is the gpt2 flavor's transformer blocks + final norm; totals are with the default
 n_positions=1024 and count the tied LM head once (llama SwiGLU widths: 1024, 2048, 2752, 5504). ``small``/``medium`` are GPT-2 124M/350M, ``large`` is GPT-3 XL (1.3B, head dim 128); ``tiny``
 is ~10M parameters in its blocks (the embeddings dominate at tiny sizes).
+
+Seed 004's sizes (the staged code-assistant guide; ``lmforge train --stage ... --model-size X`` picks
+``pipeline-X``) are a separate set, so the names above keep their meaning. Each sets ``flavor: llama``
+(an explicit ``model.flavor=gpt2`` beside one is an error, never silently replaced) and the guide's
+d_ff as ``n_inner``, which SwiGLU spends on three d_ff x width matrices. Counted at the guide's 32000
+vocabulary with tied embeddings (``lmforge.models.count_parameters``, on the meta device):
+
+===============  ======================  ====  =============  =============  ===========
+preset           layers / width / heads  d_ff  non-embedding  total          guide's row
+===============  ======================  ====  =============  =============  ===========
+pipeline-tiny    4 / 256 / 4             1024  4,196,608      12,388,608     "10M"
+pipeline-medium  12 / 768 / 12           3072  113,265,408    137,841,408    "150M"
+pipeline-large   32 / 1600 / 25          6400  1,310,824,000  1,362,024,000  "1.6B"
+pipeline-xlarge  40 / 2048 / 32          8192  2,684,520,448  2,750,056,448  "7B"
+===============  ======================  ====  =============  =============  ===========
+
+The guide's figures are not what its shapes give: 12.4M, 138M, 1.36B and 2.75B (an untied LM head adds
+8.2M, 24.6M, 51.2M, 65.5M; a 7B model is 4096 wide, not 2048).
 """
 
 from __future__ import annotations
@@ -46,11 +64,17 @@ from lmforge.models.mhc import UNHEALTHY_GAIN, MHCLayer, MHCMetrics, gain_tensor
 
 FLAVORS = ("gpt2", "llama")
 ACTIVATIONS = {"gelu": "none", "gelu_new": "tanh"}  # name -> F.gelu(approximate=...)
-PRESETS: dict[str, dict[str, int]] = {
+PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"n_layer": 6, "n_embd": 384, "n_head": 6},
     "small": {"n_layer": 12, "n_embd": 768, "n_head": 12},
     "medium": {"n_layer": 24, "n_embd": 1024, "n_head": 16},
     "large": {"n_layer": 24, "n_embd": 2048, "n_head": 16},
+    # Seed 004's model sizes (the staged code-assistant guide, `lmforge train --stage ...`): a set of their
+    # own, so the GPT-2 names above keep their meaning. Each is llama-flavored with the guide's d_ff = 4 x width.
+    "pipeline-tiny": {"flavor": "llama", "n_layer": 4, "n_embd": 256, "n_head": 4, "n_inner": 1024},
+    "pipeline-medium": {"flavor": "llama", "n_layer": 12, "n_embd": 768, "n_head": 12, "n_inner": 3072},
+    "pipeline-large": {"flavor": "llama", "n_layer": 32, "n_embd": 1600, "n_head": 25, "n_inner": 6400},
+    "pipeline-xlarge": {"flavor": "llama", "n_layer": 40, "n_embd": 2048, "n_head": 32, "n_inner": 8192},
 }
 
 
@@ -63,7 +87,7 @@ class GPTConfig:
     """
 
     flavor: str = "gpt2"  # gpt2 | llama
-    preset: str = ""  # "" | tiny | small | medium | large: fills sizes not set explicitly
+    preset: str = ""  # "" | tiny | small | medium | large | pipeline-*: fills sizes not set explicitly
     vocab_size: int = 0  # 0 = taken from the tokenizer by the trainer; a model needs it > 0
     n_positions: int = 1024  # context length
     n_embd: int = 768
@@ -96,7 +120,17 @@ class GPTConfig:
             return values
         if not isinstance(preset, str) or preset not in PRESETS:
             raise LMForgeError(f"unknown model.preset {preset!r}; use one of: {', '.join(PRESETS)} (or leave it empty)")
-        return {**PRESETS[preset], **values}
+        fills = PRESETS[preset]
+        flavor = values.get("flavor")
+        if "flavor" in fills and flavor is not None and flavor != fills["flavor"]:
+            # A preset that brings its flavor never silently replaces the one the config asks for.
+            any_flavor = ", ".join(name for name, sizes in PRESETS.items() if "flavor" not in sizes)
+            sizes = " ".join(f"model.{key}={value}" for key, value in fills.items() if key != "flavor")
+            raise LMForgeError(
+                f"model.preset={preset} is a {fills['flavor']}-flavor preset (RMSNorm, rotary positions, SwiGLU), "
+                f"but model.flavor={flavor} is set; drop model.flavor (or set model.flavor={fills['flavor']}), or "
+                f"use a preset that fits either flavor ({any_flavor}), or give the sizes without a preset ({sizes})")
+        return {**fills, **values}
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -333,7 +367,8 @@ class Attention(nn.Module):
         self.resid_drop = nn.Dropout(c.resid_pdrop)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                cache: KVCache | BatchedKVCache | None, layer: int) -> torch.Tensor:
+                cache: KVCache | BatchedKVCache | None, layer: int,
+                doc_mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv(x).split(
             [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=-1)
@@ -344,7 +379,7 @@ class Attention(nn.Module):
             cos, sin = rope
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-        mask = None
+        mask = doc_mask  # packed documents: [B, 1, T, T], causal within each document only
         if cache is not None:
             k, v, mask = cache.update(layer, k, v)
         if self.n_kv_head != self.n_head:
@@ -397,12 +432,12 @@ class Block(nn.Module):
             self.hc_mlp = MHCLayer(c.n_embd, c.mhc_flows, c.mhc_sinkhorn_iters, index=2 * index + 1)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                cache: KVCache | None, layer: int) -> tuple[torch.Tensor, tuple]:
+                cache: KVCache | None, layer: int, doc_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple]:
         """Returns the new stream and, with mHC, each sub-layer's coefficients for the first sequence."""
         if self.hc_attn is None:
-            x = x + self.attn(self.norm_1(x), rope, cache, layer)
+            x = x + self.attn(self.norm_1(x), rope, cache, layer, doc_mask)
             return x + self.mlp(self.norm_2(x)), ()
-        x, attn_coeffs = self.hc_attn(x, lambda h: self.attn(self.norm_1(h), rope, cache, layer))
+        x, attn_coeffs = self.hc_attn(x, lambda h: self.attn(self.norm_1(h), rope, cache, layer, doc_mask))
         x, mlp_coeffs = self.hc_mlp(x, lambda h: self.mlp(self.norm_2(h)))
         return x, (attn_coeffs, mlp_coeffs)
 
@@ -449,7 +484,10 @@ class GPT(LMForgeModel):
     # ---- training interface -------------------------------------------------------------
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
         # The LM head and the loss are fused (lmforge.models.losses): no [tokens, vocab] logits are kept.
-        hidden, coeffs = self._trunk(batch["input_ids"], None, collect=self.config.mhc_enabled)
+        # Packed rows of several documents (SFT) carry each token's position in its own document and
+        # its document's number: attention then stays inside a document, as if each were alone.
+        hidden, coeffs = self._trunk(batch["input_ids"], None, collect=self.config.mhc_enabled,
+                                     position_ids=batch.get("position_ids"), document_ids=batch.get("document_ids"))
         loss = linear_cross_entropy(hidden, self.lm_head.weight, batch["labels"])
         if not coeffs:
             return loss, {}
@@ -475,9 +513,11 @@ class GPT(LMForgeModel):
         return self._trunk(input_ids, kv_cache, extra_embeds=extra_embeds)[0]
 
     def _trunk(self, input_ids: torch.Tensor, kv_cache: KVCache | None, collect: bool = False,
-               extra_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]:
+               extra_embeds: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+               document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]:
         """Final-norm hidden states and (``collect``, mHC only) every sub-layer's mixing coefficients
-        for the first sequence of the batch."""
+        for the first sequence of the batch. ``position_ids`` / ``document_ids`` (``[B, T]``, training
+        only): packed documents, each attending causally to itself only."""
         c = self.config
         T = input_ids.size(1)
         length = kv_cache.length_after(T) if kv_cache is not None else T
@@ -485,8 +525,18 @@ class GPT(LMForgeModel):
             raise LMForgeError(
                 f"sequence of {length} tokens is longer than model.n_positions={c.n_positions}; "
                 "use a shorter data.seq_len / prompt or a model with a longer context")
-        positions = (kv_cache.positions(T, input_ids.device) if kv_cache is not None
-                     else torch.arange(T, device=input_ids.device))
+        if position_ids is not None:
+            positions = position_ids
+        elif kv_cache is not None:
+            positions = kv_cache.positions(T, input_ids.device)
+        else:
+            positions = torch.arange(T, device=input_ids.device)
+        doc_mask = None
+        if document_ids is not None:
+            if kv_cache is not None:
+                raise LMForgeError("document_ids (packed training rows) cannot be combined with a KV cache")
+            causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()
+            doc_mask = ((document_ids[:, :, None] == document_ids[:, None, :]) & causal)[:, None]
         x = self.tok_embed(input_ids)
         if extra_embeds is not None:
             x = x + extra_embeds.to(x.dtype)
@@ -504,9 +554,9 @@ class GPT(LMForgeModel):
             if use_checkpoint:
                 # The checkpoint keeps only the block's input stream (n flows wide with mHC) and
                 # recomputes everything inside, the mixing coefficients included.
-                x, block_coeffs = checkpoint(block, x, rope, None, i, use_reentrant=False)
+                x, block_coeffs = checkpoint(block, x, rope, None, i, doc_mask, use_reentrant=False)
             else:
-                x, block_coeffs = block(x, rope, kv_cache, i)
+                x, block_coeffs = block(x, rope, kv_cache, i, doc_mask)
             if collect:
                 coeffs.extend(block_coeffs)
         if kv_cache is not None:

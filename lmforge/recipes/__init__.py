@@ -32,6 +32,7 @@ BUILTIN = (
     "lmforge.recipes.lm",
     "lmforge.recipes.puzzles",
     "lmforge.recipes.hrgc",
+    "lmforge.recipes.sft",
 )
 DEFAULT_KIND = "lm"  # the kind of a recipe that names neither `kind` nor `model.family`
 ENTRY_POINT_GROUP = "lmforge.recipes"  # kinds of other packages: `[project.entry-points."lmforge.recipes"]`
@@ -141,7 +142,10 @@ _state = {"loaded": False, "loading": False}
 
 def register(spec: RecipeSpec) -> RecipeSpec:
     """Make a kind known (called by its package on import). A family belongs to the first kind that
-    registers it; later kinds may train it too (e.g. fine-tuning the gpt family)."""
+    registers it, in ``BUILTIN`` order then entry points; later kinds may train it too (e.g. the sft kind
+    fine-tunes the gpt family, which is the lm kind's). The built-in kinds are loaded first, so which
+    kind owns a family never depends on which package a program happened to import first."""
+    _load_builtin()
     if spec.name in _KINDS and _KINDS[spec.name] is not spec:
         raise LMForgeError(f"two training kinds are named {spec.name!r}")
     for cls in spec.families:

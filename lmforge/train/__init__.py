@@ -56,9 +56,9 @@ def _train(cfg: RunConfig, resume: bool | str, distinfo: DistInfo, clock: Callab
     if not resume and cfg.resume_from_checkpoint:
         resume = cfg.resume_from_checkpoint  # the RLM-mHC guide's +resume_from_checkpoint=PATH
     resume_from = _resume_point(run_dir, resume)
-    if resume_from is not None and cfg.training.init_from:
-        raise LMForgeError("training.init_from starts a new run from a checkpoint's weights; it cannot be "
-                           "combined with resuming. Drop one of them.")
+    # A run started from other weights (training.init_from) and interrupted resumes from its own
+    # checkpoint: the weights come from there; init_from still names the model it was fine-tuned from.
+    load_init = bool(cfg.training.init_from) and resume_from is None
     if os.environ.get("DISABLE_COMPILE", "").strip().lower() in ("1", "true", "yes") and cfg.training.compile:
         cfg.training.compile = False  # HRM's switch (seed 003), honoured for every kind as its users expect
         if distinfo.is_main:
@@ -71,7 +71,7 @@ def _train(cfg: RunConfig, resume: bool | str, distinfo: DistInfo, clock: Callab
 
     seed_everything(cfg.seed)  # same initial weights on every rank
     model = build_model(cfg.model)
-    if cfg.training.init_from:
+    if load_init:
         _load_initial_weights(model, cfg.training.init_from, distinfo)
     if cfg.training.activation_checkpointing:
         model.set_activation_checkpointing(True)

@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+from lmforge.cli_common import require_data
 from lmforge.errors import LMForgeError
 
 
@@ -20,7 +21,7 @@ def run_eval(args) -> int:
 
     if (args.limit or 0) < 0 or args.max_iterations < 0:
         raise LMForgeError("--limit and --max-iterations must be >= 0")
-    m = evaluate_hrgc(args.checkpoint, args.data, split=args.split or "test", limit=args.limit or 0, device=args.device,
+    m = evaluate_hrgc(args.checkpoint, require_data(args, "a directory written by `lmforge data go-functions`"), split=args.split or "test", limit=args.limit or 0, device=args.device,
                       max_iterations=args.max_iterations or None, compile_check=not args.no_compile)
     if args.json:
         print(json.dumps(m))

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from lmforge.cli_common import require_data
 from lmforge.errors import LMForgeError
 
 
@@ -22,7 +23,7 @@ def add_eval_args(group) -> None:
 def run_eval(args) -> int:
     from lmforge.eval.lm import evaluate
 
-    m = evaluate(args.checkpoint, args.data, split=args.split or "val", seq_len=args.seq_len,
+    m = evaluate(args.checkpoint, require_data(args, "a directory written by `lmforge data prepare`, or raw sources (a file or directory)"), split=args.split or "val", seq_len=args.seq_len,
                  batch_size=8 if args.batch_size is None else args.batch_size,
                  max_tokens=args.limit or None, device=args.device, include=tuple(args.include),
                  text_field=args.text_field)

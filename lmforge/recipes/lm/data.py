@@ -10,13 +10,28 @@ from lmforge.config import RunConfig
 from lmforge.errors import LMForgeError
 from lmforge.eval.lm import lm_metrics
 from lmforge.recipes import TrainData
-from lmforge.tokenizer import DEFAULT_TRAINED_VOCAB, Tokenizer
+from lmforge.tokenizer import DEFAULT_TRAINED_VOCAB, Tokenizer, require_same_tokenizer
 from lmforge.train.distributed import DistInfo, barrier
 
 
 def token_data_dir(cfg: RunConfig) -> Path:
     """Where the token shards are: data.path, or RUN_DIR/data for data.train_path."""
     return Path(cfg.data.path) if cfg.data.path or not cfg.data.train_path else cfg.run_dir / "data"
+
+
+def given_tokenizer(cfg: RunConfig) -> str:
+    """data.tokenizer; else, when fine-tuning (training.init_from), the tokenizer of the weights it starts
+    from (their ids mean nothing with another one); else "" (the data's own, or one trained on it)."""
+    if not cfg.training.init_from:
+        return cfg.data.tokenizer
+    from lmforge.checkpoint import resolve_model_dir
+    from lmforge.infer.loading import find_tokenizer
+
+    theirs = find_tokenizer(resolve_model_dir(cfg.training.init_from))
+    if cfg.data.tokenizer:
+        require_same_tokenizer(cfg.data.tokenizer, theirs, cfg.training.init_from)
+        return cfg.data.tokenizer
+    return str(theirs)
 
 
 def prepare_train_path(cfg: RunConfig, distinfo: DistInfo) -> None:
@@ -26,6 +41,7 @@ def prepare_train_path(cfg: RunConfig, distinfo: DistInfo) -> None:
     from lmforge.data import prepare_data, train_tokenizer_from_sources
     from lmforge.data.loader import read_meta
     src, out = Path(cfg.data.train_path), token_data_dir(cfg)
+    given = given_tokenizer(cfg)
     if distinfo.is_main:
         if not src.exists():
             raise LMForgeError(f"data.train_path={src} does not exist: point it at a JSONL file of "
@@ -37,12 +53,12 @@ def prepare_train_path(cfg: RunConfig, distinfo: DistInfo) -> None:
             if prepared_from != [str(src.resolve())]:
                 raise LMForgeError(f"{out} was prepared from {prepared_from}, not data.train_path={src}; "
                                    "train into a new run (name=NEW) or delete that directory")
-            if cfg.data.tokenizer and Tokenizer.load(cfg.data.tokenizer).sha256 != meta["tokenizer_sha256"]:
-                raise LMForgeError(f"{out} was tokenized with another tokenizer than data.tokenizer="
-                                   f"{cfg.data.tokenizer}; train into a new run (name=NEW)")
+            if given and Tokenizer.load(given).sha256 != meta["tokenizer_sha256"]:
+                raise LMForgeError(f"{out} was tokenized with another tokenizer than {given}; train into a new "
+                                   "run (name=NEW)")
             print(f"data: reusing {out} (prepared from {src})")
         else:
-            tokenizer: Path | str = cfg.data.tokenizer
+            tokenizer: Path | str = given
             scratch = cfg.run_dir / ".tokenizer-training"  # the tokenizer's lasting copy goes into `out`
             try:
                 if not tokenizer:
@@ -108,7 +124,8 @@ def build_lm_data(cfg: RunConfig, distinfo: DistInfo) -> TrainData:
 
 
 def tokenizer_path(cfg: RunConfig) -> Path:
-    path = Path(cfg.data.tokenizer) if cfg.data.tokenizer else token_data_dir(cfg)
+    given = given_tokenizer(cfg)
+    path = Path(given) if given else token_data_dir(cfg)
     if path.is_dir():
         path = path / "tokenizer.json"
     if not path.is_file():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from lmforge.cli_common import require_data
 from lmforge.errors import LMForgeError
 
 
@@ -13,7 +14,7 @@ def run_eval(args) -> int:
     batch_size = 256 if args.batch_size is None else args.batch_size
     if batch_size < 1 or (args.limit or 0) < 0:
         raise LMForgeError("--batch-size must be >= 1 and --limit >= 0")
-    m = evaluate_puzzles(args.checkpoint, args.data, split=args.split or "test",
+    m = evaluate_puzzles(args.checkpoint, require_data(args, "a puzzle dataset directory (`lmforge data sudoku`) or a Sudoku CSV"), split=args.split or "test",
                          batch_size=batch_size, device=args.device, limit=args.limit or 0)
     if args.json:
         print(json.dumps(m))

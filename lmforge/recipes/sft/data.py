@@ -1,0 +1,183 @@
+"""The sft kind's data: conversations read from the user's files, rendered with the tokenizer the model
+will be served with, packed into rows (``lmforge.recipes.sft.packing``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lmforge.errors import LMForgeError
+from lmforge.recipes import TrainData
+from lmforge.recipes.sft.formats import FORMATS, ReadStats, read_conversations
+from lmforge.recipes.sft.packing import ExampleStore, PackedConversations
+from lmforge.recipes.sft.render import (
+    ASSISTANT_TURNS,
+    RenderStats,
+    check_chat_tokenizer,
+    render_examples,
+)
+from lmforge.train.distributed import DistInfo
+
+SPLIT_FILES = ("jsonl", "json", "parquet")
+# What fine-tuning may change of the model it starts from: regularisation, not shape.
+TUNABLE_MODEL_KEYS = ("embd_pdrop", "resid_pdrop", "attn_pdrop")
+
+
+@dataclass
+class SFTSettings:
+    """Training settings of the sft kind (config section ``recipe``)."""
+
+    format: str = "auto"  # row layout: auto (per row, from its keys) | openai | prompt_completion | sharegpt | glaive | xlam
+    assistant_turns: str = "all"  # all | last: the assistant turns the loss covers
+    skip_bad_rows: bool = False  # skip (and count) malformed rows instead of refusing the data
+    packing: bool = True  # several conversations per row, no attention between them; false = one per row, padded
+
+    def __post_init__(self) -> None:
+        if self.format not in ("auto", *FORMATS):
+            raise LMForgeError(f"recipe.format must be auto or one of {', '.join(FORMATS)}, got {self.format!r}")
+        if self.assistant_turns not in ASSISTANT_TURNS:
+            raise LMForgeError(f"recipe.assistant_turns must be all or last, got {self.assistant_turns!r}")
+
+
+def split_files(path: Path) -> tuple[list[Path], list[Path]] | None:
+    """A directory laid out in splits (``train.jsonl`` + optional ``val.jsonl``; .json / .parquet too):
+    its train and val files; None for any other path."""
+    if not path.is_dir():
+        return None
+    train = [path / f"train.{ext}" for ext in SPLIT_FILES if (path / f"train.{ext}").is_file()]
+    if not train:
+        return None
+    val = [path / f"{name}.{ext}" for name in ("val", "validation") for ext in SPLIT_FILES
+           if (path / f"{name}.{ext}").is_file()]
+    return train, val
+
+
+def read_splits(path: Path, settings: SFTSettings, val_fraction: float, seed: int,
+                stats: ReadStats) -> tuple[list, list]:
+    """Train and held-out conversations of ``data.train_path``: its own splits where it has them, else
+    ``val_fraction`` of its rows held out (chosen by ``seed``)."""
+    def read(paths: Any, split: str | None = None) -> list:
+        return list(read_conversations(paths, format=settings.format, skip_bad_rows=settings.skip_bad_rows,
+                                       stats=stats, split=split))
+
+    splits = split_files(path)
+    if splits is not None:
+        return read(splits[0]), read(splits[1]) if splits[1] else []
+    if (path / "dataset_dict.json").is_file():
+        import json
+
+        names = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+        val_name = next((n for n in ("validation", "val") if n in names), None)
+        return read(path, "train"), read(path, val_name) if val_name else []
+    rows = read(path)
+    held = np.random.default_rng(seed).random(len(rows)) < val_fraction
+    if len(rows) > 1 and not held.any():
+        held[-1] = True
+    return [r for r, h in zip(rows, held) if not h], [r for r, h in zip(rows, held) if h]
+
+
+def init_model_config(cfg) -> Path | None:
+    """With ``training.init_from``, the model is the checkpoint's (its shape; dropout from this run):
+    fill ``cfg.model`` from it. Returns the checkpoint's directory."""
+    if not cfg.training.init_from:
+        return None
+    from lmforge.checkpoint import resolve_model_dir
+    from lmforge.models.base import read_model_config
+
+    source = resolve_model_dir(cfg.training.init_from)
+    klass, config = read_model_config(source)
+    if type(config) is not type(cfg.model):
+        raise LMForgeError(f"training.init_from={cfg.training.init_from} holds a {klass.family!r} model; the sft kind "
+                           f"fine-tunes the {type(cfg.model).__name__} family's models")
+    for key in TUNABLE_MODEL_KEYS:
+        setattr(config, key, getattr(cfg.model, key))
+    cfg.model = dataclasses.replace(config)
+    return source
+
+
+def sft_tokenizer_path(cfg, init_dir: Path | None) -> Path:
+    from lmforge.infer.loading import find_tokenizer
+    from lmforge.tokenizer import require_same_tokenizer
+
+    if cfg.data.tokenizer:
+        path = Path(cfg.data.tokenizer)
+        path = path / "tokenizer.json" if path.is_dir() else path
+        if init_dir is not None:
+            require_same_tokenizer(path, find_tokenizer(init_dir), cfg.training.init_from)
+        return path
+    if init_dir is not None:
+        return find_tokenizer(init_dir)
+    raise LMForgeError("the sft kind needs the tokenizer the model is served with: set training.init_from to the "
+                       "checkpoint to fine-tune (its tokenizer is used), or data.tokenizer=PATH")
+
+
+def build_sft_data(cfg, distinfo: DistInfo) -> TrainData:
+    """``RecipeSpec.build_data`` of the sft kind."""
+    from lmforge.tokenizer import Tokenizer
+
+    settings: SFTSettings = cfg.recipe
+    if not cfg.data.train_path:
+        raise LMForgeError("no conversations: set data.train_path to a JSONL / JSON / parquet file, a `datasets` "
+                           "directory, or a directory with train.jsonl (and val.jsonl), e.g. one written by "
+                           "`lmforge data tool-calls --out DIR`")
+    if cfg.data.path:
+        raise LMForgeError("the sft kind reads conversations from data.train_path; data.path (token shards) is for "
+                           "the lm kind: remove it")
+    path = Path(cfg.data.train_path)
+    if not path.exists():
+        raise LMForgeError(f"data.train_path={path} does not exist")
+    init_dir = init_model_config(cfg)
+    tokenizer_file = sft_tokenizer_path(cfg, init_dir)
+    tokenizer = Tokenizer.load(tokenizer_file)
+    check_chat_tokenizer(tokenizer, str(tokenizer_file))
+    model = cfg.model
+    if model.vocab_size == 0:
+        model.vocab_size = tokenizer.vocab_size
+    elif model.vocab_size < tokenizer.vocab_size:
+        raise LMForgeError(f"the model has {model.vocab_size} token embeddings but the tokenizer {tokenizer_file} has "
+                           f"{tokenizer.vocab_size} tokens: fine-tune with the tokenizer the model was trained with "
+                           "(leave data.tokenizer empty to take the init_from checkpoint's)")
+    for key, value in (("eos_token_id", tokenizer.eos_id), ("bos_token_id", tokenizer.bos_id),
+                       ("pad_token_id", tokenizer.pad_id)):
+        setattr(model, key, tokenizer.eos_id if value is None else value)
+    seq_len = cfg.data.seq_len
+    if seq_len > model.n_positions:
+        raise LMForgeError(f"data.seq_len={seq_len} is longer than the model's context model.n_positions="
+                           f"{model.n_positions}; lower data.seq_len")
+
+    read_stats = ReadStats()
+    train_convs, val_convs = read_splits(path, settings, cfg.data.val_fraction, cfg.seed, read_stats)
+    train_stats, val_stats = RenderStats(), RenderStats()
+    train_examples = render_examples(tokenizer, train_convs, seq_len, settings.assistant_turns, train_stats)
+    val_examples = render_examples(tokenizer, val_convs, seq_len, settings.assistant_turns, val_stats)
+    if not train_examples:
+        raise LMForgeError(f"no training conversation left in {path}: {train_stats.summary(seq_len)}")
+    mb = cfg.training.micro_batch_size
+    train = PackedConversations(ExampleStore(train_examples), seq_len, mb, distinfo.rank, distinfo.world_size,
+                                cfg.seed, shuffle=True, packing=settings.packing)
+    if train.rows_per_epoch < distinfo.world_size:
+        raise LMForgeError(f"the training set fills {train.rows_per_epoch} rows, fewer than the {distinfo.world_size} "
+                           "processes; use more conversations or fewer processes")
+    val = None
+    if val_examples:
+        val = PackedConversations(ExampleStore(val_examples), seq_len, mb, distinfo.rank, distinfo.world_size,
+                                  cfg.seed, shuffle=False, packing=settings.packing)
+    if distinfo.is_main:
+        if read_stats.bad:
+            print(f"data: {read_stats.bad:,} malformed rows skipped (recipe.skip_bad_rows); first: "
+                  f"{read_stats.bad_examples[0] if read_stats.bad_examples else ''}")
+        print(f"data: train: {train_stats.summary(seq_len)}")
+        if val_convs:
+            print(f"data: val: {val_stats.summary(seq_len)}")
+        else:
+            print("note: no held-out conversations; evaluation is off")
+    layout = "packed" if settings.packing else "one per row"
+    description = (f"{path}: {train_stats.kept:,} conversations ({layout}, {train.rows_per_epoch:,} rows of "
+                   f"{seq_len}, {train.padding_fraction():.1%} padding), {train_stats.supervised:,} supervised tokens"
+                   + (f"; {val_stats.kept:,} held out" if val is not None else ""))
+    return TrainData(train=train, val=val, description=description, examples_per_epoch=train.rows_per_epoch,
+                     tokenizer_path=tokenizer_file)

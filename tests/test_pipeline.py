@@ -1,0 +1,400 @@
+"""`lmforge pipeline`: staged runs that skip what is up to date, rerun what changed (and what follows
+it), resume what was interrupted, and refuse bad files before any compute. Real tiny runs: a
+tokenizer stage and two lm stages (pretraining, then fine-tuning from it) on a small Go corpus."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lmforge.errors import LMForgeError
+from lmforge.pipeline import pipeline_status, run_pipeline, serve_pipeline
+from lmforge.pipeline.state import sha256_file
+from tests.train_helpers import PEAK_FLOPS, write_go_corpus
+
+TRAIN = {"micro_batch_size": 4, "log_interval": 1, "eval_batches": 2, "warmup_steps": 1, "peak_flops": PEAK_FLOPS, "device": "cpu"}
+LOGGING = {"tensorboard": False, "progress_bar": False}
+
+
+def pipeline_dict(corpus: Path, base_steps: int = 4) -> dict:
+    return {
+        "name": "tiny",
+        "out_dir": "unused",  # every test passes out_dir
+        "vars": {"corpus": str(corpus)},
+        "stages": [
+            {"name": "tok", "kind": "tokenizer", "sources": ["${vars.corpus}"], "vocab_size": 300},
+            {"name": "base", "kind": "lm", "tokenizer": "tok",
+             "data": {"train_path": "${vars.corpus}", "seq_len": 32, "val_fraction": 0.2},
+             "overrides": {"model": {"flavor": "llama", "n_layer": 1, "n_embd": 32, "n_head": 2, "n_positions": 1024},
+                           "training": {**TRAIN, "max_steps": base_steps, "eval_interval": 2, "save_interval": 1,
+                                        "keep_last": 10},
+                           "logging": LOGGING}},
+            {"name": "ft", "kind": "lm", "init": "base",
+             "data": {"train_path": "${vars.corpus}", "seq_len": 32, "val_fraction": 0.2},
+             "overrides": {"training.max_steps": 3, "training.lr": "1e-4", "training.eval_interval": 3,
+                           "training": TRAIN, "logging": LOGGING}},
+        ],
+    }
+
+
+def write(path: Path, data: dict) -> Path:
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_go_corpus(tmp_path_factory.mktemp("corpus") / "go", n_files=30)
+
+
+@pytest.fixture(scope="module")
+def golden(tmp_path_factory, corpus):
+    """The pipeline run once (read-only: tests copy it)."""
+    base = tmp_path_factory.mktemp("golden")
+    file = write(base / "p.yaml", pipeline_dict(corpus))
+    summary = run_pipeline(file, out_dir=base / "out")
+    assert [r.result for r in summary.stages] == ["ran", "ran", "ran"]
+    return file, base / "out"
+
+
+@pytest.fixture
+def trains(monkeypatch):
+    """Every call of lmforge.train.train as (run name, resume), and its result."""
+    import lmforge.train as training
+
+    calls, real = [], training.train
+
+    def spy(cfg, resume=False, **kwargs):
+        result = real(cfg, resume=resume, **kwargs)
+        calls.append((cfg.name, resume, result))
+        return result
+
+    monkeypatch.setattr(training, "train", spy)
+    return calls
+
+
+def copy_of(golden, tmp_path: Path) -> tuple[Path, Path]:
+    file, out = golden
+    shutil.copytree(out, tmp_path / "out", copy_function=shutil.copy2)
+    return shutil.copy(file, tmp_path / "p.yaml"), tmp_path / "out"
+
+
+def states(file, out, **kwargs) -> dict[str, str]:
+    return {r.stage: r.state for r in pipeline_status(file, out_dir=out, **kwargs)}
+
+
+def record(out: Path, stage: str) -> dict:
+    return json.loads((out / "pipeline_state.json").read_text())["stages"][stage]
+
+
+def best_weights(out: Path, stage: str) -> str:
+    return sha256_file(out / stage / "checkpoints" / "best" / "model.safetensors")
+
+
+# ---- skip, rerun, force --------------------------------------------------------------------------------
+def test_an_unchanged_pipeline_is_skipped_whole(golden, tmp_path, trains):
+    file, out = copy_of(golden, tmp_path)  # another directory: nothing in the record depends on where it lies
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name not in ("pipeline_state.json", ".pipeline.lock")}
+    summary = run_pipeline(file, out_dir=out)
+    assert trains == []
+    assert [r.result for r in summary.stages] == ["skipped"] * 3
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name not in ("pipeline_state.json", ".pipeline.lock")} == before
+    assert not list(out.glob("*.old-*"))
+    assert states(file, out) == {"tok": "done", "base": "done", "ft": "done"}
+
+
+def test_a_changed_stage_reruns_and_the_stages_after_it_follow(golden, tmp_path, trains):
+    file, out = copy_of(golden, tmp_path)
+    old_base, old_ft = best_weights(out, "base"), best_weights(out, "ft")
+    write(file, pipeline_dict(Path(yaml.safe_load(file.read_text())["vars"]["corpus"]), base_steps=5))
+
+    rows = {r.stage: r for r in pipeline_status(file, out_dir=out)}
+    assert (rows["tok"].state, rows["base"].state, rows["ft"].state) == ("done", "stale", "stale")
+    assert rows["base"].detail == "config changed"
+    assert "base" in rows["ft"].detail
+
+    run_pipeline(file, out_dir=out)
+    assert [(name, resume) for name, resume, _ in trains] == [("base", False), ("ft", False)]
+    assert trains[0][2].step == 5
+    # nothing trained is lost: the earlier runs were moved aside whole
+    assert sha256_file(out / "base.old-1" / "checkpoints" / "best" / "model.safetensors") == old_base
+    assert sha256_file(out / "ft.old-1" / "checkpoints" / "best" / "model.safetensors") == old_ft
+    # ft started from the new base: its recorded init hash is the new base's weights
+    assert record(out, "ft")["inputs"]["init"] == best_weights(out, "base") != old_base
+    assert states(file, out) == {"tok": "done", "base": "done", "ft": "done"}
+
+
+def test_changed_corpus_content_reruns_what_reads_it(golden, corpus, tmp_path, trains):
+    file, out = copy_of(golden, tmp_path)
+    mine = shutil.copytree(corpus, tmp_path / "corpus")
+    run_pipeline(file, out_dir=out, vars={"corpus": str(mine)})  # same content elsewhere: still up to date
+    assert trains == []
+    with open(mine / "pkg0" / "file0.go", "a") as f:
+        f.write("\n// one more line\n")
+    assert states(file, out, vars={"corpus": str(mine)}) == {"tok": "stale", "base": "stale", "ft": "stale"}
+    summary = run_pipeline(file, out_dir=out, vars={"corpus": str(mine)})
+    assert [r.result for r in summary.stages] == ["ran", "ran", "ran"]
+    assert [name for name, _, _ in trains] == ["base", "ft"]
+
+
+def test_a_large_input_is_hashed_once(golden, tmp_path, monkeypatch, trains):
+    from lmforge.pipeline import state
+
+    file, out = copy_of(golden, tmp_path)
+    run_pipeline(file, out_dir=out)  # records the hashes of the corpus under this copy's paths
+    read = []
+    real = state.sha256_file
+    monkeypatch.setattr(state, "sha256_file", lambda p: read.append(Path(p)) or real(p))
+    run_pipeline(file, out_dir=out)
+    assert read == [] and trains == []
+
+
+def test_force_reruns_a_stage_and_later_stages_follow_its_output(golden, tmp_path, trains):
+    file, out = copy_of(golden, tmp_path)
+    old_base = best_weights(out, "base")
+    run_pipeline(file, out_dir=out, force=["ft"])
+    assert [name for name, _, _ in trains] == ["ft"]
+    assert (out / "ft.old-1").is_dir() and not (out / "base.old-1").exists()
+
+    trains.clear()
+    run_pipeline(file, out_dir=out, force=["base"])
+    assert (out / "base.old-1").is_dir()
+    # ft's input is base's weights by content: it reruns exactly when the forced rerun changed them
+    changed = best_weights(out, "base") != old_base
+    assert [name for name, _, _ in trains] == (["base", "ft"] if changed else ["base"])
+    assert states(file, out)["ft"] == "done"
+
+    with pytest.raises(LMForgeError, match="unknown --force stage 'bsae'. Did you mean 'base'"):
+        run_pipeline(file, out_dir=out, force=["bsae"])
+
+
+def test_until_and_only(golden, corpus, tmp_path, trains):
+    file = write(tmp_path / "p.yaml", pipeline_dict(corpus))
+    out = tmp_path / "out"
+    run_pipeline(file, out_dir=out, until="tok")
+    assert states(file, out) == {"tok": "done", "base": "pending", "ft": "pending"}
+    with pytest.raises(LMForgeError, match="stage 'ft' cannot run: stage 'base' has no output yet"):
+        run_pipeline(file, out_dir=out, only="ft")
+    run_pipeline(file, out_dir=out, only="base")
+    assert [name for name, _, _ in trains] == ["base"]
+    assert states(file, out) == {"tok": "done", "base": "done", "ft": "pending"}
+
+
+# ---- interrupted stages -------------------------------------------------------------------------------
+def interrupt_base_at(monkeypatch, step: int, how: str) -> None:
+    """Stop stage base's training as it starts step ``step``: a SIGTERM (what a cluster's preemption or
+    Ctrl-C sends; the loop saves a checkpoint and returns), or a crash (an exception)."""
+    from lmforge.train.loop import Trainer
+
+    real, calls = Trainer._train_step, [0]
+
+    def step_fn(self):
+        if self.cfg.name == "base":
+            calls[0] += 1
+            if calls[0] == step:
+                if how == "signal":
+                    os.kill(os.getpid(), signal.SIGTERM)
+                else:
+                    raise RuntimeError("the machine went away")
+        return real(self)
+
+    monkeypatch.setattr(Trainer, "_train_step", step_fn)
+
+
+def metric_rows(out: Path, stage: str) -> list[dict]:
+    return [json.loads(line) for line in (out / stage / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("how", ["signal", "crash"])
+def test_an_interrupted_stage_resumes_from_its_last_checkpoint(corpus, tmp_path, monkeypatch, trains, how):
+    file = write(tmp_path / "p.yaml", pipeline_dict(corpus, base_steps=6))
+    out = tmp_path / "out"
+    interrupt_base_at(monkeypatch, 4, how)
+    if how == "signal":
+        summary = run_pipeline(file, out_dir=out)
+        assert summary.interrupted == "base"
+        saved = 4  # the loop finishes the step it is in, saves a checkpoint and returns
+    else:
+        with pytest.raises(RuntimeError, match="went away"):
+            run_pipeline(file, out_dir=out)
+        saved = 3  # the last checkpoint written before the crash (save_interval 1)
+    assert not (out / "ft").exists()  # nothing runs after an unfinished stage
+    rows = {r.stage: r for r in pipeline_status(file, out_dir=out)}
+    assert rows["base"].state == ("partial" if how == "signal" else "failed")
+    assert f"resumable, at step {saved}" in rows["base"].detail
+    assert rows["ft"].state == "pending"
+    first_attempt = [r for r in metric_rows(out, "base") if r["step"] <= saved]
+
+    monkeypatch.undo()  # the machine is back
+    import lmforge.train as training
+    real, calls = training.train, []
+    monkeypatch.setattr(training, "train", lambda cfg, resume=False, **kw: calls.append((cfg.name, resume)) or
+                        real(cfg, resume=resume, **kw))
+    run_pipeline(file, out_dir=out)
+    assert calls == [("base", True), ("ft", False)]
+    assert not list(out.glob("*.old-*"))  # continued in place, not started over
+    rows_after = metric_rows(out, "base")
+    assert [r for r in rows_after if r["step"] <= saved] == first_attempt  # steps 1..3 were not trained again
+    assert sorted({r["step"] for r in rows_after if "train/loss" in r}) == list(range(1, 7))
+    assert record(out, "base")["attempts"] == 2 and record(out, "base")["step"] == 6
+    assert states(file, out) == {"tok": "done", "base": "done", "ft": "done"}
+
+
+# ---- status ---------------------------------------------------------------------------------------------
+def test_status_table_and_json_of_every_stage_kind(corpus, tmp_path, capsys):
+    from lmforge.cli import main
+
+    data = pipeline_dict(corpus)
+    data["stages"][:0] = [{"name": "stories", "kind": "data", "generator": "stories", "args": {"n_stories": 40}},
+                          {"name": "calls", "kind": "data", "generator": "tool-calls",
+                           "args": {"n_train": 8, "n_val": 4, "n_test": 4}}]
+    data["stages"] += [
+        {"name": "bpb", "kind": "eval", "task": "lm", "checkpoint": "ft", "baseline": "base",
+         "data": "${stages.stories.out}/val.txt"},
+        {"name": "calls_eval", "kind": "eval", "task": "tool-calls", "checkpoint": "ft", "data": "calls",
+         "limit": 2, "max_new_tokens": 4, "metric": "parse_rate"},
+        {"name": "export", "kind": "export", "checkpoint": "ft", "formats": ["hf", "gguf"]},
+        {"name": "deploy", "kind": "serve", "checkpoint": "ft", "port": 8123},
+    ]
+    file, out = write(tmp_path / "p.yaml", data), tmp_path / "out"
+    assert main(["pipeline", "status", str(file), "--out-dir", str(out), "--json"]) == 0
+    assert {r["state"] for r in json.loads(capsys.readouterr().out)["stages"]} == {"pending"}
+    assert main(["pipeline", "run", str(file), "--out-dir", str(out), "--until", "base"]) == 0
+    capsys.readouterr()
+    with pytest.raises(LMForgeError, match="stage 'ft', whose model the serve stage deploys, is pending"):
+        serve_pipeline(file, out_dir=out)
+    assert main(["pipeline", "status", str(file), "--out-dir", str(out), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    by_stage = {r["stage"]: r for r in report["stages"]}
+    assert [r["state"] for r in report["stages"]] == ["done", "done", "done", "done", "pending", "pending", "pending",
+                                                     "pending", "pending"]
+    base = by_stage["base"]
+    best = min(r["eval/loss"] for r in metric_rows(out, "base") if "eval/loss" in r)
+    assert (base["kind"], base["metric"], base["value"], base["step"]) == ("lm", "eval/loss", best, 4)
+    assert base["output"] == str(out / "base" / "checkpoints" / "best") and base["seconds"] > 0
+
+    assert main(["pipeline", "run", str(file), "--out-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"lmforge serve {out / 'ft' / 'checkpoints' / 'best'} --port 8123 --model-name tiny" in printed
+    assert main(["pipeline", "status", str(file), "--out-dir", str(out)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[1].split() == ["stage", "kind", "state", "headline", "wall", "output"]
+    lines = {line.split()[0]: line for line in table[2:] if line.strip() and not line.startswith("serve:")}
+    assert all(" done " in lines[s] for s in ("stories", "calls", "tok", "base", "ft", "bpb", "calls_eval", "export"))
+    assert " ready " in lines["deploy"]
+    bpb = json.loads((out / "bpb" / "metrics.json").read_text())
+    assert f"bpb {bpb['checkpoint']['metrics']['bpb']:.4f} (base: {bpb['baseline']['metrics']['bpb']:.4f})" in lines["bpb"]
+    assert "parse_rate" in lines["calls_eval"] and "hf, gguf f16" in lines["export"]
+    assert (out / "export" / "hf" / "config.json").is_file() and (out / "export" / "tiny-f16.gguf").is_file()
+
+
+# ---- bad input ------------------------------------------------------------------------------------------
+def _stage(data, name):
+    return next(s for s in data["stages"] if s["name"] == name)
+
+
+BAD = {
+    "top-level typo": (lambda d: d.update(stagess=d.pop("stages")),
+                       ["p.yaml", "unknown key 'stagess'", "Did you mean 'stages'"]),
+    "stage key typo": (lambda d: _stage(d, "base").update(tokeniser=_stage(d, "base").pop("tokenizer")),
+                       ["stage 'base'", "unknown key 'tokeniser'", "Did you mean 'tokenizer'"]),
+    "overrides typo": (lambda d: _stage(d, "ft")["overrides"].update({"training.max_step": 3}),
+                       ["stage 'ft'", "'training.max_step'", "Did you mean 'training.max_steps'"]),
+    "data typo": (lambda d: _stage(d, "base")["data"].update(train_pth="x"),
+                  ["stage 'base'", "'data.train_pth'", "Did you mean 'data.train_path'"]),
+    "unknown init": (lambda d: _stage(d, "ft").update(init="bsae"),
+                     ["stage 'ft'", "init: 'bsae' is not an earlier stage", "Did you mean 'base'"]),
+    "later stage": (lambda d: _stage(d, "base").update(init="ft"), ["stage 'base'", "'ft' comes later"]),
+    "unknown tokenizer stage": (lambda d: _stage(d, "base").update(tokenizer="tk"),
+                                ["stage 'base'", "tokenizer: 'tk'", "Did you mean 'tok'"]),
+    "duplicate names": (lambda d: _stage(d, "ft").update(name="base"), ["two stages are named 'base'"]),
+    "unknown kind": (lambda d: _stage(d, "ft").update(kind="lmm"), ["stage 'ft'", "unknown kind 'lmm'",
+                                                                     "Did you mean 'lm'"]),
+    "missing corpus": (lambda d: d["vars"].update(corpus="/nonexistent/corpus"),
+                       ["stage 'tok'", "/nonexistent/corpus does not exist"]),
+    "unknown var": (lambda d: _stage(d, "tok").update(sources=["${vars.corpsu}"]),
+                    ["stage 'tok'", "${vars.corpsu} is not defined", "Did you mean 'corpus'"]),
+    "unknown stage output": (lambda d: _stage(d, "ft")["data"].update(train_path="${stages.bse.out}"),
+                             ["stage 'ft'", "${stages.bse.out} names no stage", "Did you mean 'base'"]),
+    "generator argument": (lambda d: d["stages"].insert(0, {"name": "st", "kind": "data", "generator": "stories",
+                                                            "args": {"n_storis": 3}}),
+                           ["stage 'st'", "args.n_storis", "Did you mean 'n_stories'"]),
+    "export of a data stage": (lambda d: d["stages"].append({"name": "ex", "kind": "export", "checkpoint": "tok"}),
+                               ["stage 'ex'", "'checkpoint: tok' names a tokenizer stage"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_pipeline_files_are_refused_before_anything_runs(golden, tmp_path, trains, case):
+    file, out = copy_of(golden, tmp_path)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    data = yaml.safe_load(file.read_text())
+    mutate, expected = BAD[case]
+    mutate(data)
+    write(file, data)
+    with pytest.raises(LMForgeError) as e:
+        run_pipeline(file, out_dir=out)
+    for fragment in expected:
+        assert fragment in str(e.value)
+    with pytest.raises(LMForgeError):
+        pipeline_status(file, out_dir=out)
+    assert trains == []
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before  # nothing touched
+
+
+def test_missing_and_invalid_files(tmp_path, capsys):
+    from lmforge.cli import main
+
+    with pytest.raises(LMForgeError, match="pipeline file .*nope.yaml does not exist"):
+        run_pipeline(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [x\nstages: []\n")
+    with pytest.raises(LMForgeError, match="bad.yaml is not valid YAML"):
+        run_pipeline(bad)
+    bad.write_text("- name: x\n")
+    assert main(["pipeline", "status", str(bad)]) == 2
+    assert "must hold a mapping" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_shipped_pipelines_validate(monkeypatch, tmp_path):
+    """Both pipelines of configs/pipelines load: every stage's config resolves against the recipes."""
+    from lmforge.pipeline import load_pipeline
+
+    corpus = write_go_corpus(tmp_path / "go", n_files=2)
+    tiny = load_pipeline("code_assistant_tiny", vars={"go_src": str(corpus)})
+    assert [s.name for s in tiny.stages][:5] == ["stories", "tool_data", "tokenizer", "language", "code"]
+    code = tiny.configs["code"]
+    assert code.training.init_from == str(tiny.out_dir / "language")
+    assert code.model.n_layer == 4 and code.model.n_embd == 256  # the language stage's model, not the recipe's
+    (tmp_path / "stories.txt").write_text("Once upon a time.\n<|endoftext|>\n")
+    monkeypatch.setenv("TINYSTORIES", str(tmp_path / "stories.txt"))
+    full = load_pipeline("code_assistant", vars={"code_corpus": str(corpus)})
+    assert full.configs["language"].training.lr == 1e-4 and full.configs["code"].training.lr == 5e-6
+    assert full.configs["tools"].training.lr == 3e-6
+
+
+def test_quick_stages_follow_lmforge_code_and_later_stages_follow_their_output(tmp_path, monkeypatch):
+    """A data stage whose generator's code changed runs again; a stage reading its output runs again only
+    if that output differs."""
+    from lmforge.pipeline import stages
+
+    file = write(tmp_path / "p.yaml", {"name": "gen", "stages": [
+        {"name": "stories", "kind": "data", "generator": "stories", "args": {"n_stories": 30}},
+        {"name": "tok", "kind": "tokenizer", "sources": ["${stages.stories.out}/train.txt"], "vocab_size": 280}]})
+    out = tmp_path / "out"
+    run_pipeline(file, out_dir=out)
+    real = stages.code_hash
+    monkeypatch.setattr(stages, "code_hash", lambda cache, *modules: real(cache, *modules) + "-edited"
+                        if "lmforge.data.stories" in modules else real(cache, *modules))
+    assert states(file, out) == {"stories": "stale", "tok": "stale"}  # tok: until stories has run again
+    summary = run_pipeline(file, out_dir=out)
+    assert [r.result for r in summary.stages] == ["ran", "skipped"]  # the same stories: the tokenizer stands
+    assert states(file, out) == {"stories": "done", "tok": "done"}
+    assert (out / "stories.old-1" / "train.txt").read_bytes() == (out / "stories" / "train.txt").read_bytes()
