@@ -7,7 +7,8 @@ the same micro-batch rows and learning rate, on this machine's threads. Reported
 (non-padding) tokens per second over the timed steps, and the share of the positions the model
 computed on that were padding.
 
-TRL is run in its default layout (each row one conversation, padded to the longest of its batch) and,
+TRL runs without activation checkpointing (its default turns it on, which saves memory and costs
+time; lmforge does not checkpoint here either), in its default layout (each row one conversation, padded to the longest of its batch) and,
 with ``--trl-packing``, in its packed ``bfd`` layout as well (which on CPU, without flash attention's
 varlen kernels, lets packed conversations attend to each other: faster, but not the same training).
 
@@ -74,7 +75,8 @@ def run_lmforge(data: Path, ckpt: Path, work: Path, args) -> dict:
         "kind": "sft", "name": "bench", "out_dir": str(work / "runs"),
         "recipe": {"assistant_turns": "last", "packing": not args.lmforge_unpacked},
         "data": {"train_path": str(data), "seq_len": args.seq_len},
-        "training": {"init_from": str(ckpt), "micro_batch_size": args.batch, "lr": 1e-4, "warmup_steps": 0,
+        "training": {"init_from": str(ckpt), "micro_batch_size": args.lmforge_batch or args.batch, "lr": 1e-4,
+                     "warmup_steps": 0,
                      "device": "cpu", "precision": "fp32", "peak_flops": 1e12, "grad_clip": 1.0},
         "logging": {"tensorboard": False, "progress_bar": False}})
     dist = DistInfo()
@@ -104,7 +106,8 @@ def run_lmforge(data: Path, ckpt: Path, work: Path, args) -> dict:
     seconds = time.perf_counter() - t0
     return {"system": "lmforge sft" + (" (unpacked)" if args.lmforge_unpacked else " (packed)"),
             "tokens_per_s": seen["real"] / seconds, "padding": 1 - seen["real"] / seen["positions"],
-            "rows_per_step": args.batch, "seconds": seconds}
+            "rows_per_step": args.lmforge_batch or args.batch, "seconds": seconds,
+            "tokens_per_step": seen["real"] / args.steps}
 
 
 def run_trl(data: Path, hf: Path, work: Path, args, packing: bool) -> dict:
@@ -136,7 +139,8 @@ def run_trl(data: Path, hf: Path, work: Path, args, packing: bool) -> dict:
                        per_device_train_batch_size=args.batch, max_steps=args.warmup + args.steps, learning_rate=1e-4,
                        lr_scheduler_type="constant", warmup_steps=0, logging_steps=10_000, save_strategy="no",
                        report_to=[], use_cpu=True, bf16=False, max_grad_norm=1.0, dataloader_num_workers=0,
-                       packing=packing, completion_only_loss=True, seed=0, disable_tqdm=True)
+                       packing=packing, completion_only_loss=True, seed=0, disable_tqdm=True,
+                       gradient_checkpointing=False)  # TRL's default is on (saves memory, costs time)
     trainer = SFTTrainer(model=model, args=config, train_dataset=ds, processing_class=tokenizer, callbacks=[Clock()])
     collate = trainer.data_collator
 
@@ -154,7 +158,7 @@ def run_trl(data: Path, hf: Path, work: Path, args, packing: bool) -> dict:
     seconds = marks["t1"] - marks["t0"]
     return {"system": "TRL SFTTrainer" + (" (packing=bfd, cross-attending)" if packing else " (default, padded)"),
             "tokens_per_s": counted["real"] / seconds, "padding": 1 - counted["real"] / counted["positions"],
-            "rows_per_step": args.batch, "seconds": seconds}
+            "rows_per_step": args.batch, "seconds": seconds, "tokens_per_step": counted["real"] / args.steps}
 
 
 def main() -> None:
@@ -163,6 +167,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--rows", type=int, default=2000, help="training conversations")
     p.add_argument("--batch", type=int, default=8, help="rows per step (both systems)")
+    p.add_argument("--lmforge-batch", type=int, default=0, help="lmforge's packed rows per step (default --batch)")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--width", type=int, default=256)
@@ -180,9 +185,10 @@ def main() -> None:
             results.append(run_trl(data, hf, work, args, packing=True))
     print(f"\nSFT throughput, {args.layers}x{args.width} llama, vocab {args.vocab}, rows of {args.seq_len}, "
           f"{args.batch} rows/step, fp32, {torch.get_num_threads()} threads, {cpu_name()}")
-    print(f"{'system':<48} {'tokens/s':>10} {'padding':>8}")
+    print(f"{'system':<48} {'rows/step':>9} {'tokens/step':>11} {'tokens/s':>10} {'padding':>8}")
     for r in results:
-        print(f"{r['system']:<48} {r['tokens_per_s']:>10,.0f} {r['padding']:>8.1%}")
+        print(f"{r['system']:<48} {r['rows_per_step']:>9} {r['tokens_per_step']:>11,.0f} {r['tokens_per_s']:>10,.0f} "
+              f"{r['padding']:>8.1%}")
     base = results[1]["tokens_per_s"]
     print(f"lmforge / TRL default: {results[0]['tokens_per_s'] / base:.2f}x")
     if args.json:

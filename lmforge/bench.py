@@ -207,7 +207,7 @@ def run_bench(recipe: str, overrides: list[str], steps: int = 20, warmup: int = 
         raise LMForgeError(f"lmforge bench times kinds that can make random batches; {recipe!r} is of kind "
                            f"{cfg.spec.name!r}, which cannot. Its throughput is logged during training "
                            "(train/tokens_per_s, train/examples_per_s, train/mfu); benchmarks/ holds its own scripts "
-                           "(sudoku_cpu.py, hrgc_vs_plain.py)")
+                           "(sudoku_cpu.py, hrgc_vs_plain.py, sft_vs_trl.py)")
     if getattr(cfg.model, "vocab_size", 1) == 0:
         cfg.model.vocab_size = vocab_size
     devinfo = setup_device(cfg.training.device, cfg.training.precision, cfg.training.peak_flops)

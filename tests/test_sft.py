@@ -361,3 +361,30 @@ def test_sft_resume_is_exact(tokenizer, base_checkpoint, tmp_path):
     wa = load_file(str(runs / "straight" / "checkpoints" / "step-000008" / "model.safetensors"))
     wb = load_file(str(runs / "resumed" / "checkpoints" / "step-000008" / "model.safetensors"))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_sft_under_torchrun_trains_on_both_processes(tokenizer, base_checkpoint, tmp_path):
+    """Two processes (gloo) each draw their own packed rows; the run finishes with one checkpoint, and
+    its evaluation weighs both processes' held-out rows."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    data = tmp_path / "chats"
+    data.mkdir()
+    write_rows(data / "train.jsonl", [conversation(i, tools=i % 4 == 0) for i in range(40)])
+    write_rows(data / "val.jsonl", [conversation(i, tools=False) for i in range(40, 48)])
+    cfg = sft_config(tmp_path, data, base_checkpoint, max_steps=4, micro_batch_size=2, eval_interval=2)
+    recipe = tmp_path / "sft.yaml"
+    recipe.write_text(yaml.safe_dump(cfg.to_dict()))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "lmforge", "train", str(recipe)], capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = tmp_path / "runs" / "sft"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "eval/loss" in r] == [2, 4]
+    assert (run / "checkpoints" / "best" / "model.safetensors").is_file()
+    state = json.loads((run / "checkpoints" / "step-000004" / "trainer_state.json").read_text())
+    assert state["data_per_rank"] and len(state["data_per_rank"]) == 2

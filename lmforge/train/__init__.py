@@ -92,7 +92,8 @@ def _train(cfg: RunConfig, resume: bool | str, distinfo: DistInfo, clock: Callab
         trainer.load_checkpoint(resume_from)
     if distinfo.is_main:
         n = model.num_parameters()
-        where = f"resuming from {resume_from} (step {trainer.step})" if resume_from else "from scratch"
+        where = (f"resuming from {resume_from} (step {trainer.step})" if resume_from
+                 else f"from the weights of {cfg.training.init_from}" if load_init else "from scratch")
         print(f"lmforge train: {cfg.name} | kind {spec.name} | {type(model).__name__} {n / 1e6:.2f}M params | "
               f"{devinfo.device} {devinfo.precision} x{distinfo.world_size} | {data.description}")
         print(f"run dir {run_dir} | {where} | MFU against {devinfo.peak_flops / 1e12:.2f} TFLOP/s "

@@ -29,6 +29,7 @@ its reference; ``METRIC_DOC`` defines every reported metric.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import random
@@ -102,15 +103,37 @@ _POOL_TEXT = {
              "cookies meds homework popcorn",
     "symbol": "AAPL MSFT GOOG AMZN TSLA NVDA META NFLX IBM ORCL INTC AMD CSCO ADBE CRM UBER SHOP SPOT PYPL BABA "
               "SONY NKE PEP DIS WMT COST SBUX",
-    "integer": " ".join(str(i) for i in range(1, 121)),
-    "decimal": " ".join(f"{i}.5" for i in range(1, 81)),
+    "integer": " ".join(str(i) for i in range(1, 1000)),
+    "decimal": " ".join(f"{i}.5" for i in range(1, 400)),
 }
 _SEPARATED = {"subject", "body"}  # multi-word values, '|'-separated
 
+# Invented values beside the real ones (a fixed list, whatever the dataset's seed): with a few dozen
+# cities a model can learn the training values by heart and still score on nothing held out; with
+# hundreds it has to copy the value from the request, which is the skill the held-out split measures.
+_INVENTED = {"city": 600, "name": 400, "package": 300, "label": 300, "symbol": 400, "currency": 200,
+             "pattern": 300}
+_CONSONANTS, _VOWELS = "bdfgklmnprstvz", "aeiou"
 
-def _pool(name: str) -> list[str]:
+
+def _invented(name: str, n: int) -> list[str]:
+    rng = random.Random(f"lmforge-tool-values-{name}")
+    out: set[str] = set()
+    while len(out) < n:
+        syllables = "".join(rng.choice(_CONSONANTS) + rng.choice(_VOWELS) for _ in range(rng.randint(2, 3)))
+        letters = "".join(rng.choice("ABCDEFGHIJKLMNOPRSTUVWXYZ") for _ in range(rng.randint(3, 4)))
+        out.add({"city": syllables.capitalize(), "name": syllables[:4].capitalize(), "package": syllables,
+                 "label": syllables, "symbol": letters, "currency": letters[:3],
+                 "pattern": "*." + syllables[:rng.randint(2, 3)]}[name])
+    return sorted(out)
+
+
+@functools.lru_cache(maxsize=None)
+def _pool(name: str) -> tuple[str, ...]:
     text = _POOL_TEXT[name]
-    return text.split("|") if name in _SEPARATED else text.split()
+    real = text.split("|") if name in _SEPARATED else text.split()
+    invented = [v for v in _invented(name, _INVENTED[name]) if v not in real] if name in _INVENTED else []
+    return tuple(real + invented)
 
 
 def _rank(value: str) -> str:
@@ -131,7 +154,7 @@ def value_split() -> dict[str, dict[str, list]]:
     """Every pool's split (integers and decimals as numbers), as meta.json records it."""
     out: dict[str, dict[str, list]] = {}
     for name in _POOL_TEXT:
-        parts = split_values(_pool(name))
+        parts = split_values(list(_pool(name)))
         if name == "integer":
             parts = {s: sorted(int(v) for v in vs) for s, vs in parts.items()}
         elif name == "decimal":
@@ -265,7 +288,7 @@ class _Values:
     """Draws argument values from one split's share of each pool."""
 
     def __init__(self, split: str):
-        self.parts = {name: split_values(_pool(name))[split] for name in _POOL_TEXT}
+        self.parts = {name: split_values(list(_pool(name)))[split] for name in _POOL_TEXT}
         self.ints = sorted(int(v) for v in self.parts["integer"])
 
     def pick(self, rng: random.Random, pool: str) -> str:
@@ -285,12 +308,12 @@ def _arguments(tool: str, rng: random.Random, values: _Values, optional: tuple[s
         args = {"city": values.pick(rng, "city"), "unit": rng.choice(UNITS)}
     elif tool == "convert_currency":
         source, target = rng.sample(values.parts["currency"], 2)
-        amount = values.int_in(rng, 1, 120) if rng.random() < 0.6 else float(values.pick(rng, "decimal"))
+        amount = values.int_in(rng, 1, 999) if rng.random() < 0.6 else float(values.pick(rng, "decimal"))
         args = {"amount": amount, "from": source, "to": target}
     elif tool == "search_files":
         args = {"pattern": values.pick(rng, "pattern"), "max_results": values.int_in(rng, 1, 50)}
     elif tool == "set_timer":
-        args = {"minutes": values.int_in(rng, 2, 120), "label": values.pick(rng, "label")}
+        args = {"minutes": values.int_in(rng, 2, 999), "label": values.pick(rng, "label")}
     elif tool == "send_email":
         args = {"to": values.email(rng), "subject": values.pick(rng, "subject"), "body": values.pick(rng, "body")}
     elif tool == "run_tests":
