@@ -12,7 +12,8 @@ time; lmforge does not checkpoint here either), in its default layout (each row 
 with ``--trl-packing``, in its packed ``bfd`` layout as well (which on CPU, without flash attention's
 varlen kernels, lets packed conversations attend to each other: faster, but not the same training).
 
-    python benchmarks/sft_vs_trl.py --steps 30 --warmup 5
+    pip install 'lmforge[bench]'      # TRL
+    python benchmarks/sft_vs_trl.py --steps 30 --warmup 5 --trl-packing
 """
 
 from __future__ import annotations
