@@ -88,6 +88,9 @@ def init_model_config(cfg) -> Path | None:
     from lmforge.checkpoint import resolve_model_dir
     from lmforge.models.base import read_model_config
 
+    if not Path(cfg.training.init_from).exists():
+        raise LMForgeError(f"training.init_from={cfg.training.init_from} does not exist: point it at the checkpoint "
+                           "or run directory to fine-tune (e.g. runs/code_assistant_code)")
     source = resolve_model_dir(cfg.training.init_from)
     klass, config = read_model_config(source)
     if type(config) is not type(cfg.model):

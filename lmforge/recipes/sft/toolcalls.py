@@ -481,11 +481,11 @@ def write_tool_call_dataset(out_dir: str | Path, n_train: int = 2000, n_val: int
     remove_stale(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if not overwrite:
-            raise LMForgeError(f"{out} exists and is not empty; pass overwrite=True to replace it or choose "
-                               "another directory")
+            raise LMForgeError(f"{out} exists and is not empty; pass --overwrite (overwrite=True from Python) to "
+                               "replace it, or choose another directory")
         if not (out / "meta.json").is_file():
             raise LMForgeError(f"{out} is not an earlier tool-call dataset (no meta.json), so it is not "
-                               "replaced even with overwrite=True; choose another directory")
+                               "replaced even with --overwrite; choose another directory")
     rows = {split: make_rows(split, n, seed) for split, n in sizes.items()}
     meta = {
         "format": "lmforge-toolcalls",
