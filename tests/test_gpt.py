@@ -229,6 +229,38 @@ def test_activation_checkpointing_gives_same_loss_and_grads(flavor, monkeypatch)
         torch.testing.assert_close(ckpt_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_packed_documents_split_and_masked_forms_agree(flavor):
+    """Per-document SDPA calls (CPUs) and the block-diagonal mask (accelerators) compute the same
+    attention and gradients, padding and a document that continues a row's numbering included."""
+    # row 0 is one document, row 1 starts with the same number 0 (rows must not merge), row 2 ends in padding
+    documents = torch.tensor([[0] * 20, [0] * 7 + [1] * 12 + [2], [0] * 5 + [1] * 9 + [-1] * 6])
+    positions = torch.tensor([list(range(20)), [*range(7), *range(12), 0], [*range(5), *range(9), *range(6)]])
+    split = gpt_module.PackedDocuments.split(documents)
+    masked = gpt_module.PackedDocuments.masked(documents)
+    assert split.lengths == [20, 7, 12, 1, 5, 9, 6] and masked.mask.shape == (3, 1, 20, 20)
+    model = randomize(tiny(flavor)).train()
+    attn = model.blocks[0].attn
+
+    def rope(pos):
+        return None if flavor == "gpt2" else model._rope(pos, torch.float32)
+
+    x = torch.randn(3, 20, 32)
+    outs = {}
+    for name, docs in (("split", split), ("masked", masked)):
+        h = x.clone().requires_grad_()
+        model.zero_grad(set_to_none=True)
+        out = attn(h, rope(positions), None, 0, docs)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        outs[name] = (out.detach(), h.grad, attn.qkv.weight.grad)
+    for a, b in zip(outs["split"], outs["masked"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    # a document gives the same outputs inside its packed row as alone
+    with torch.no_grad():
+        alone = attn(x[1:2, 7:19], rope(torch.arange(12)), None, 0, None)
+    torch.testing.assert_close(outs["split"][0][1, 7:19], alone[0], rtol=1e-5, atol=1e-6)
+
+
 def test_loss_ignores_masked_labels():
     model = tiny().eval()
     ids = random_ids(batch=1, length=10)

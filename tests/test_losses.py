@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmforge.models.losses import chunk_rows, linear_cross_entropy
+from lmforge.models.losses import _LinearCrossEntropy, chunk_rows, linear_cross_entropy
 
 
 def _case(n: int, d: int, vocab: int, seed: int = 0):
@@ -28,6 +28,22 @@ def test_loss_and_gradients_match_plain_cross_entropy(rows):
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(h2.grad, h1.grad, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(w2.grad, w1.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_ignored_tokens_dropped_before_the_head_or_masked_in_the_chunks_agree():
+    """On CPUs tokens without a label are dropped before the head; accelerators mask them inside the
+    chunks (no host sync). Both give the plain loss and gradients, and the dropped tokens get zero."""
+    hidden, weight, labels = _case(40, 16, 50, seed=3)
+    labels[:30] = -100  # mostly prompt, as in SFT
+    results = []
+    for fn in (lambda h, w: linear_cross_entropy(h, w, labels), lambda h, w: _LinearCrossEntropy.apply(h, w, labels, 7)):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        out = fn(h, w)
+        out.backward()
+        results.append((out.detach(), h.grad, w.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert torch.count_nonzero(results[0][1][:30]) == 0 and torch.count_nonzero(results[0][1][30:]) > 0
 
 
 def test_batched_shapes_extreme_logits_and_no_valid_labels():
