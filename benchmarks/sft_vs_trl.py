@@ -46,7 +46,7 @@ def prepare(work: Path, args) -> tuple[Path, Path, Path]:
     from lmforge.chat import render_chat
     from lmforge.export.hf import export_hf
     from lmforge.models.gpt import GPT, GPTConfig
-    from lmforge.recipes.sft.toolcalls import write_tool_call_dataset
+    from lmforge.posttrain.toolcalls import write_tool_call_dataset
     from lmforge.tokenizer import Tokenizer, train_tokenizer
 
     data = work / "data"

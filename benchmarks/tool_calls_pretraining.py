@@ -29,7 +29,7 @@ METRICS = ("parse_rate", "tool_name_acc", "exact_args", "arg_f1", "abstention", 
 
 def evaluate(checkpoint: Path, rows: list[dict], max_new_tokens: int) -> dict:
     from lmforge.infer.loading import load_for_inference
-    from lmforge.recipes.sft.toolcalls import evaluate_tool_calls
+    from lmforge.posttrain.toolcalls import evaluate_tool_calls
 
     model, tokenizer, _ = load_for_inference(checkpoint, device="cpu")
     result = evaluate_tool_calls(model, tokenizer, rows, max_new_tokens=max_new_tokens, progress=False)
@@ -69,7 +69,7 @@ def main() -> None:
     args = p.parse_args()
 
     from lmforge.checkpoint import resolve_model_dir
-    from lmforge.recipes.sft.toolcalls import load_rows
+    from lmforge.posttrain.toolcalls import load_rows
 
     root = Path(args.pipeline_out)
     code = resolve_model_dir(root / "code")

@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("config", ("lmforge.config",)),
     ("inference and evaluation", ("lmforge.infer", "lmforge.eval")),
     ("training, export, serving", ("lmforge.train", "lmforge.export", "lmforge.serve", "lmforge.plot")),
+    ("post-training library", ("lmforge.posttrain",)),
     ("training kinds", ("lmforge.recipes.",)),
     ("command line", ("lmforge.cli", "lmforge.cli_data", "lmforge.bench", "lmforge.quickstart", "lmforge.__main__",
                       "lmforge.staged_guide", "lmforge.pipeline", "lmforge=")),

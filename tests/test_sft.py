@@ -14,8 +14,8 @@ import torch
 from lmforge.errors import LMForgeError
 from lmforge.models.gpt import GPT, GPTConfig
 from lmforge.models.losses import IGNORE_INDEX
-from lmforge.recipes.sft.packing import ExampleStore, PackedConversations, pack_rows
-from lmforge.recipes.sft.render import (NOTHING_TO_LEARN, TOO_LONG, RenderStats, check_chat_tokenizer,
+from lmforge.posttrain.packing import ExampleStore, PackedConversations, pack_rows
+from lmforge.posttrain.render import (NOTHING_TO_LEARN, TOO_LONG, RenderStats, check_chat_tokenizer,
                                         render_examples, show_example)
 from lmforge.tokenizer import Tokenizer, train_tokenizer
 

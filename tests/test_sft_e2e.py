@@ -56,7 +56,7 @@ def pipeline(tmp_path_factory) -> Path:
     from lmforge.pipeline import run_pipeline
 
     from lmforge.chat import render_chat
-    from lmforge.recipes.sft.toolcalls import make_rows
+    from lmforge.posttrain.toolcalls import make_rows
 
     base = tmp_path_factory.mktemp("e2e")
     # text for the tokenizer to learn the tool-call JSON from (other rows than the pipeline trains on)
@@ -71,7 +71,7 @@ def pipeline(tmp_path_factory) -> Path:
 
 
 def rows_of(out: Path, case: str) -> list[dict]:
-    from lmforge.recipes.sft.toolcalls import case_of
+    from lmforge.posttrain.toolcalls import case_of
 
     rows = [json.loads(line) for line in (out / "tool_data" / "train.jsonl").read_text().splitlines()]
     return [r for r in rows if case_of(r) == case]

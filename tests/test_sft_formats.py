@@ -17,7 +17,7 @@ import pytest
 
 from lmforge.chat import parse_tool_calls, render_chat
 from lmforge.errors import LMForgeError
-from lmforge.recipes.sft.formats import (FORMATS, Conversation, ReadStats, RowError, conversation_from_row,
+from lmforge.posttrain.formats import (FORMATS, Conversation, ReadStats, RowError, conversation_from_row,
                                          detect_format, read_conversations)
 
 

@@ -1,4 +1,4 @@
-"""The synthetic tool-calling dataset and the tool-call evaluation (lmforge.recipes.sft.toolcalls)."""
+"""The synthetic tool-calling dataset and the tool-call evaluation (lmforge.posttrain.toolcalls)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from lmforge.chat import parse_tool_calls, render_chat
 from lmforge.errors import LMForgeError
 from lmforge.infer.generate import generate_tokens
 from lmforge.models.gpt import GPT, GPTConfig
-from lmforge.recipes.sft.toolcalls import (
+from lmforge.posttrain.toolcalls import (
     CASES,
     MAX_PROMPT_CHARS,
     SPLITS,

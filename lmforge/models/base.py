@@ -149,6 +149,20 @@ class LMForgeModel(nn.Module):
         model.tie_weights()
         return model.to(map_location)
 
+    def load_initial_weights(self, source: LMForgeModel, where: str) -> None:
+        """``training.init_from``: take the weights of a trained model (``source``, read from ``where``).
+        Default: the same family and shapes, every tensor. A family built on another one's weights (a
+        reward model on a chat model's trunk) overrides this."""
+        theirs, ours = source.state_dict(), self.state_dict()
+        mismatch = [k for k in ours if k not in theirs or theirs[k].shape != ours[k].shape]
+        extra = [k for k in theirs if k not in ours]
+        if type(source) is not type(self) or mismatch or extra:
+            first = (mismatch or extra or ["(model family)"])[0]
+            raise LMForgeError(f"training.init_from={where} holds a different architecture than this run's model "
+                               f"(first difference: {first}); use the model settings it was trained with (see "
+                               f"its {CONFIG_FILE})")
+        self.load_state_dict(theirs)
+
     # Families with tied weights override these two.
     def is_tied_key(self, key: str) -> bool:
         return False

@@ -70,6 +70,9 @@ class TrainData:
     tokenizer_path: Any = None  # a tokenizer.json copied into the run and every checkpoint; None = none
     probe: Probe | None = None
     on_step: Callable[[int], None] | None = None  # told each optimizer step before its batches are drawn (curricula)
+    # Told the model being trained, on its device, before the first step: for kinds whose batches
+    # come from the model itself (rollouts of ppo and grpo). Args: (model, DeviceInfo).
+    bind_model: Callable[[Any, Any], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,9 @@ class RecipeSpec:
     # --- the step ---------------------------------------------------------------------------------
     prepare_model: Callable[[Any, Any], None] | None = None  # (model, RunConfig): training settings onto it
     make_optimizer: Callable[[Any, list, Any, Any], Any] | None = None  # (model, groups, RunConfig, device)
-    loss: Callable[[Any, dict[str, Any]], tuple[Any, dict[str, Any]]] = _call_model  # (module, batch)
+    # (model, batch) -> (loss, metrics). The loop runs it as the forward of the module it compiles the
+    # model in and wraps in DDP, so it may call the model (or its methods) as often as it needs.
+    loss: Callable[[Any, dict[str, Any]], tuple[Any, dict[str, Any]]] = _call_model
     ddp_find_unused_parameters: bool = False  # some parameters get no gradient in some steps
     # --- evaluation -------------------------------------------------------------------------------
     best_metric: str = "eval/loss"  # the metric that picks checkpoints/best

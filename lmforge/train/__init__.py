@@ -161,21 +161,12 @@ def _resume_point(run_dir: Path, resume: bool | str) -> Path | None:
 
 
 def _load_initial_weights(model, path: str, distinfo: DistInfo) -> None:
-    """training.init_from: copy a trained model's weights into ``model`` (same architecture)."""
+    """training.init_from: copy a trained model's weights into ``model`` (``LMForgeModel.load_initial_weights``)."""
     from lmforge.models import load_model
     from lmforge.checkpoint import resolve_model_dir
 
     source_dir = resolve_model_dir(path)
-    source = load_model(source_dir)
-    theirs, ours = source.state_dict(), model.state_dict()
-    mismatch = [k for k in ours if k not in theirs or theirs[k].shape != ours[k].shape]
-    extra = [k for k in theirs if k not in ours]
-    if type(source) is not type(model) or mismatch or extra:
-        first = (mismatch or extra or ["(model family)"])[0]
-        raise LMForgeError(f"training.init_from={path}: {source_dir} holds a different architecture than this "
-                           f"run's model (first difference: {first}); use the model settings it was trained "
-                           f"with (see {source_dir / 'config.yaml'})")
-    model.load_state_dict(theirs)
+    model.load_initial_weights(load_model(source_dir), str(source_dir))
     if distinfo.is_main:
         print(f"initial weights from {source_dir}")
 

@@ -142,9 +142,11 @@ class Trainer:
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self._window = _Window()
 
-        self.fwd_model: torch.nn.Module = model
-        if self.t.compile:
-            self.fwd_model = torch.compile(model)
+        # What each micro-batch runs: the kind's loss on the (compiled) model, as one module's forward,
+        # so DDP sees every parameter the loss touches however the kind calls the model.
+        self.fwd_model: torch.nn.Module = _Objective(torch.compile(model) if self.t.compile else model, self.spec.loss)
+        if data.bind_model is not None:
+            data.bind_model(model, devinfo)
         if distinfo.enabled:
             ids = [devinfo.device.index] if devinfo.device.type == "cuda" else None
             self.fwd_model = torch.nn.parallel.DistributedDataParallel(
@@ -338,7 +340,7 @@ class Trainer:
                     else contextlib.nullcontext())
             with sync:
                 with self.dev.autocast():
-                    loss, metrics = self.spec.loss(self.fwd_model, batch)
+                    loss, metrics = self.fwd_model(batch)
                 self.scaler.scale(loss / accum).backward()
             loss_sum += loss.detach().float()
             for k, v in metrics.items():
@@ -553,6 +555,18 @@ class Trainer:
         return (f"{what} at step {self.step + 1}: training stopped before applying "
                 f"that update. {where}. Try a lower training.lr, a longer training.warmup_steps, "
                 f"training.grad_clip=1.0, or training.precision=fp32/bf16 instead of fp16.")
+
+
+class _Objective(torch.nn.Module):
+    """``forward(batch)`` is the kind's ``loss(model, batch)``: the module the loop runs and DDP wraps."""
+
+    def __init__(self, model: torch.nn.Module, loss: Callable[[Any, dict[str, Any]], tuple[torch.Tensor, dict]]):
+        super().__init__()
+        self.model = model
+        self._loss = loss
+
+    def forward(self, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
+        return self._loss(self.model, batch)
 
 
 def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:

@@ -15,8 +15,8 @@ from lmforge.errors import LMForgeError
 def cmd_data_sft(args: argparse.Namespace) -> int:
     from lmforge.infer.loading import find_tokenizer
     from lmforge.recipes.sft.data import SFTSettings, read_splits
-    from lmforge.recipes.sft.formats import ReadStats
-    from lmforge.recipes.sft.render import (
+    from lmforge.posttrain.formats import ReadStats
+    from lmforge.posttrain.render import (
         RenderStats,
         check_chat_tokenizer,
         render_examples,
@@ -59,7 +59,7 @@ def cmd_data_sft(args: argparse.Namespace) -> int:
 
 
 def cmd_data_tool_calls(args: argparse.Namespace) -> int:
-    from lmforge.recipes.sft.toolcalls import write_tool_call_dataset
+    from lmforge.posttrain.toolcalls import write_tool_call_dataset
 
     meta = write_tool_call_dataset(args.out, n_train=args.n_train, n_val=args.n_val, n_test=args.n_test,
                                    seed=args.seed, overwrite=args.overwrite)
@@ -138,7 +138,7 @@ def fine_tuned_from(checkpoint: str) -> str | None:
 
 def run_eval(args) -> int:
     from lmforge.infer.loading import load_for_inference
-    from lmforge.recipes.sft.toolcalls import (
+    from lmforge.posttrain.toolcalls import (
         evaluate_tool_calls,
         format_tool_call_report,
         load_rows,

@@ -1,5 +1,5 @@
 """The sft kind's data: conversations read from the user's files, rendered with the tokenizer the model
-will be served with, packed into rows (``lmforge.recipes.sft.packing``)."""
+will be served with, packed into rows (``lmforge.posttrain.packing``)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import numpy as np
 
 from lmforge.errors import LMForgeError
 from lmforge.recipes import TrainData
-from lmforge.recipes.sft.formats import FORMATS, ReadStats, read_conversations
-from lmforge.recipes.sft.packing import ExampleStore, PackedConversations
-from lmforge.recipes.sft.render import (
+from lmforge.posttrain.formats import FORMATS, ReadStats, read_conversations
+from lmforge.posttrain.packing import ExampleStore, PackedConversations
+from lmforge.posttrain.render import (
     ASSISTANT_TURNS,
     RenderStats,
     check_chat_tokenizer,

@@ -27,7 +27,7 @@ import torch
 
 from lmforge.errors import LMForgeError
 from lmforge.models.losses import IGNORE_INDEX
-from lmforge.recipes.sft.render import Example
+from lmforge.posttrain.render import Example
 
 PAD_DOCUMENT = -1
 _ROUND = 16  # a micro-batch is cut to its longest row, rounded up to this (fewer distinct shapes)

@@ -1,0 +1,9 @@
+"""What the post-training kinds (sft, reward, dpo, ppo, grpo) share, below them and above the core.
+
+- ``formats``: conversations in the layouts people publish (OpenAI messages, prompt/completion,
+  ShareGPT/Hermes, Glaive, xLAM) from JSONL, JSON, parquet or ``datasets`` directories.
+- ``render``: a conversation rendered with the tokenizer's own chat template into ids and the mask
+  of the tokens a model learns (the assistant's replies and their closing eos).
+- ``packing``: rendered examples packed into rows without attention between them.
+- ``toolcalls``: the generated tool-calling task, and scoring replies through the server's parser.
+"""
