@@ -45,6 +45,16 @@ def trained_run(tmp_path_factory, go_data):
     return train(load_config(str(recipe)))
 
 
+@pytest.fixture(scope="session")
+def tool_sft(tmp_path_factory):
+    """A tiny llama model fine-tuned (sft kind) on generated tool-calling conversations: ``.data``
+    (train/val/test.jsonl), ``.base`` (before), ``.checkpoint`` (after), ``.tokenizer``. Built once per
+    test process; read-only."""
+    from tests.posttrain_helpers import make_tool_sft_checkpoint
+
+    return make_tool_sft_checkpoint(tmp_path_factory.mktemp("tool_sft"))
+
+
 def pytest_xdist_auto_num_workers(config):
     """`-n auto`: one worker per core, at most 4 (each holds its own torch and builds its files' fixtures)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -562,11 +562,14 @@ class GPT(LMForgeModel):
         return self.lm_head(hidden[:, -1:] if last_only else hidden)
 
     def hidden_states(self, input_ids: torch.Tensor, kv_cache: KVCache | None = None,
-                      extra_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                      extra_embeds: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                      document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, T]`` token ids -> ``[B, T, n_embd]`` final-norm outputs, the LM head's input.
         ``extra_embeds`` (``[B, T, n_embd]``) is added to the token embeddings: how another module
-        conditions this one (HRGC's planner states at the generator's plan positions)."""
-        return self._trunk(input_ids, kv_cache, extra_embeds=extra_embeds)[0]
+        conditions this one (HRGC's planner states at the generator's plan positions).
+        ``position_ids`` / ``document_ids``: packed rows, as in ``forward``'s batch."""
+        return self._trunk(input_ids, kv_cache, extra_embeds=extra_embeds, position_ids=position_ids,
+                           document_ids=document_ids)[0]
 
     def _trunk(self, input_ids: torch.Tensor, kv_cache: KVCache | None, collect: bool = False,
                extra_embeds: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
