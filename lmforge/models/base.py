@@ -149,6 +149,26 @@ class LMForgeModel(nn.Module):
         model.tie_weights()
         return model.to(map_location)
 
+    def load_checkpoint_weights(self, directory: Path, device: torch.device | str) -> None:
+        """Resume: load the weights this model's ``save_pretrained`` wrote into ``directory`` (a training
+        checkpoint). Families that save more than one file override both."""
+        weights_path = Path(directory) / WEIGHTS_FILE
+        try:
+            weights = load_file(str(weights_path), device=str(device))
+        except Exception as e:
+            raise LMForgeError(f"cannot read {weights_path}: {e}. The checkpoint is corrupt; "
+                               f"resume from an earlier one in {Path(directory).parent}") from e
+        try:
+            missing, unexpected = self.load_state_dict(weights, strict=False)
+        except RuntimeError as e:  # shapes differ
+            raise LMForgeError(f"{directory} does not fit this model ({e}): was the model config changed since "
+                               "it was written?") from e
+        missing = [k for k in missing if not self.is_tied_key(k)]
+        if missing or unexpected:
+            raise LMForgeError(f"{directory} does not fit this model (missing {missing[:3]}, unexpected "
+                               f"{unexpected[:3]}): was the model config changed since it was written?")
+        self.tie_weights()
+
     def load_initial_weights(self, source: LMForgeModel, where: str) -> None:
         """``training.init_from``: take the weights of a trained model (``source``, read from ``where``).
         Default: the same family and shapes, every tensor. A family built on another one's weights (a

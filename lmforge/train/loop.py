@@ -156,24 +156,8 @@ class Trainer:
     # ---- resume ---------------------------------------------------------------------------
     def load_checkpoint(self, path: Path) -> None:
         """Restore model, optimizer, scaler, schedule position, data position and RNG exactly."""
-        from safetensors.torch import load_file
-
         state = ckpt.read_trainer_state(path)
-        try:
-            weights = load_file(str(path / "model.safetensors"), device=str(self.dev.device))
-        except Exception as e:
-            raise LMForgeError(f"cannot read {path / 'model.safetensors'}: {e}. The checkpoint is corrupt; "
-                               f"resume from an earlier one in {path.parent}") from e
-        try:
-            missing, unexpected = self.model.load_state_dict(weights, strict=False)
-        except RuntimeError as e:  # shapes differ
-            raise LMForgeError(f"{path} does not fit this model ({e}): was the model config changed since "
-                               "it was written?") from e
-        missing = [k for k in missing if not self.model.is_tied_key(k)]
-        if missing or unexpected:
-            raise LMForgeError(f"{path} does not fit this model (missing {missing[:3]}, unexpected "
-                               f"{unexpected[:3]}): was the model config changed since it was written?")
-        self.model.tie_weights()
+        self.model.load_checkpoint_weights(path, self.dev.device)
         opt_state = ckpt.load_training_file(path, ckpt.OPTIMIZER_FILE, "optimizer state")
         rng = ckpt.load_training_file(path, ckpt.RNG_FILE, "random-number state")
         # The files parse; what they hold is still checked before use: a damaged or crafted state stops
