@@ -728,14 +728,16 @@ def _file_kind(path: Path) -> str:
 
 
 def _read(files: list[tuple[Path, str]], format: str, skip_bad_rows: bool, stats: ReadStats,
-          split: str | None) -> Iterator[Conversation]:
+          split: str | None, convert: Callable[[Any, str, str], tuple[str, Any]] = _convert) -> Iterator[Any]:
+    """What ``convert(row, source, format)`` makes of each row: (layout, item); bad rows as ``read_conversations``
+    says. ``lmforge.posttrain.preferences`` passes its own ``convert``."""
     for path, kind in files:
         for source, row in _ROW_READERS[kind](path, split):
             stats.rows += 1
             try:
                 if isinstance(row, RowError):  # the container could not even decode this row
                     raise row
-                fmt, conversation = _convert(row, source, format)
+                fmt, item = convert(row, source, format)
             except RowError as e:
                 if not skip_bad_rows:
                     raise
@@ -745,7 +747,7 @@ def _read(files: list[tuple[Path, str]], format: str, skip_bad_rows: bool, stats
                 continue
             stats.kept += 1
             stats.by_format[fmt] += 1
-            yield conversation
+            yield item
 
 
 _Rows = Iterator[tuple[str, Any]]  # (source, row) where row is a RowError when it could not be decoded
