@@ -182,7 +182,7 @@ def test_kinds_of_installed_packages_load_through_entry_points(tmp_path, monkeyp
     entry = importlib.metadata.EntryPoint(name="toy", value="toy_recipe", group=recipes.ENTRY_POINT_GROUP)
     monkeypatch.setattr(importlib.metadata, "entry_points",
                         lambda group=None: [entry] if group == recipes.ENTRY_POINT_GROUP else [])
-    assert [s.name for s in recipes.kinds()] == ["hrgc", "lm", "puzzles", "sft", "toy"]
+    assert [s.name for s in recipes.kinds()] == ["dpo", "grpo", "hrgc", "lm", "ppo", "puzzles", "reward", "sft", "toy"]
     assert recipes.model_class("toy_adder").__name__ == "Adder"
 
     import toy_recipe

@@ -67,6 +67,7 @@ class Generator:
 
 GENERATORS = {
     "tool-calls": Generator("lmforge.posttrain.toolcalls", "write_tool_call_dataset", ("out_dir", "overwrite")),
+    "preferences": Generator("lmforge.posttrain.preferences", "write_preference_dataset", ("out_dir", "overwrite")),
     "stories": Generator("lmforge.data.stories", "write_stories", ("out_dir", "overwrite")),
 }
 EVAL_TASKS = {

@@ -116,6 +116,12 @@ def stage_inputs(stage: Stage, pipe: Pipeline, cache: HashCache) -> dict[str, An
                 inputs[f"data.{key}"] = cache.path(getattr(cfg.data, key))
         if cfg.data.tokenizer:
             inputs["tokenizer"] = cache.tokenizer(cfg.data.tokenizer)
+        # Other stages' outputs the stage reads through ${stages.NAME.out} (a ppo stage's reward model, a
+        # dpo stage's preferences ...): their contents, so that a rerun of one makes this stage stale.
+        for dep in stage.deps:
+            other = pipe.stage(dep)
+            inputs[f"stage:{dep}"] = (cache.model(model_dir(pipe, dep)) if other.training
+                                      else cache.path(pipe.stage_dir(dep)))
         return inputs
     # The quick stages also depend on the lmforge code that computes them (a generator that changed
     # writes other data): they run again after such a change, and the stages after them only if what

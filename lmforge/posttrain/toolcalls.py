@@ -717,50 +717,12 @@ def prompt_ids(tokenizer: Any, row: dict[str, Any]) -> list[int]:
 def generate_greedy(model: Any, prompts: list[list[int]], eos_id: int, max_new_tokens: int,
                     batch_size: int = 16, on_done: Any = None) -> list[list[int]]:
     """Greedy replies (eos not included) to many prompts at once, with the server's continuous-batching
-    ``Engine`` at temperature 0, run in this thread. ``on_done()`` is called as each one ends."""
-    from lmforge.infer.engine import Engine, SamplingParams
+    ``Engine`` at temperature 0, run in this thread (``rollout.sample``). ``on_done()`` is called as
+    each one ends."""
+    from lmforge.posttrain.rollout import sample
 
-    if not prompts:
-        return []
-    if max_new_tokens < 1:
-        raise LMForgeError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    n_ctx = model.config.n_positions
-    too_long = [len(p) for p in prompts if len(p) >= n_ctx]
-    if too_long:
-        raise LMForgeError(f"{len(too_long)} of {len(prompts)} prompts do not fit the model's context of {n_ctx} "
-                           f"tokens (the longest has {max(too_long)}); use a model with a longer context "
-                           "(model.n_positions) or rows with fewer tools")
-    was_training = model.training
-    engine = Engine(model, eos_id=eos_id, max_batch_size=max(1, batch_size), max_queue=len(prompts) + 1,
-                    background=False)
-    tokens: list[list[int]] = [[] for _ in prompts]
-    errors: list[str] = []
-    left = [len(prompts)]
-
-    def on_event(i: int, event: tuple[str, Any]) -> None:
-        kind, value = event
-        if kind == "token":
-            tokens[i].append(value)
-            return
-        if kind == "error":
-            errors.append(str(value))
-        left[0] -= 1
-        if on_done is not None:
-            on_done()
-        if left[0] == 0:
-            engine.close()  # run() returns after this step
-
-    params = SamplingParams(max_tokens=max_new_tokens, temperature=0)
-    try:
-        for i, ids in enumerate(prompts):
-            engine.submit(ids, params, lambda e, i=i: on_event(i, e))
-        engine.run()
-    finally:
-        if was_training:
-            model.train()
-    if errors:
-        raise LMForgeError(f"generation failed for {len(errors)} prompts: {errors[0]}")
-    return tokens
+    done = sample(model, prompts, eos_id, max_new_tokens, temperature=0, batch_size=batch_size, on_done=on_done)
+    return [c.tokens for c in done]
 
 
 def evaluate_tool_calls(model: Any, tokenizer: Any, rows: list[dict[str, Any]], max_new_tokens: int = 96,

@@ -33,6 +33,10 @@ BUILTIN = (
     "lmforge.recipes.puzzles",
     "lmforge.recipes.hrgc",
     "lmforge.recipes.sft",
+    "lmforge.recipes.reward",
+    "lmforge.recipes.dpo",
+    "lmforge.recipes.grpo",
+    "lmforge.recipes.ppo",
 )
 DEFAULT_KIND = "lm"  # the kind of a recipe that names neither `kind` nor `model.family`
 ENTRY_POINT_GROUP = "lmforge.recipes"  # kinds of other packages: `[project.entry-points."lmforge.recipes"]`

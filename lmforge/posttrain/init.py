@@ -1,0 +1,97 @@
+"""Where a post-training run starts, and what it is compared against.
+
+- ``init_model_config``: with ``training.init_from`` the model is that checkpoint's (its shape; only
+  regularisation comes from the run's own ``model`` section).
+- ``init_tokenizer_path``: the tokenizer the model was trained with (the checkpoint's, or
+  ``data.tokenizer`` when it is the same one).
+- ``check_reference``: a frozen model the policy is compared with (DPO's reference, a KL anchor) must
+  read and write the same tokens as the policy; refused before any compute otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from lmforge.errors import LMForgeError
+
+# What fine-tuning may change of the model it starts from: regularisation, not shape.
+TUNABLE_MODEL_KEYS = ("embd_pdrop", "resid_pdrop", "attn_pdrop")
+
+
+def init_model_config(cfg: Any, kind: str) -> Path | None:
+    """Fill ``cfg.model`` from ``training.init_from`` (its family must be the run's); dropout stays the
+    run's. Returns the checkpoint's model directory, or None without ``init_from``."""
+    if not cfg.training.init_from:
+        return None
+    from lmforge.checkpoint import resolve_model_dir
+    from lmforge.models.base import read_model_config
+
+    if not Path(cfg.training.init_from).exists():
+        raise LMForgeError(f"training.init_from={cfg.training.init_from} does not exist: point it at the checkpoint "
+                           f"or run directory the {kind} kind starts from")
+    source = resolve_model_dir(cfg.training.init_from)
+    klass, config = read_model_config(source)
+    if type(config) is not type(cfg.model):
+        raise LMForgeError(f"training.init_from={cfg.training.init_from} holds a {klass.family!r} model; the {kind} "
+                           f"kind trains the {type(cfg.model).__name__} family's models")
+    for key in TUNABLE_MODEL_KEYS:
+        if hasattr(config, key):
+            setattr(config, key, getattr(cfg.model, key))
+    cfg.model = dataclasses.replace(config)
+    return source
+
+
+def init_tokenizer_path(cfg: Any, init_dir: Path | None, kind: str) -> Path:
+    """The tokenizer.json the run trains with: ``data.tokenizer`` (refused when it is not the init
+    checkpoint's), else the init checkpoint's own."""
+    from lmforge.infer.loading import find_tokenizer
+    from lmforge.tokenizer import require_same_tokenizer
+
+    if cfg.data.tokenizer:
+        path = Path(cfg.data.tokenizer)
+        path = path / "tokenizer.json" if path.is_dir() else path
+        if init_dir is not None:
+            require_same_tokenizer(path, find_tokenizer(init_dir), cfg.training.init_from)
+        return path
+    if init_dir is not None:
+        return find_tokenizer(init_dir)
+    raise LMForgeError(f"the {kind} kind needs the tokenizer the model is served with: set training.init_from to the "
+                       "checkpoint to start from (its tokenizer is used), or data.tokenizer=PATH")
+
+
+def check_reference(path: str | Path, setting: str, policy_config: Any, tokenizer_file: Path,
+                    seq_len: int) -> Path:
+    """The model directory of a frozen reference, after checking it can score the policy's rows: the
+    same family, vocabulary and tokenizer, and a context of at least ``seq_len``. ``setting`` names
+    the config key it came from, for the messages."""
+    from lmforge.checkpoint import resolve_model_dir
+    from lmforge.infer.loading import find_tokenizer
+    from lmforge.models.base import read_model_config
+    from lmforge.tokenizer import Tokenizer
+
+    if not Path(path).exists():
+        raise LMForgeError(f"{setting}={path} does not exist: point it at the checkpoint (or run directory) to "
+                           "compare the policy with")
+    model_dir = resolve_model_dir(path)
+    klass, config = read_model_config(model_dir)
+    if type(config) is not type(policy_config):
+        raise LMForgeError(f"{setting}={path} holds a {klass.family!r} model, the policy is a "
+                           f"{type(policy_config).__name__}: the reference must be a model of the same family")
+    if config.vocab_size != policy_config.vocab_size:
+        raise LMForgeError(f"{setting}={path} has a vocabulary of {config.vocab_size} tokens, the policy "
+                           f"{policy_config.vocab_size}: their log-probabilities are not comparable. Use a "
+                           "reference trained with the policy's tokenizer (e.g. the training.init_from checkpoint)")
+    theirs = find_tokenizer(model_dir)
+    if Tokenizer.load(theirs).sha256 != Tokenizer.load(tokenizer_file).sha256:
+        raise LMForgeError(f"{setting}={path} was trained with another tokenizer ({theirs}) than the policy "
+                           f"({tokenizer_file}): the same ids would mean other tokens. Use a reference trained "
+                           "with the policy's tokenizer (e.g. the training.init_from checkpoint)")
+    if getattr(config, "n_positions", seq_len) < seq_len:
+        raise LMForgeError(f"{setting}={path} has a context of {config.n_positions} tokens, shorter than "
+                           f"data.seq_len={seq_len}; lower data.seq_len or use a reference with a longer context")
+    return model_dir
+
+
+__all__ = ["TUNABLE_MODEL_KEYS", "check_reference", "init_model_config", "init_tokenizer_path"]

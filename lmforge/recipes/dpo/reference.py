@@ -1,0 +1,80 @@
+"""The frozen reference of a dpo run: loaded once the policy is on its device (``TrainData.bind_model``),
+then either used up front to fill every pair's reference log-probs (``precompute``) or kept beside the
+policy for the loss to run on each batch (``live``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from lmforge.errors import LMForgeError
+from lmforge.posttrain.pairs import PackedPairs, PairStore
+from lmforge.recipes.dpo.loss import bind, reference_logps
+from lmforge.train.distributed import DistInfo
+
+
+def score_share(reference: Any, store: PairStore, seq_len: int, micro_batch_size: int, devinfo: Any, rank: int,
+                world_size: int, desc: str = "reference log-probs", progress: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One process's share of the reference log-probs: the ``[N, 2]`` table filled at the pairs of its
+    rows (zeros elsewhere), and how many times each pair was scored (``[N]``: 1 or 0)."""
+    device = devinfo.device
+    # Unshuffled, process r takes rows r, r + world, ...: together the processes cover every pair once.
+    loader = PackedPairs(store, seq_len, micro_batch_size, rank, world_size, shuffle=False)
+    table = torch.zeros(len(store), 2, dtype=torch.float32, device=device)
+    seen = torch.zeros(len(store), dtype=torch.float32, device=device)
+    own_rows = len(range(rank, loader.rows_per_epoch, world_size))
+    with tqdm(total=own_rows, desc=desc, unit=" rows", dynamic_ncols=True, disable=not progress) as bar:
+        for batch in loader.iter_eval_batches():
+            index = batch["pair_index"].to(device)
+            batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
+            with devinfo.autocast():
+                table[index] = reference_logps(reference, batch).float()
+            seen[index] += 1
+            bar.update(batch["input_ids"].shape[0])
+    return table, seen
+
+
+def precompute_reference_logps(reference: Any, store: PairStore, seq_len: int, micro_batch_size: int, devinfo: Any,
+                               distinfo: DistInfo, desc: str, progress: bool) -> np.ndarray:
+    """``[N, 2]`` float32 summed reply log-probs (chosen, rejected) of every pair of ``store`` under
+    ``reference``. Under DDP each process scores its own share of the packed rows and the shares are
+    summed across processes, so every process ends with the whole table."""
+    table, seen = score_share(reference, store, seq_len, micro_batch_size, devinfo, distinfo.rank,
+                              distinfo.world_size, desc, progress)
+    if distinfo.enabled:
+        import torch.distributed as dist
+
+        dist.all_reduce(table)
+        dist.all_reduce(seen)
+    if not bool((seen == 1).all()):
+        raise LMForgeError(f"{desc}: the processes did not score every pair exactly once; this is a bug in lmforge")
+    return table.cpu().numpy()
+
+
+def make_binder(settings: Any, reference_dir: Path, stores: list[tuple[str, PairStore]], seq_len: int,
+                micro_batch_size: int, distinfo: DistInfo, progress: bool):
+    """``TrainData.bind_model`` of a dpo run: loads the reference on the policy's device, fills the
+    stores' ``ref_logps`` (precompute) or keeps the reference for the loss (live), and binds the loss's
+    settings to the policy."""
+
+    def bind_model(model: Any, devinfo: Any) -> None:
+        from lmforge.models import load_model
+
+        reference = load_model(reference_dir, map_location=devinfo.device).eval().requires_grad_(False)
+        if settings.reference == "precompute":
+            for name, store in stores:
+                store.ref_logps = precompute_reference_logps(
+                    reference, store, seq_len, micro_batch_size, devinfo, distinfo,
+                    f"reference log-probs ({name})", progress)
+            reference = None  # every batch now carries its reference log-probs: the model is not needed
+        bind(model, settings.beta, settings.label_smoothing, reference, settings.rpo_alpha)
+
+    return bind_model
+
+
+__all__ = ["make_binder", "precompute_reference_logps", "score_share"]

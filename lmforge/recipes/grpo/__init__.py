@@ -1,0 +1,49 @@
+"""The ``grpo`` kind: Group Relative Policy Optimization of a gpt-family chat model with reward functions.
+
+It starts from a chat model (``training.init_from``, typically an sft run). Each rollout samples a
+group of completions for each of a few prompts with the model being trained (the server's KV-cached,
+continuously batched engine), scores them with reward functions named in the config
+(``lmforge.posttrain.rewards``: tool calls, exact answers, Go that parses or builds, a reward model,
+or the user's own ``module:function``), and pushes up the completions that beat their group's mean,
+with PPO's clipped ratio and an optional KL penalty to the frozen starting model. The rollout happens
+in the train loader (bound to the live model), so checkpoints, exact resume, SIGTERM, logging and DDP
+all come from the one training loop. Held-out prompts answered greedily and scored by the same
+rewards pick ``checkpoints/best``. See ``docs/grpo.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lmforge.models.gpt import GPT
+from lmforge.models.losses import IGNORE_INDEX
+from lmforge.recipes import CLIOptions, Counts, RecipeSpec, flops_per_token, register
+from lmforge.recipes.grpo import cli
+from lmforge.recipes.grpo.data import GRPOSettings, build_grpo_data
+from lmforge.recipes.grpo.loss import grpo_loss
+
+
+def count(model, batch: dict[str, Any]) -> Counts:
+    """Tokens: the completion tokens learnt from; examples: completions. FLOPs: the forward and
+    backward over every real position, prompts included (generation is not counted)."""
+    positions = int((batch["document_ids"] >= 0).sum())
+    return Counts(tokens=int((batch["labels"] != IGNORE_INDEX).sum()), examples=int(batch["num_examples"]),
+                  flops=positions * flops_per_token(model, batch["input_ids"].shape[1]))
+
+
+SPEC = register(RecipeSpec(
+    name="grpo",
+    summary="group relative policy optimization (gpt family): sampled completions scored by reward functions",
+    families=(GPT,),
+    build_data=build_grpo_data,
+    count=count,
+    settings=GRPOSettings,
+    loss=grpo_loss,
+    best_metric="eval/reward",
+    best_higher_is_better=True,
+    eval_weight=lambda batch: float(len(batch["eval_total"])),  # held-out figures are means over prompts
+    eval=CLIOptions(run=cli.run_eval, add=cli.add_eval_args, uses=("batch-size",),
+                    help="held-out reward of a checkpoint's greedy replies, by reward function"),
+))
+
+__all__ = ["SPEC", "GRPOSettings"]
