@@ -146,3 +146,30 @@ def test_too_long_pairs_are_counted_reference_log_probs_ride_along_and_resume_is
         PackedPairs(other, 1024, micro_batch_size=1, seed=4).load_state_dict(a.state_dict())
     with pytest.raises(LMForgeError, match="micro_batch_size"):
         PackedPairs(render_pairs(tokenizer, pairs[:2], seq_len=1024), 1024, micro_batch_size=8)
+
+
+def test_a_row_may_be_longer_than_the_context_when_each_sequence_fits(tokenizer):
+    """Both sides of a pair share a row: with rows of twice the context a pair whose sides each fit
+    the model is kept, and scores as each side alone would; a side longer than the context is not."""
+    pairs = [pair(i) for i in range(6)]
+    full = render_pairs(tokenizer, pairs, seq_len=4096)
+    n_ctx = int(full.lengths.max())  # every side fits, no pair does: rows must be longer than the context
+    assert int(full.pair_lengths.min()) > n_ctx
+    stats = PairStats()
+    store = render_pairs(tokenizer, pairs, seq_len=2 * n_ctx, stats=stats, max_sequence=n_ctx)
+    assert len(store) == 6
+    shorter = PairStats()
+    assert len(render_pairs(tokenizer, pairs, 2 * n_ctx, shorter, max_sequence=n_ctx - 1)) < 6
+    assert "model's context" in shorter.summary(2 * n_ctx)
+    torch.manual_seed(2)
+    model = GPT(GPTConfig(flavor="llama", vocab_size=tokenizer.vocab_size, n_layer=1, n_embd=32, n_head=2,
+                          n_positions=n_ctx)).eval()
+    batch = next(PackedPairs(store, 2 * n_ctx, micro_batch_size=1, shuffle=False).iter_eval_batches())
+    assert batch["input_ids"].shape[1] > n_ctx
+    sums = sequence_sums(token_logprobs(model, batch), batch["sequence_ids"], 2 * batch["num_examples"])
+    side = 2 * int(batch["pair_index"][0]) + 1
+    span = slice(store.offsets[side], store.offsets[side + 1])
+    alone = {"input_ids": torch.from_numpy(store.inputs[span])[None], "labels": torch.from_numpy(store.targets[span])[None]}
+    torch.testing.assert_close(sums[1], token_logprobs(model, alone).sum(), rtol=1e-5, atol=1e-4)
+    with pytest.raises(LMForgeError, match="n_positions"):
+        model.logits(batch["input_ids"])  # without per-document positions a long row is still refused

@@ -235,9 +235,10 @@ def test_reward_model_ranks_held_out_pairs_far_above_chance(tool_sft, prefs, rew
     run, result = reward_run
     sft = load_model(tool_sft.checkpoint)
     test_pairs = read_preferences(prefs / "test.jsonl")
-    store = render_pairs(tool_sft.tokenizer, test_pairs, SEQ_LEN)
+    # rows of twice the context, as `lmforge eval --preferences` scores them: each side within the context
+    store = render_pairs(tool_sft.tokenizer, test_pairs, 2 * SEQ_LEN, max_sequence=SEQ_LEN)
     # before training: the chat model's trunk with a fresh head ranks the pairs at chance
-    untrained = [pair_report(store, score_pairs(reward_on(sft, seed), store, SEQ_LEN, 8))["accuracy"]
+    untrained = [pair_report(store, score_pairs(reward_on(sft, seed), store, 2 * SEQ_LEN, 8))["accuracy"]
                  for seed in range(3)]
     assert 0.4 < sum(untrained) / 3 < 0.6
     # after: `lmforge eval --preferences` on the run's best checkpoint, per kind of rejected reply

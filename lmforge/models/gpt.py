@@ -580,7 +580,9 @@ class GPT(LMForgeModel):
         c = self.config
         T = input_ids.size(1)
         length = kv_cache.length_after(T) if kv_cache is not None else T
-        if length > c.n_positions:
+        # Packed rows (position_ids given) may be longer than the context: each document restarts its
+        # positions, and the loaders keep every document within n_positions.
+        if length > c.n_positions and position_ids is None:
             raise LMForgeError(
                 f"sequence of {length} tokens is longer than model.n_positions={c.n_positions}; "
                 "use a shorter data.seq_len / prompt or a model with a longer context")

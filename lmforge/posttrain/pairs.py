@@ -39,6 +39,7 @@ from lmforge.posttrain.render import supervised_spans, tokenize_spans
 
 _ROUND = 16  # a micro-batch is cut to its longest row, rounded up to this (fewer distinct shapes)
 TOO_LONG = "chosen + rejected longer than data.seq_len"
+SIDE_TOO_LONG = "a side longer than the model's context (model.n_positions)"
 
 
 @dataclass
@@ -83,10 +84,12 @@ class PairStore:
         return len(self.pairs)
 
 
-def render_pairs(tokenizer: Any, pairs: list[PreferencePair], seq_len: int,
-                 stats: PairStats | None = None) -> PairStore:
+def render_pairs(tokenizer: Any, pairs: list[PreferencePair], seq_len: int, stats: PairStats | None = None,
+                 max_sequence: int | None = None) -> PairStore:
     """Tokenize pairs (see the module doc). The two sides of a pair share a row, so a pair whose
-    sides together exceed ``seq_len`` tokens is counted in ``stats`` and left out."""
+    sides together exceed ``seq_len`` tokens is counted in ``stats`` and left out, as is one with a
+    side longer than ``max_sequence`` (the model's context: a row may be longer, as each sequence
+    restarts its positions, but no sequence can)."""
     stats = stats if stats is not None else PairStats()
     kept: list[PreferencePair] = []
     sequences: list[tuple[list[int], list[int]]] = []
@@ -104,6 +107,9 @@ def render_pairs(tokenizer: Any, pairs: list[PreferencePair], seq_len: int,
         stats.longest = max(stats.longest, both)
         if both > seq_len:
             stats.skipped[TOO_LONG] += 1
+            continue
+        if max_sequence is not None and max(len(ids) for ids, _ in sides) > max_sequence:
+            stats.skipped[SIDE_TOO_LONG] += 1
             continue
         stats.kept += 1
         stats.tokens += sum(len(ids) for ids, _ in sides)

@@ -81,19 +81,20 @@ def build_dpo_data(cfg, distinfo: DistInfo) -> TrainData:
                        ("pad_token_id", tokenizer.pad_id)):
         setattr(model, key, tokenizer.eos_id if value is None else value)
     seq_len = cfg.data.seq_len
-    if seq_len > model.n_positions:
-        raise LMForgeError(f"data.seq_len={seq_len} is longer than the model's context model.n_positions="
-                           f"{model.n_positions}; lower data.seq_len")
+    if seq_len > 2 * model.n_positions:  # a row holds both sides of a pair, each within the context
+        raise LMForgeError(f"data.seq_len={seq_len} is more than twice the model's context model.n_positions="
+                           f"{model.n_positions}: a row holds the two sides of a pair, each at most n_positions "
+                           "tokens; lower data.seq_len")
     reference_setting = "recipe.reference_path" if settings.reference_path else "training.init_from"
     reference_dir = check_reference(settings.reference_path or cfg.training.init_from, reference_setting, model,
-                                    tokenizer_file, seq_len)
+                                    tokenizer_file, min(seq_len, model.n_positions))
 
     read_stats = ReadStats()
     train_pairs, val_pairs = read_preference_splits(path, settings.format, settings.skip_bad_rows, read_stats,
                                                     cfg.data.val_fraction, cfg.seed)
     train_stats, val_stats = PairStats(), PairStats()
-    train_store = render_pairs(tokenizer, train_pairs, seq_len, train_stats)
-    val_store = render_pairs(tokenizer, val_pairs, seq_len, val_stats)
+    train_store = render_pairs(tokenizer, train_pairs, seq_len, train_stats, model.n_positions)
+    val_store = render_pairs(tokenizer, val_pairs, seq_len, val_stats, model.n_positions)
     if not len(train_store):
         raise LMForgeError(f"no training pair left in {path}: {train_stats.summary(seq_len)}")
     mb = cfg.training.micro_batch_size

@@ -51,9 +51,9 @@ def run_eval(args) -> int:
         pairs = pairs[:args.limit]
     model, tokenizer, _ = load_for_inference(args.checkpoint, device=args.device, model_class=RewardModel)
     check_chat_tokenizer(tokenizer, f"of {args.checkpoint}")
-    seq_len = model.config.n_positions
+    seq_len = 2 * model.config.n_positions  # a row holds both sides of a pair, each within the context
     stats = PairStats()
-    store = render_pairs(tokenizer, pairs, seq_len, stats)
+    store = render_pairs(tokenizer, pairs, seq_len, stats, model.config.n_positions)
     if not len(store):
         raise LMForgeError(f"no pair of {source} can be scored: {stats.summary(seq_len)}")
     report = pair_report(store, score_pairs(model, store, seq_len, args.batch_size or 8))
