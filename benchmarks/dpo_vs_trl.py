@@ -15,11 +15,13 @@ A sequence is the same on both sides up to one token at each end: lmforge's star
 token. The "tokens/pair" column shows both.
 
 How a step is made differs, and is the point: lmforge packs whole pairs (chosen and rejected side by
-side, no attention between them) into ``--batch`` rows of ``--seq-len`` tokens, so the number of pairs
-per step varies; TRL pads each pair's two sequences to the longest of its batch. TRL's batch is set
-to lmforge's measured mean pairs per step, rounded (``--trl-batch`` overrides), and the figure
-compared is pairs per second (and real, non-padding tokens per second), which does not depend on how
-many pairs a step holds.
+side, no attention between them) into ``--batch`` rows of ``--seq-len`` tokens (also the model's
+context), so the number of pairs per step varies; TRL pads each pair's two sequences to the longest of
+its batch (``max_length=--seq-len`` per sequence: nothing is cut). TRL's batch is set to lmforge's
+measured mean pairs per step, rounded (``--trl-batch`` overrides), so that both take steps of about the
+same size, and the figures compared are rates: pairs per second, and real (non-padding) tokens per
+second. A pair whose two sides together exceed a row is left out by lmforge and kept by TRL; the
+defaults leave none out, and the output says when some were.
 
 The reference: lmforge's default (``recipe.reference: precompute``) scores every training pair once
 before the first step, TRL's default keeps a frozen copy and runs it on every batch. Both are timed
@@ -73,6 +75,7 @@ def prepare(work: Path, args) -> tuple[Path, Path, Path]:
     data = work / "data"
     # No held-out pairs: neither side evaluates, and lmforge's reference pass scores the training pairs only.
     write_preference_dataset(data, n_train=args.rows, n_val=0, n_test=0, seed=0)
+    (data / "val.jsonl").unlink()  # empty: no val.jsonl means no held-out pairs
     rows = [json.loads(line) for line in (data / "train.jsonl").read_text().splitlines()]
     texts = [render_chat(r["prompt"] + r[side], "<s>", "</s>", tools=r["tools"], add_generation_prompt=False)
              for r in rows for side in ("chosen", "rejected")]

@@ -37,7 +37,7 @@ def method_values(method: str, seed: int, sft: Path, pipe: Path, out: Path, args
                 "save_interval": 0, "eval_interval": 0, "schedule": "constant"}
     if method == "dpo":
         return {**common, "kind": "dpo", "recipe": {"beta": args.dpo_beta},
-                "data": {"train_path": str(pipe / "preferences"), "seq_len": 1024},
+                "data": {"train_path": str(pipe / "preferences"), "seq_len": 2048},  # both sides in a row
                 "training": {**training, "max_steps": args.dpo_steps, "micro_batch_size": 4, "lr": args.dpo_lr}}
     if method == "grpo":
         return {**common, "kind": "grpo",

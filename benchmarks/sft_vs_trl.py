@@ -119,20 +119,19 @@ def run_trl(data: Path, hf: Path, work: Path, args, packing: bool) -> dict:
     rows = [json.loads(line) for line in (data / "train.jsonl").read_text().splitlines()]
     # Prompt/completion in conversational form: TRL renders both with the tokenizer's chat template and
     # computes the loss on the completion only, as lmforge's assistant_turns=last does.
+    # The tools travel as a JSON string: as a list of dicts, `datasets` gives every tool the union of all
+    # tools' keys (missing ones as null) and TRL's rendered prompts would be longer than lmforge's.
     ds = datasets.Dataset.from_list([{"prompt": r["messages"][:-1], "completion": r["messages"][-1:],
-                                      "tools": r["tools"]} for r in rows])
+                                      "tools": json.dumps(r["tools"])} for r in rows])
     tokenizer = AutoTokenizer.from_pretrained(hf)
     model = AutoModelForCausalLM.from_pretrained(hf, torch_dtype=torch.float32, attn_implementation="sdpa")
     marks: dict[str, float] = {}
     counted = {"real": 0, "positions": 0}
 
     class Clock(TrainerCallback):
-        def on_step_begin(self, a, state, control, **kw):
-            if state.global_step == args.warmup:
-                marks["t0"] = time.perf_counter()
-                counted.update(real=0, positions=0)
-
         def on_step_end(self, a, state, control, **kw):
+            if state.global_step == args.warmup:  # timed from the end of the last warm-up step
+                marks["t0"] = time.perf_counter()
             if state.global_step == args.warmup + args.steps:
                 marks["t1"] = time.perf_counter()
 
@@ -143,18 +142,20 @@ def run_trl(data: Path, hf: Path, work: Path, args, packing: bool) -> dict:
                        packing=packing, completion_only_loss=True, seed=0, disable_tqdm=True,
                        gradient_checkpointing=False)  # TRL's default is on (saves memory, costs time)
     trainer = SFTTrainer(model=model, args=config, train_dataset=ds, processing_class=tokenizer, callbacks=[Clock()])
-    collate = trainer.data_collator
+    step = trainer.training_step
 
-    def counting_collator(features):
-        batch = collate(features)
-        if "attention_mask" in batch:
-            counted["real"] += int(batch["attention_mask"].sum())
-        else:  # padding-free packing: every position is a token
-            counted["real"] += batch["input_ids"].numel()
-        counted["positions"] += batch["input_ids"].numel()
-        return batch
+    def counting_step(model_, inputs, *a, **kw):
+        # The batches of the timed steps, as each step receives them (transformers collates a step's
+        # batches before its callbacks run, so counting in the collator would be off by a step).
+        if "t0" in marks and "t1" not in marks:
+            if "attention_mask" in inputs:
+                counted["real"] += int(inputs["attention_mask"].sum())
+            else:  # padding-free packing: every position is a token
+                counted["real"] += inputs["input_ids"].numel()
+            counted["positions"] += inputs["input_ids"].numel()
+        return step(model_, inputs, *a, **kw)
 
-    trainer.data_collator = counting_collator
+    trainer.training_step = counting_step
     trainer.train()
     seconds = marks["t1"] - marks["t0"]
     return {"system": "TRL SFTTrainer" + (" (packing=bfd, cross-attending)" if packing else " (default, padded)"),

@@ -153,3 +153,25 @@ def test_close_cancels_running_and_waiting_requests_at_the_next_step():
     assert ends == {0: "cancelled", 1: "cancelled", 2: "cancelled"}
     with pytest.raises(LMForgeError, match="shut down"):
         engine.submit([1], SamplingParams(1), print)
+
+
+def test_samples_of_one_prompt_share_its_prefill_and_sample_as_alone():
+    """Several samples of one prompt submitted back to back (GRPO's groups) are prefilled once; each
+    still samples exactly what it would alone, with its own seed."""
+    model = make_model("llama")
+    prompt, other = [5, 6, 7, 8, 9], [9, 8, 7]
+    jobs = [(prompt, SamplingParams(max_tokens=6, temperature=1.0, seed=s)) for s in range(4)]
+    jobs += [(other, SamplingParams(max_tokens=6, temperature=1.0, seed=9))]
+    engine = Engine(model, eos_id=0, max_batch_size=8)
+    try:
+        together = run_all(engine, jobs)
+    finally:
+        engine.close()
+    assert engine.prefills == 2  # one per distinct prompt
+    for job, result in zip(jobs, together):
+        alone = Engine(model, eos_id=0, max_batch_size=1)
+        try:
+            assert run_all(alone, [job]) == [result]
+        finally:
+            alone.close()
+    assert len({tuple(tokens) for tokens, _ in together[:4]}) > 1  # the seeds still differ

@@ -3,7 +3,8 @@
 One thread owns the model: a background thread by default, or the caller's with ``run()`` (``lmforge
 serve`` runs it on the main thread and the HTTP server beside it: PyTorch's CPU kernels ran 10-25%
 slower in a secondary thread here, benchmarks/RESULTS.md). Requests wait in a queue; each is prefilled on its own
-(one forward over its prompt), then joins the running batch, where every step decodes one token
+(one forward over its prompt; a request whose prompt is the same as the one prefilled just before it —
+several samples of one prompt, as GRPO draws them — reuses that prefill), then joins the running batch, where every step decodes one token
 for every sequence in one forward (``BatchedKVCache``: each row at its own length). A sequence
 leaves when it ends and a waiting request takes its place at the next step, so a long reply
 never holds up a short one and no step computes padding.
@@ -82,6 +83,8 @@ class Engine:
         self._rows: list[Request] = []  # the requests in the batch, in cache row order
         self._last: list[int] = []  # each row's latest token, the next step's input
         self._seeds = itertools.count(torch.initial_seed() % 2**62)
+        self._prefilled: tuple[list[int], Any, torch.Tensor] | None = None  # the last prompt, its cache and logits
+        self.prefills = 0  # forwards over prompts (a reused prefill is not counted)
         self._closed = False
         self._lock = threading.Lock()  # orders submit() against close(): no request slips past the final drain
         self._thread = None
@@ -157,7 +160,7 @@ class Engine:
                 except Exception as e:  # e.g. out of memory: fail these requests, keep serving
                     for request in self._rows:
                         self._emit(request, ("error", f"generation failed: {e}"))
-                    self._rows, self._last = [], []
+                    self._rows, self._last, self._prefilled = [], [], None
                     self._cache = self.model.new_batched_kv_cache(self.max_batch_size)
         self.cancel_all()
 
@@ -186,9 +189,14 @@ class Engine:
     def _prefill(self, request: Request) -> None:
         seed = request.params.seed if request.params.seed is not None else next(self._seeds)
         request._generator = torch.Generator().manual_seed(seed)
-        single = self.model.new_kv_cache(1)
-        logits = self.model.logits(torch.tensor([request.prompt_ids], device=self.device), kv_cache=single,
-                                   last_only=True)
+        if self._prefilled is not None and self._prefilled[0] == request.prompt_ids:
+            _, single, logits = self._prefilled  # add_row copies the cache: it can be reused as it is
+        else:
+            single = self.model.new_kv_cache(1)
+            logits = self.model.logits(torch.tensor([request.prompt_ids], device=self.device), kv_cache=single,
+                                       last_only=True)
+            self._prefilled = (list(request.prompt_ids), single, logits)
+            self.prefills += 1
         token = int(self._sample(logits[:, -1], [request])[0])
         self._cache.add_row(single)
         self._rows.append(request)
