@@ -72,32 +72,34 @@ def pack_rows(lengths: np.ndarray, seq_len: int, order: np.ndarray) -> list[list
     return rows
 
 
-class PackedConversations:
-    """The sft kind's train and eval loader (``TrainData.train`` / ``.val``)."""
+class RowLoader:
+    """Endless epochs of packed rows, handed out ``micro_batch_size`` rows at a time: what the sft loader
+    and the preference-pair loader (``lmforge.posttrain.pairs``) share. A subclass lays out one epoch
+    (``_layout``: rows of item indices, from the epoch's order) and builds a batch of rows (``_batch``).
+    Epoch ``e`` is laid out from ``seed + e``; under DDP rank ``r`` takes rows ``r, r + world, ...``
+    (the last ``rows % world`` dropped so every rank draws as many); the state is ``(epoch, row)``."""
 
-    def __init__(self, store: ExampleStore, seq_len: int, micro_batch_size: int, rank: int = 0,
-                 world_size: int = 1, seed: int = 0, shuffle: bool = True, packing: bool = True):
-        if len(store) and int(store.lengths.max()) > seq_len:
-            raise LMForgeError(f"an example has {int(store.lengths.max())} inputs, more than the rows' {seq_len}")
-        self.store, self.seq_len, self.micro_batch_size = store, seq_len, micro_batch_size
-        self.rank, self.world_size, self.seed = rank, world_size, seed
-        self.shuffle, self.packing = shuffle, packing
+    items = "items"  # what the rows hold, for messages
+
+    def _start(self, n_items: int, micro_batch_size: int, rank: int, world_size: int, seed: int,
+               shuffle: bool) -> None:
+        self.n_items, self.micro_batch_size = n_items, micro_batch_size
+        self.rank, self.world_size, self.seed, self.shuffle = rank, world_size, seed, shuffle
         self.epoch, self.row = 0, 0
         self._rows_epoch: int | None = None
         self._rows: list[list[int]] = []
         self.rows_per_epoch = len(self._epoch_rows(0, all_ranks=True))  # all ranks together
 
-    # ---- layout ------------------------------------------------------------------------------
+    def _layout(self, order: np.ndarray, rng: np.random.Generator) -> list[list[int]]:
+        raise NotImplementedError
+
+    def _batch(self, rows: list[list[int]]) -> dict[str, Any]:
+        raise NotImplementedError
+
     def _epoch_rows(self, epoch: int, all_ranks: bool = False) -> list[list[int]]:
-        n = len(self.store)
         rng = np.random.default_rng([self.seed, epoch])
-        order = rng.permutation(n) if self.shuffle else np.arange(n)
-        if self.packing:
-            rows = pack_rows(self.store.lengths, self.seq_len, order)
-            if self.shuffle:
-                rows = [rows[i] for i in rng.permutation(len(rows))]
-        else:
-            rows = [[int(i)] for i in order]
+        order = rng.permutation(self.n_items) if self.shuffle else np.arange(self.n_items)
+        rows = self._layout(order, rng)
         if all_ranks:
             return rows
         usable = len(rows) - len(rows) % self.world_size if self.shuffle else len(rows)
@@ -107,6 +109,57 @@ class PackedConversations:
         if self._rows_epoch != epoch:
             self._rows, self._rows_epoch = self._epoch_rows(epoch), epoch
         return self._rows
+
+    def next_batch(self) -> dict[str, Any]:
+        picked: list[list[int]] = []
+        while len(picked) < self.micro_batch_size:
+            rows = self._rows_of(self.epoch)
+            if not rows:
+                raise LMForgeError(f"the training {self.items} pack into fewer rows than processes")
+            take = rows[self.row:self.row + self.micro_batch_size - len(picked)]
+            picked += take
+            self.row += len(take)
+            if self.row >= len(rows):
+                self.epoch, self.row = self.epoch + 1, 0
+        return self._batch(picked)
+
+    def iter_eval_batches(self, max_batches: int | None = None) -> Iterator[dict[str, Any]]:
+        rows = self._rows_of(0)
+        for b, i in enumerate(range(0, len(rows), self.micro_batch_size)):
+            if max_batches is not None and b >= max_batches:
+                return
+            yield self._batch(rows[i:i + self.micro_batch_size])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "row": self.row, "rows_per_epoch": self.rows_per_epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if int(state.get("rows_per_epoch", self.rows_per_epoch)) != self.rows_per_epoch:
+            raise LMForgeError(f"the checkpoint's data packed into {state['rows_per_epoch']} rows per epoch, this "
+                               f"data into {self.rows_per_epoch}: the {self.items}, tokenizer, data.seq_len or "
+                               "recipe settings changed since it was saved; resume with the same data, or start "
+                               "a new run (name=NEW) with training.init_from=CHECKPOINT")
+        self.epoch, self.row = int(state["epoch"]), int(state["row"])
+
+
+class PackedConversations(RowLoader):
+    """The sft kind's train and eval loader (``TrainData.train`` / ``.val``)."""
+
+    items = "conversations"
+
+    def __init__(self, store: ExampleStore, seq_len: int, micro_batch_size: int, rank: int = 0,
+                 world_size: int = 1, seed: int = 0, shuffle: bool = True, packing: bool = True):
+        if len(store) and int(store.lengths.max()) > seq_len:
+            raise LMForgeError(f"an example has {int(store.lengths.max())} inputs, more than the rows' {seq_len}")
+        self.store, self.seq_len, self.packing = store, seq_len, packing
+        self._start(len(store), micro_batch_size, rank, world_size, seed, shuffle)
+
+    # ---- layout ------------------------------------------------------------------------------
+    def _layout(self, order: np.ndarray, rng: np.random.Generator) -> list[list[int]]:
+        if not self.packing:
+            return [[int(i)] for i in order]
+        rows = pack_rows(self.store.lengths, self.seq_len, order)
+        return [rows[i] for i in rng.permutation(len(rows))] if self.shuffle else rows
 
     def padding_fraction(self, epoch: int = 0) -> float:
         """Share of the row positions of one epoch that hold no token (packed rows are full length;
@@ -145,34 +198,3 @@ class PackedConversations:
         return {"input_ids": torch.from_numpy(inputs), "labels": torch.from_numpy(targets),
                 "position_ids": torch.from_numpy(positions), "document_ids": torch.from_numpy(documents),
                 "num_examples": examples}
-
-    def next_batch(self) -> dict[str, Any]:
-        picked: list[list[int]] = []
-        while len(picked) < self.micro_batch_size:
-            rows = self._rows_of(self.epoch)
-            if not rows:
-                raise RuntimeError("the training set packs into fewer rows than processes")
-            take = rows[self.row:self.row + self.micro_batch_size - len(picked)]
-            picked += take
-            self.row += len(take)
-            if self.row >= len(rows):
-                self.epoch, self.row = self.epoch + 1, 0
-        return self._batch(picked)
-
-    def iter_eval_batches(self, max_batches: int | None = None) -> Iterator[dict[str, Any]]:
-        rows = self._rows_of(0)
-        for b, i in enumerate(range(0, len(rows), self.micro_batch_size)):
-            if max_batches is not None and b >= max_batches:
-                return
-            yield self._batch(rows[i:i + self.micro_batch_size])
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "row": self.row, "rows_per_epoch": self.rows_per_epoch}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if int(state.get("rows_per_epoch", self.rows_per_epoch)) != self.rows_per_epoch:
-            raise LMForgeError(f"the checkpoint's data packed into {state['rows_per_epoch']} rows per epoch, this "
-                               f"data into {self.rows_per_epoch}: the conversations, tokenizer, data.seq_len or "
-                               "recipe settings changed since it was saved; resume with the same data, or start "
-                               "a new run (name=NEW) with training.init_from=CHECKPOINT")
-        self.epoch, self.row = int(state["epoch"]), int(state["row"])

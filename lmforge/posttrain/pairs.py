@@ -26,14 +26,14 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
 from lmforge.errors import LMForgeError
 from lmforge.models.losses import IGNORE_INDEX
-from lmforge.posttrain.packing import PAD_DOCUMENT, pack_rows
+from lmforge.posttrain.packing import PAD_DOCUMENT, RowLoader, pack_rows
 from lmforge.posttrain.preferences import PreferencePair
 from lmforge.posttrain.render import supervised_spans, tokenize_spans
 
@@ -118,41 +118,26 @@ def render_pairs(tokenizer: Any, pairs: list[PreferencePair], seq_len: int, stat
     return PairStore(kept, sequences)
 
 
-class PackedPairs:
+class PackedPairs(RowLoader):
     """Train and eval loader over a ``PairStore`` (``TrainData.train`` / ``.val``)."""
+
+    items = "preference pairs"
 
     def __init__(self, store: PairStore, seq_len: int, micro_batch_size: int, rank: int = 0,
                  world_size: int = 1, seed: int = 0, shuffle: bool = True):
         if len(store) and int(store.pair_lengths.max()) > seq_len:  # render_pairs leaves such pairs out
             raise LMForgeError(f"a preference pair has {int(store.pair_lengths.max())} tokens on its two sides, more "
                                f"than a row of data.seq_len={seq_len}; raise data.seq_len")
-        self.store, self.seq_len, self.micro_batch_size = store, seq_len, micro_batch_size
-        self.rank, self.world_size, self.seed, self.shuffle = rank, world_size, seed, shuffle
-        self.epoch, self.row = 0, 0
-        self._rows_epoch: int | None = None
-        self._rows: list[list[int]] = []
-        self.rows_per_epoch = len(self._epoch_rows(0, all_ranks=True))
+        self.store, self.seq_len = store, seq_len
+        self._start(len(store), micro_batch_size, rank, world_size, seed, shuffle)
         if shuffle and self.rows_per_epoch < world_size * micro_batch_size:
             raise LMForgeError(f"the pairs pack into {self.rows_per_epoch} rows of {seq_len} tokens, fewer than "
                                f"{world_size} process(es) x micro_batch_size={micro_batch_size}; use more pairs or a "
                                "smaller training.micro_batch_size")
 
-    def _epoch_rows(self, epoch: int, all_ranks: bool = False) -> list[list[int]]:
-        n = len(self.store)
-        rng = np.random.default_rng([self.seed, epoch])
-        order = rng.permutation(n) if self.shuffle else np.arange(n)
-        rows = pack_rows(self.store.pair_lengths, self.seq_len, order)
-        if self.shuffle:
-            rows = [rows[i] for i in rng.permutation(len(rows))]
-        if all_ranks:
-            return rows
-        usable = len(rows) - len(rows) % self.world_size if self.shuffle else len(rows)
-        return rows[self.rank:usable:self.world_size]
-
-    def _rows_of(self, epoch: int) -> list[list[int]]:
-        if self._rows_epoch != epoch:
-            self._rows, self._rows_epoch = self._epoch_rows(epoch), epoch
-        return self._rows
+    def _layout(self, order: np.ndarray, rng: np.random.Generator) -> list[list[int]]:
+        rows = pack_rows(self.store.pair_lengths, self.seq_len, order)  # whole pairs: both sides in one row
+        return [rows[i] for i in rng.permutation(len(rows))] if self.shuffle else rows
 
     def _batch(self, rows: list[list[int]]) -> dict[str, Any]:
         s = self.store
@@ -191,34 +176,3 @@ class PackedPairs:
         if s.ref_logps is not None:
             batch["ref_logps"] = torch.from_numpy(np.ascontiguousarray(s.ref_logps[index], dtype=np.float32))
         return batch
-
-    def next_batch(self) -> dict[str, Any]:
-        picked: list[list[int]] = []
-        while len(picked) < self.micro_batch_size:
-            rows = self._rows_of(self.epoch)
-            if not rows:
-                raise LMForgeError("the preference pairs pack into fewer rows than processes")
-            take = rows[self.row:self.row + self.micro_batch_size - len(picked)]
-            picked += take
-            self.row += len(take)
-            if self.row >= len(rows):
-                self.epoch, self.row = self.epoch + 1, 0
-        return self._batch(picked)
-
-    def iter_eval_batches(self, max_batches: int | None = None) -> Iterator[dict[str, Any]]:
-        rows = self._rows_of(0)
-        for b, i in enumerate(range(0, len(rows), self.micro_batch_size)):
-            if max_batches is not None and b >= max_batches:
-                return
-            yield self._batch(rows[i:i + self.micro_batch_size])
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "row": self.row, "rows_per_epoch": self.rows_per_epoch}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if int(state.get("rows_per_epoch", self.rows_per_epoch)) != self.rows_per_epoch:
-            raise LMForgeError(f"the checkpoint's pairs packed into {state['rows_per_epoch']} rows per epoch, this data "
-                               f"into {self.rows_per_epoch}: the pairs, tokenizer or data.seq_len changed since it was "
-                               "saved; resume with the same data, or start a new run (name=NEW) with "
-                               "training.init_from=CHECKPOINT")
-        self.epoch, self.row = int(state["epoch"]), int(state["row"])
