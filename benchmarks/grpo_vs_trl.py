@@ -45,33 +45,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                flags = Path("/proc/cpuinfo").read_text()
-                bf16 = "avx512_bf16" in flags or "amx_bf16" in flags
-                return f"{line.split(':', 1)[1].strip()} ({'bf16 units' if bf16 else 'no bf16 units'})"
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+from common import cpu_name, seeded_checkpoint
 
 
 def prepare(work: Path, args) -> tuple[Path, Path, Path]:
     """Tool-calling prompts, a tokenizer trained on them, a seeded llama checkpoint and its HF export."""
     from lmforge.chat import render_chat
-    from lmforge.export.hf import export_hf
-    from lmforge.models.gpt import GPT, GPTConfig
     from lmforge.posttrain.toolcalls import write_tool_call_dataset
-    from lmforge.tokenizer import Tokenizer, train_tokenizer
 
     data = work / "data"
     # No held-out prompts: neither side evaluates here.
@@ -79,14 +64,7 @@ def prepare(work: Path, args) -> tuple[Path, Path, Path]:
     (data / "val.jsonl").unlink()  # empty; lmforge refuses an empty file, and reads no val.jsonl as none held out
     rows = [json.loads(line) for line in (data / "train.jsonl").read_text().splitlines()]
     texts = [render_chat(r["messages"], "<s>", "</s>", tools=r["tools"], add_generation_prompt=False) for r in rows]
-    tokenizer = Tokenizer.load(train_tokenizer(texts, vocab_size=args.vocab, out_dir=work / "tok", show_progress=False))
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(flavor="llama", vocab_size=tokenizer.vocab_size, n_layer=args.layers, n_embd=args.width,
-                          n_head=args.width // 64, n_inner=4 * args.width, n_positions=args.seq_len,
-                          eos_token_id=tokenizer.eos_id, bos_token_id=tokenizer.bos_id, pad_token_id=tokenizer.pad_id))
-    ckpt = model.save_pretrained(work / "ckpt")
-    tokenizer.save(ckpt)
-    hf = export_hf(ckpt, work / "hf")
+    ckpt, hf = seeded_checkpoint(work, texts, args)
     return data, ckpt, hf
 
 

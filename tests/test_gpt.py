@@ -229,6 +229,33 @@ def test_activation_checkpointing_gives_same_loss_and_grads(flavor, monkeypatch)
         torch.testing.assert_close(ckpt_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
+def attention_in_both_forms(flavor: str, x: torch.Tensor, positions: torch.Tensor, split, masked):
+    """One attention layer of a random tiny model run on packed rows with each form of
+    PackedDocuments: both forms' outputs, input gradients and weight gradients agree; returns the
+    split form's outputs and a function that runs the layer on an unpacked sequence."""
+    model = randomize(tiny(flavor)).train()
+    attn = model.blocks[0].attn
+
+    def rope(pos):
+        return None if flavor == "gpt2" else model._rope(pos, torch.float32)
+
+    outs = {}
+    for name, docs in (("split", split), ("masked", masked)):
+        h = x.clone().requires_grad_()
+        model.zero_grad(set_to_none=True)
+        out = attn(h, rope(positions), None, 0, docs)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        outs[name] = (out.detach(), h.grad, attn.qkv.weight.grad)
+    for a, b in zip(outs["split"], outs["masked"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+    @torch.no_grad()
+    def alone(seq: torch.Tensor) -> torch.Tensor:
+        return attn(seq[None], rope(torch.arange(seq.shape[0])), None, 0, None)[0]
+
+    return outs["split"][0], alone
+
+
 @pytest.mark.parametrize("flavor", FLAVORS)
 def test_packed_documents_split_and_masked_forms_agree(flavor):
     """Per-document SDPA calls (CPUs) and the block-diagonal mask (accelerators) compute the same
@@ -239,26 +266,29 @@ def test_packed_documents_split_and_masked_forms_agree(flavor):
     split = gpt_module.PackedDocuments.split(documents)
     masked = gpt_module.PackedDocuments.masked(documents)
     assert split.lengths == [20, 7, 12, 1, 5, 9, 6] and masked.mask.shape == (3, 1, 20, 20)
-    model = randomize(tiny(flavor)).train()
-    attn = model.blocks[0].attn
-
-    def rope(pos):
-        return None if flavor == "gpt2" else model._rope(pos, torch.float32)
-
     x = torch.randn(3, 20, 32)
-    outs = {}
-    for name, docs in (("split", split), ("masked", masked)):
-        h = x.clone().requires_grad_()
-        model.zero_grad(set_to_none=True)
-        out = attn(h, rope(positions), None, 0, docs)
-        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
-        outs[name] = (out.detach(), h.grad, attn.qkv.weight.grad)
-    for a, b in zip(outs["split"], outs["masked"]):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    out, alone = attention_in_both_forms(flavor, x, positions, split, masked)
     # a document gives the same outputs inside its packed row as alone
-    with torch.no_grad():
-        alone = attn(x[1:2, 7:19], rope(torch.arange(12)), None, 0, None)
-    torch.testing.assert_close(outs["split"][0][1, 7:19], alone[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out[1, 7:19], alone(x[1, 7:19]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_documents_with_a_shared_prefix_attend_to_it_in_both_forms(flavor):
+    """A document with a prefix (prefix_ids) sees all of the prefix document and itself causally, in
+    the split (CPU) and masked forms alike: the same outputs as the prefix and the document laid out
+    as one sequence."""
+    # row 0: prefix 0 (6 tokens) shared by documents 1 and 2, then a plain document 3; row 1: no prefixes
+    documents = torch.tensor([[0] * 6 + [1] * 4 + [2] * 5 + [3] * 3 + [-1] * 2, [0] * 12 + [1] * 8])
+    prefixes = torch.tensor([[-1] * 6 + [0] * 9 + [-1] * 5, [-1] * 20])
+    positions = torch.tensor([[*range(6), *range(6, 10), *range(6, 11), *range(3), 0, 1], [*range(12), *range(8)]])
+    split = gpt_module.PackedDocuments.split(documents, prefixes)
+    masked = gpt_module.PackedDocuments.masked(documents, prefixes)
+    assert split.lengths == [6, 4, 5, 3, 2, 12, 8] and split.prefixes == [-1, 0, 0, -1, -1, -1, -1]
+    x = torch.randn(2, 20, 32)
+    out, alone = attention_in_both_forms(flavor, x, positions, split, masked)
+    whole = alone(torch.cat([x[0, :6], x[0, 10:15]]))  # document 2 = prefix + its own tokens, as one sequence
+    torch.testing.assert_close(out[0, 10:15], whole[6:], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out[0, :6], whole[:6], rtol=1e-5, atol=1e-6)
 
 
 def test_loss_ignores_masked_labels():

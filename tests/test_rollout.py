@@ -22,6 +22,7 @@ from lmforge.posttrain.rollout import (
     k3_kl,
     loss_weights,
     pack_sequences,
+    per_sequence,
     read_prompt_rows,
     read_prompt_splits,
     sample,
@@ -132,6 +133,52 @@ def test_sequence_logprobs_equal_each_sequence_scored_alone(policy):
         assert got.shape == (len(c),)
         assert got == pytest.approx(want.numpy(), abs=1e-5)
         assert (got < 0).all()
+
+
+def test_completions_of_one_prompt_share_it_with_the_same_logprobs_and_gradients(policy):
+    """share_prompts (GRPO's groups): one copy of each prompt per row; every completion's log-probs and
+    the gradients equal the one-copy-per-completion layout, and a group too long for a row splits."""
+    model, tokenizer, rows = policy
+    heads = [encode_prompt(tokenizer, row) for row in rows[:2]]
+    prompts = [heads[0]] * 4 + [heads[1]] * 3 + [heads[0]]  # the last one joins its group
+    done = sample(model, prompts, tokenizer.eos_id, 10, temperature=1.0,
+                  seeds=[completion_seed(2, j) for j in range(len(prompts))])
+    completions = [c.tokens + [tokenizer.eos_id] if c.ended else c.tokens for c in done]
+    values = {"v": [np.arange(len(c), dtype=np.float32) + i for i, c in enumerate(completions)]}
+    seq_len = 512
+    plain = pack_sequences(prompts, completions, seq_len, values=values)
+    shared = pack_sequences(prompts, completions, seq_len, values=values, share_prompts=True)
+    real = {name: int((b["document_ids"] >= 0).sum()) for name, b in (("plain", plain), ("shared", shared))}
+    own = sum(1 + len(c) - 1 for c in completions)
+    assert real["plain"] == sum(len(p) + len(c) - 1 for p, c in zip(prompts, completions))
+    assert real["shared"] == len(heads[0]) - 1 + len(heads[1]) - 1 + own  # one copy of each prompt
+    assert (shared["labels"] != IGNORE_INDEX).sum() == (plain["labels"] != IGNORE_INDEX).sum()
+    flat_ids = shared["input_ids"].reshape(-1)
+    for i, (p, c) in enumerate(zip(prompts, completions)):  # the last input of each sequence
+        assert int(flat_ids[shared["last_index"][i]]) == (p + c)[-2]
+    model.train()
+    grads, logps = {}, {}
+    for name, batch in (("plain", plain), ("shared", shared)):
+        model.zero_grad(set_to_none=True)
+        logp = token_logprobs(model, batch, temperature=0.7)
+        (logp * batch["v"]).sum().backward()
+        logps[name] = per_sequence(logp, batch)
+        grads[name] = {n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None}
+    model.eval()
+    for a, b in zip(logps["plain"], logps["shared"]):
+        assert b == pytest.approx(a, abs=1e-5)
+    assert grads["plain"].keys() == grads["shared"].keys()
+    for n, g in grads["plain"].items():
+        # sums over hundreds of tokens in another order: equal to fp32 rounding of the largest entry
+        torch.testing.assert_close(grads["shared"][n], g, rtol=1e-4, atol=2e-6 * float(g.abs().max()), msg=n)
+    # rows too short for a whole group: it splits, each part with its own copy of the prompt
+    tails = [heads[1][j:j + 6] for j in range(4)]
+    tight = pack_sequences([heads[0]] * 4, tails, len(heads[0]) - 1 + 2 * 6, share_prompts=True)
+    prefixed = tight["prefix_ids"] >= 0
+    assert len({(r, int(tight["prefix_ids"][r, t])) for r, t in prefixed.nonzero().tolist()}) == 2
+    loose = pack_sequences([heads[0]] * 4, tails, seq_len)
+    for a, b in zip(sequence_logprobs(model, tight), sequence_logprobs(model, loose)):
+        assert a == pytest.approx(b, abs=1e-5)
 
 
 def test_prompt_order_resumes_exactly_and_shards_ranks():

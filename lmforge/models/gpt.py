@@ -359,52 +359,84 @@ class BatchedKVCache:
 class PackedDocuments:
     """Where the documents of packed training rows begin and end, in the form attention uses.
 
-    Each token attends causally to the tokens of its own document only. On CPUs the documents'
-    lengths (row after row) are kept and each document gets its own causal SDPA call: no work on the
-    blocks a mask would hide (measured ~40% less attention time than the masked call at rows of 512
-    holding two or three conversations each, ``benchmarks/RESULTS.md``). Elsewhere a ``[B, 1, T, T]``
-    block-diagonal causal mask goes to one SDPA call: reading the lengths there would make the host
-    wait for the device every step.
+    Each token attends causally to the tokens of its own document only, and, when the document has a
+    *prefix* (another document of the same row, e.g. a prompt shared by the completions sampled from
+    it), to every token of that prefix as well: the completions of one prompt are scored against one
+    copy of it instead of one copy each. On CPUs the documents' lengths (row after row) are kept and
+    each document gets its own SDPA call: no work on the blocks a mask would hide (measured ~40% less
+    attention time than the masked call at rows of 512 holding two or three conversations each,
+    ``benchmarks/RESULTS.md``). Elsewhere a ``[B, 1, T, T]`` mask goes to one SDPA call: reading the
+    lengths there would make the host wait for the device every step.
     """
 
     lengths: list[int] | None = None
+    prefixes: list[int] | None = None  # split form: each document's prefix as an index into lengths, -1 none
     mask: torch.Tensor | None = None
 
     @classmethod
-    def from_ids(cls, document_ids: torch.Tensor) -> PackedDocuments:
+    def from_ids(cls, document_ids: torch.Tensor, prefix_ids: torch.Tensor | None = None) -> PackedDocuments:
         """``document_ids`` ``[B, T]``: each token's document number within its row (padding has its
-        own); the form for the device they are on."""
+        own); ``prefix_ids`` ``[B, T]`` (optional): the number of the document of the same row each
+        token also sees in full, ``-1`` for none. Returns the form for the device they are on."""
         if document_ids.device.type == "cpu" and not torch.compiler.is_compiling():
-            return cls.split(document_ids)
-        return cls.masked(document_ids)
+            return cls.split(document_ids, prefix_ids)
+        return cls.masked(document_ids, prefix_ids)
 
     @classmethod
-    def split(cls, document_ids: torch.Tensor) -> PackedDocuments:
-        """The documents' lengths, row after row (a document never runs across a row's end)."""
+    def split(cls, document_ids: torch.Tensor, prefix_ids: torch.Tensor | None = None) -> PackedDocuments:
+        """The documents' lengths, row after row (a document never runs across a row's end), and
+        each one's prefix document."""
         B, T = document_ids.shape
         starts = torch.ones(B, T, dtype=torch.bool, device=document_ids.device)
         starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
         first = starts.view(-1).nonzero().view(-1)
-        return cls(lengths=torch.diff(first, append=first.new_tensor([B * T])).tolist())
+        lengths = torch.diff(first, append=first.new_tensor([B * T])).tolist()
+        if prefix_ids is None or not bool((prefix_ids >= 0).any()):
+            return cls(lengths=lengths)
+        rows = (first // T).tolist()
+        docs = document_ids.view(-1)[first].tolist()
+        index = {(row, doc): i for i, (row, doc) in enumerate(zip(rows, docs))}
+        wanted = prefix_ids.view(-1)[first].tolist()
+        prefixes = []
+        for row, doc, prefix in zip(rows, docs, wanted):
+            if prefix >= 0 and (row, prefix) not in index:
+                raise ValueError(f"row {row}: document {doc} has prefix document {prefix}, which is not in the row")
+            prefixes.append(index[(row, prefix)] if prefix >= 0 else -1)
+        return cls(lengths=lengths, prefixes=prefixes)
 
     @classmethod
-    def masked(cls, document_ids: torch.Tensor) -> PackedDocuments:
-        """The block-diagonal causal mask, ``[B, 1, T, T]``."""
+    def masked(cls, document_ids: torch.Tensor, prefix_ids: torch.Tensor | None = None) -> PackedDocuments:
+        """The block-diagonal causal mask (with each document's prefix columns open), ``[B, 1, T, T]``."""
         T = document_ids.shape[1]
         causal = torch.ones(T, T, dtype=torch.bool, device=document_ids.device).tril()
-        return cls(mask=((document_ids[:, :, None] == document_ids[:, None, :]) & causal)[:, None])
+        mask = (document_ids[:, :, None] == document_ids[:, None, :]) & causal
+        if prefix_ids is not None:
+            mask = mask | ((prefix_ids[:, :, None] >= 0) & (prefix_ids[:, :, None] == document_ids[:, None, :]))
+        return cls(mask=mask[:, None])
 
 
-def _attend_per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
+def _attend_per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: PackedDocuments,
                          dropout_p: float) -> torch.Tensor:
-    """Causal attention within each document of packed rows: ``[B, H, T, D]`` in, ``[B, T, H * D]`` out.
-    Tokens are laid out row after row and split by document (split's backward is one concatenation)."""
+    """Causal attention within each document of packed rows (and over its prefix document, if it has
+    one): ``[B, H, T, D]`` in, ``[B, T, H * D]`` out. Tokens are laid out row after row and split by
+    document (split's backward is one concatenation)."""
     B, H, T, D = q.shape
-    q, k, v = (t.transpose(1, 2).reshape(B * T, H, D) for t in (q, k, v))
-    outs = [F.scaled_dot_product_attention(dq.transpose(0, 1)[None], dk.transpose(0, 1)[None],
-                                           dv.transpose(0, 1)[None], is_causal=True, dropout_p=dropout_p)
-            for dq, dk, dv in zip(q.split(lengths), k.split(lengths), v.split(lengths))]
-    return torch.cat([o[0].transpose(0, 1) for o in outs]).view(B, T, H * D)
+    q, k, v = ((t.transpose(1, 2).reshape(B * T, H, D).split(docs.lengths)) for t in (q, k, v))
+    outs = []
+    for i, (dq, dk, dv) in enumerate(zip(q, k, v)):
+        p = docs.prefixes[i] if docs.prefixes is not None else -1
+        if p < 0:
+            o = F.scaled_dot_product_attention(dq.transpose(0, 1)[None], dk.transpose(0, 1)[None],
+                                               dv.transpose(0, 1)[None], is_causal=True, dropout_p=dropout_p)
+        else:
+            # The prefix's keys first, all visible; then the document's own, causally.
+            n, m = dq.shape[0], k[p].shape[0]
+            allowed = torch.ones(n, m + n, dtype=torch.bool, device=dq.device).tril(diagonal=m)
+            o = F.scaled_dot_product_attention(dq.transpose(0, 1)[None], torch.cat([k[p], dk]).transpose(0, 1)[None],
+                                               torch.cat([v[p], dv]).transpose(0, 1)[None], attn_mask=allowed,
+                                               dropout_p=dropout_p)
+        outs.append(o[0].transpose(0, 1))
+    return torch.cat(outs).view(B, T, H * D)
 
 
 class Attention(nn.Module):
@@ -440,7 +472,7 @@ class Attention(nn.Module):
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         dropout_p = self.attn_pdrop if self.training else 0.0
         if docs is not None and docs.lengths is not None:
-            y = _attend_per_document(q, k, v, docs.lengths, dropout_p)
+            y = _attend_per_document(q, k, v, docs, dropout_p)
         else:
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, dropout_p=dropout_p)
@@ -543,7 +575,8 @@ class GPT(LMForgeModel):
         # Packed rows of several documents (SFT) carry each token's position in its own document and
         # its document's number: attention then stays inside a document, as if each were alone.
         hidden, coeffs = self._trunk(batch["input_ids"], None, collect=self.config.mhc_enabled,
-                                     position_ids=batch.get("position_ids"), document_ids=batch.get("document_ids"))
+                                     position_ids=batch.get("position_ids"), document_ids=batch.get("document_ids"),
+                                     prefix_ids=batch.get("prefix_ids"))
         loss = linear_cross_entropy(hidden, self.lm_head.weight, batch["labels"])
         if not coeffs:
             return loss, {}
@@ -563,20 +596,23 @@ class GPT(LMForgeModel):
 
     def hidden_states(self, input_ids: torch.Tensor, kv_cache: KVCache | None = None,
                       extra_embeds: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                      document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                      document_ids: torch.Tensor | None = None, prefix_ids: torch.Tensor | None = None
+                      ) -> torch.Tensor:
         """``[B, T]`` token ids -> ``[B, T, n_embd]`` final-norm outputs, the LM head's input.
         ``extra_embeds`` (``[B, T, n_embd]``) is added to the token embeddings: how another module
         conditions this one (HRGC's planner states at the generator's plan positions).
-        ``position_ids`` / ``document_ids``: packed rows, as in ``forward``'s batch."""
+        ``position_ids`` / ``document_ids`` / ``prefix_ids``: packed rows, as in ``forward``'s batch."""
         return self._trunk(input_ids, kv_cache, extra_embeds=extra_embeds, position_ids=position_ids,
-                           document_ids=document_ids)[0]
+                           document_ids=document_ids, prefix_ids=prefix_ids)[0]
 
     def _trunk(self, input_ids: torch.Tensor, kv_cache: KVCache | None, collect: bool = False,
                extra_embeds: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-               document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]:
+               document_ids: torch.Tensor | None = None, prefix_ids: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]:
         """Final-norm hidden states and (``collect``, mHC only) every sub-layer's mixing coefficients
         for the first sequence of the batch. ``position_ids`` / ``document_ids`` (``[B, T]``, training
-        only): packed documents, each attending causally to itself only."""
+        only): packed documents, each attending causally to itself only (and to all of its prefix
+        document, ``prefix_ids``; see ``PackedDocuments``)."""
         c = self.config
         T = input_ids.size(1)
         length = kv_cache.length_after(T) if kv_cache is not None else T
@@ -596,7 +632,7 @@ class GPT(LMForgeModel):
         if document_ids is not None:
             if kv_cache is not None:
                 raise LMForgeError("document_ids (packed training rows) cannot be combined with a KV cache")
-            docs = PackedDocuments.from_ids(document_ids)
+            docs = PackedDocuments.from_ids(document_ids, prefix_ids)
         x = self.tok_embed(input_ids)
         if extra_embeds is not None:
             x = x + extra_embeds.to(x.dtype)

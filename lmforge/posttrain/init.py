@@ -1,9 +1,13 @@
-"""Where a post-training run starts, and what it is compared against.
+"""Where a post-training run starts, and what it is compared against: the checks every
+post-training kind (sft, reward, dpo, grpo, ppo) makes before any model runs.
 
+- ``rows_path``: ``data.train_path``, the kind's rows (conversations, pairs, prompts), which must exist.
 - ``init_model_config``: with ``training.init_from`` the model is that checkpoint's (its shape; only
   regularisation comes from the run's own ``model`` section).
 - ``init_tokenizer_path``: the tokenizer the model was trained with (the checkpoint's, or
   ``data.tokenizer`` when it is the same one).
+- ``chat_tokenizer`` / ``fit_model_to_tokenizer``: the tokenizer loaded and checked for a chat template;
+  the model's embeddings and special ids made to agree with it.
 - ``check_reference``: a frozen model the policy is compared with (DPO's reference, a KL anchor) must
   read and write the same tokens as the policy; refused before any compute otherwise.
 """
@@ -18,6 +22,53 @@ from lmforge.errors import LMForgeError
 
 # What fine-tuning may change of the model it starts from: regularisation, not shape.
 TUNABLE_MODEL_KEYS = ("embd_pdrop", "resid_pdrop", "attn_pdrop")
+
+
+def rows_path(cfg: Any, kind: str, what: str, how: str) -> Path:
+    """``data.train_path``, where the ``kind``'s ``what`` (e.g. "preference pairs") are: set, existing,
+    and not mixed up with ``data.path`` (the lm kind's token shards). ``how``: what to point it at."""
+    if cfg.data.path:
+        raise LMForgeError(f"the {kind} kind reads {what} from data.train_path; data.path (token shards) is for the lm "
+                           "kind: remove it")
+    if not cfg.data.train_path:
+        raise LMForgeError(f"no {what}: set data.train_path to {how}")
+    path = Path(cfg.data.train_path)
+    if not path.exists():
+        raise LMForgeError(f"data.train_path={path} does not exist: point it at the {what}")
+    return path
+
+
+def chat_tokenizer(tokenizer_file: Path) -> Any:
+    """The tokenizer at ``tokenizer_file``, refused unless it carries a chat template."""
+    from lmforge.posttrain.render import check_chat_tokenizer
+    from lmforge.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.load(tokenizer_file)
+    check_chat_tokenizer(tokenizer, str(tokenizer_file))
+    return tokenizer
+
+
+def fit_model_to_tokenizer(model: Any, tokenizer: Any, tokenizer_file: Path) -> None:
+    """Give ``model`` (a gpt-family config) the tokenizer's vocabulary size when it has none, refuse a
+    tokenizer with more tokens than the model has embeddings, and copy its special ids (eos stands in
+    for a missing bos / pad)."""
+    if model.vocab_size == 0:
+        model.vocab_size = tokenizer.vocab_size
+    elif model.vocab_size < tokenizer.vocab_size:
+        raise LMForgeError(f"the model has {model.vocab_size} token embeddings but the tokenizer {tokenizer_file} has "
+                           f"{tokenizer.vocab_size} tokens: train with the tokenizer the model was trained with "
+                           "(leave data.tokenizer empty to take the init_from checkpoint's)")
+    for key, value in (("eos_token_id", tokenizer.eos_id), ("bos_token_id", tokenizer.bos_id),
+                       ("pad_token_id", tokenizer.pad_id)):
+        setattr(model, key, tokenizer.eos_id if value is None else value)
+
+
+def check_pair_rows(seq_len: int, n_positions: int) -> None:
+    """A row of preference pairs holds both sides of a pair, each at most the model's context."""
+    if seq_len > 2 * n_positions:
+        raise LMForgeError(f"data.seq_len={seq_len} is more than twice the model's context model.n_positions="
+                           f"{n_positions}: a row holds the two sides of a pair, each at most n_positions "
+                           "tokens; lower data.seq_len")
 
 
 def init_model_config(cfg: Any, kind: str) -> Path | None:
@@ -94,4 +145,5 @@ def check_reference(path: str | Path, setting: str, policy_config: Any, tokenize
     return model_dir
 
 
-__all__ = ["TUNABLE_MODEL_KEYS", "check_reference", "init_model_config", "init_tokenizer_path"]
+__all__ = ["TUNABLE_MODEL_KEYS", "chat_tokenizer", "check_pair_rows", "check_reference", "fit_model_to_tokenizer",
+           "init_model_config", "init_tokenizer_path", "rows_path"]

@@ -3,9 +3,10 @@ compare between the policy, its reference and the policy that sampled.
 
 ``token_logprobs(model, batch)`` takes a batch laid out as for training — ``input_ids``, ``labels``
 (the next token at each position, ``-100`` where nothing is scored) and, for packed rows,
-``position_ids`` / ``document_ids`` — and returns ``[B, T]`` fp32 log-probabilities of the labels
-(0 where unscored), differentiable. Only scored positions get logits on CPUs (the others cost
-nothing); accelerators compute every position and mask, which needs no host synchronisation.
+``position_ids`` / ``document_ids`` (and ``prefix_ids`` where completions share their prompt) — and
+returns ``[B, T]`` fp32 log-probabilities of the labels (0 where unscored), differentiable. Only
+scored positions get logits on CPUs (the others cost nothing); accelerators compute every position
+and mask, which needs no host synchronisation.
 ``sequence_sums`` adds them up per sequence.
 """
 
@@ -26,7 +27,7 @@ def token_logprobs(model: Any, batch: dict[str, torch.Tensor], with_entropy: boo
     positions only (default: on CPUs, where finding them costs no device synchronisation)."""
     labels = batch["labels"]
     hidden = model.hidden_states(batch["input_ids"], position_ids=batch.get("position_ids"),
-                                 document_ids=batch.get("document_ids"))
+                                 document_ids=batch.get("document_ids"), prefix_ids=batch.get("prefix_ids"))
     weight = model.lm_head.weight
     scored = labels != IGNORE_INDEX
     flat_h, flat_y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)

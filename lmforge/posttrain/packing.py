@@ -30,7 +30,7 @@ from lmforge.models.losses import IGNORE_INDEX
 from lmforge.posttrain.render import Example
 
 PAD_DOCUMENT = -1
-_ROUND = 16  # a micro-batch is cut to its longest row, rounded up to this (fewer distinct shapes)
+ROUND_TO = 16  # a micro-batch is cut to its longest row, rounded up to this (fewer distinct shapes)
 
 
 class ExampleStore:
@@ -178,7 +178,7 @@ class PackedConversations(RowLoader):
     def _batch(self, rows: list[list[int]]) -> dict[str, torch.Tensor]:
         lengths = self.store.lengths
         longest = max(int(sum(lengths[i] for i in row)) for row in rows)
-        width = min(self.seq_len, -(-longest // _ROUND) * _ROUND)
+        width = min(self.seq_len, -(-longest // ROUND_TO) * ROUND_TO)
         shape = (len(rows), width)
         inputs = np.zeros(shape, dtype=np.int64)
         targets = np.full(shape, IGNORE_INDEX, dtype=np.int64)

@@ -33,11 +33,10 @@ import torch
 
 from lmforge.errors import LMForgeError
 from lmforge.models.losses import IGNORE_INDEX
-from lmforge.posttrain.packing import PAD_DOCUMENT, RowLoader, pack_rows
+from lmforge.posttrain.packing import PAD_DOCUMENT, ROUND_TO, RowLoader, pack_rows
 from lmforge.posttrain.preferences import PreferencePair
 from lmforge.posttrain.render import supervised_spans, tokenize_spans
 
-_ROUND = 16  # a micro-batch is cut to its longest row, rounded up to this (fewer distinct shapes)
 TOO_LONG = "chosen + rejected longer than data.seq_len"
 SIDE_TOO_LONG = "a side longer than the model's context (model.n_positions)"
 
@@ -142,7 +141,7 @@ class PackedPairs(RowLoader):
     def _batch(self, rows: list[list[int]]) -> dict[str, Any]:
         s = self.store
         longest = max(int(s.pair_lengths[row].sum()) for row in rows)
-        width = min(self.seq_len, -(-longest // _ROUND) * _ROUND)
+        width = min(self.seq_len, -(-longest // ROUND_TO) * ROUND_TO)
         shape = (len(rows), width)
         inputs = np.zeros(shape, dtype=np.int64)
         targets = np.full(shape, IGNORE_INDEX, dtype=np.int64)

@@ -34,10 +34,12 @@ import torch
 
 from lmforge.errors import LMForgeError
 from lmforge.models.losses import IGNORE_INDEX
-from lmforge.posttrain.packing import PAD_DOCUMENT, pack_rows
+from lmforge.posttrain.packing import PAD_DOCUMENT, ROUND_TO, pack_rows
 
-_ROUND = 16  # a micro-batch is cut to its longest row, rounded up to this (fewer distinct shapes)
 AGGREGATIONS = ("token", "sequence", "fixed")
+# What data.train_path holds for the kinds that sample (for their messages).
+PROMPT_ROWS = ("a JSONL file of rows with 'messages' (and optional 'tools', 'answer'), or a directory with train.jsonl "
+               "(and val.jsonl), e.g. one written by `lmforge data tool-calls --out DIR`")
 
 
 # ---- prompts ---------------------------------------------------------------------------------------
@@ -248,64 +250,112 @@ def sample(model: Any, prompts: list[list[int]], eos_id: int, max_new_tokens: in
 # ---- layout ----------------------------------------------------------------------------------------
 def pack_sequences(prompts: list[list[int]], completions: list[list[int]], seq_len: int,
                    values: dict[str, list[np.ndarray]] | None = None,
-                   with_last_token: bool = False) -> dict[str, Any]:
+                   with_last_token: bool = False, share_prompts: bool = False) -> dict[str, Any]:
     """Prompt + completion sequences packed into rows of at most ``seq_len`` positions (best-fit
     decreasing), each its own document: positions restart at 0, no attention between documents.
 
     ``completions[i]`` holds the ids the model is to be scored on (a generated reply and its closing
     eos when it has one). Returns ``input_ids``, ``labels`` (the completion ids at the positions that
     predict them, ``-100`` elsewhere), ``position_ids``, ``document_ids`` (``-1`` on padding),
-    ``sequence_ids`` (the sequence's index in the lists, ``-1`` on padding), ``last_index`` (each
-    sequence's last input position as a flat index into the ``B * T`` positions), ``num_examples``,
-    and for each ``values[key]`` (one float array per sequence, one value per completion id) a
-    ``[B, T]`` fp32 tensor of the values at their ids' label positions (0 elsewhere).
+    ``sequence_ids`` (the sequence's index in the lists, ``-1`` on padding and shared prompts),
+    ``last_index`` (each sequence's last input position as a flat index into the ``B * T``
+    positions), ``num_examples``, and for each ``values[key]`` (one float array per sequence, one
+    value per completion id) a ``[B, T]`` fp32 tensor of the values at their ids' label positions
+    (0 elsewhere).
 
     By default a sequence's last id is only a target (training); ``with_last_token`` feeds it as an
-    input too (a reward model reads the whole reply, its closing eos included, at ``last_index``)."""
+    input too (a reward model reads the whole reply, its closing eos included, at ``last_index``).
+
+    ``share_prompts``: sequences with the same prompt (GRPO's group) that fit one row share one copy
+    of it: the prompt but its last token is a document of its own, and each completion is a document
+    that starts with that last token and sees the whole shared part (``prefix_ids``: the number of the
+    document a token also attends to, ``-1`` for none). A group of 8 completions of a 300-token
+    prompt is then ~700 positions instead of ~2,800; every log-prob is the same as unshared."""
     values = values or {}
     n = len(prompts)
     if len(completions) != n or any(len(v) != n for v in values.values()):
         raise ValueError("one completion (and one array per value) for each prompt")
     drop = 0 if with_last_token else 1
-    lengths = np.asarray([len(p) + len(c) - drop for p, c in zip(prompts, completions)], dtype=np.int64)
-    if n and int(lengths.max()) > seq_len:
-        raise LMForgeError(f"a prompt and its completion take {int(lengths.max())} positions, more than the rows' "
+    lengths = [len(p) + len(c) - drop for p, c in zip(prompts, completions)]
+    if n and max(lengths) > seq_len:
+        raise LMForgeError(f"a prompt and its completion take {max(lengths)} positions, more than the rows' "
                            f"{seq_len}; raise data.seq_len or lower the completion length")
-    rows = pack_rows(lengths, seq_len, np.arange(n)) if n else []
-    longest = max((int(lengths[r].sum()) for r in rows), default=1)
-    shape = (len(rows), min(seq_len, -(-longest // _ROUND) * _ROUND))
+    units = _layout_units(prompts, completions, lengths, drop, seq_len, share_prompts)
+    unit_lengths = np.asarray([size for _, _, size in units], dtype=np.int64)
+    rows = pack_rows(unit_lengths, seq_len, np.arange(len(units))) if units else []
+    longest = max((int(unit_lengths[r].sum()) for r in rows), default=1)
+    shape = (len(rows), min(seq_len, -(-longest // ROUND_TO) * ROUND_TO))
     inputs = np.zeros(shape, dtype=np.int64)
     labels = np.full(shape, IGNORE_INDEX, dtype=np.int64)
     positions = np.zeros(shape, dtype=np.int64)
     documents = np.full(shape, PAD_DOCUMENT, dtype=np.int64)
+    prefixes = np.full(shape, -1, dtype=np.int64)
     sequences = np.full(shape, -1, dtype=np.int64)
     tensors = {key: np.zeros(shape, dtype=np.float32) for key in values}
     last = np.zeros(n, dtype=np.int64)
     for r, row in enumerate(rows):
-        at = 0
-        for doc, i in enumerate(row):
-            prompt, completion = prompts[i], completions[i]
-            ids = np.asarray([*prompt, *completion], dtype=np.int64)
-            length = int(lengths[i])
-            span = slice(at, at + length)
-            inputs[r, span] = ids[:length]
-            positions[r, span] = np.arange(length)
-            documents[r, span] = doc
-            sequences[r, span] = i
-            # position p predicts ids[p + 1]: the completion's ids are predicted from len(prompt) - 1 on
-            first, count = at + len(prompt) - 1, len(completion)
-            labels[r, first:first + count] = completion
-            for key, per_sequence in values.items():
-                if len(per_sequence[i]) != count:
-                    raise ValueError(f"values[{key!r}][{i}] has {len(per_sequence[i])} entries for {count} ids")
-                tensors[key][r, first:first + count] = per_sequence[i]
-            last[i] = r * shape[1] + at + length - 1
-            at += length
+        at = doc = 0
+        for u in row:
+            shared, members, _ = units[u]
+            prefix_doc, start = -1, 0  # the shared prompt's document, and where the members' own ids begin
+            if shared:
+                head = prompts[members[0]][:-1]
+                inputs[r, at:at + len(head)] = head
+                positions[r, at:at + len(head)] = np.arange(len(head))
+                documents[r, at:at + len(head)] = prefix_doc = doc
+                at, doc, start = at + len(head), doc + 1, len(head)
+            for i in members:
+                prompt, completion = prompts[i], completions[i]
+                length = lengths[i] - start
+                span = slice(at, at + length)
+                inputs[r, span] = np.asarray([*prompt, *completion], dtype=np.int64)[start:start + length]
+                positions[r, span] = np.arange(start, start + length)
+                documents[r, span] = doc
+                prefixes[r, span] = prefix_doc
+                sequences[r, span] = i
+                # position p predicts ids[p + 1]: the completion's ids are predicted from len(prompt) - 1 on
+                first, count = at + len(prompt) - 1 - start, len(completion)
+                labels[r, first:first + count] = completion
+                for key, per_sequence in values.items():
+                    if len(per_sequence[i]) != count:
+                        raise ValueError(f"values[{key!r}][{i}] has {len(per_sequence[i])} entries for {count} ids")
+                    tensors[key][r, first:first + count] = per_sequence[i]
+                last[i] = r * shape[1] + at + length - 1
+                at, doc = at + length, doc + 1
     batch = {"input_ids": torch.from_numpy(inputs), "labels": torch.from_numpy(labels),
              "position_ids": torch.from_numpy(positions), "document_ids": torch.from_numpy(documents),
              "sequence_ids": torch.from_numpy(sequences), "last_index": torch.from_numpy(last), "num_examples": n}
+    if share_prompts:
+        batch["prefix_ids"] = torch.from_numpy(prefixes)
     batch.update({key: torch.from_numpy(t) for key, t in tensors.items()})
     return batch
+
+
+def _layout_units(prompts: list[list[int]], completions: list[list[int]], lengths: list[int], drop: int,
+                  seq_len: int, share: bool) -> list[tuple[bool, list[int], int]]:
+    """What ``pack_sequences`` places in rows, as ``(shares a prompt, sequence indices, positions)``:
+    one sequence alone, or (``share``) sequences with one prompt that fit one row together."""
+    if not share:
+        return [(False, [i], lengths[i]) for i in range(len(prompts))]
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        groups.setdefault(tuple(prompt), []).append(i)
+    units = []
+    for key, members in groups.items():
+        head = len(key) - 1  # the shared part: all of the prompt but its last token
+        if len(members) < 2 or head < 1:
+            units.extend((False, [i], lengths[i]) for i in members)
+            continue
+        part, size = [], head
+        for i in members:
+            own = 1 + len(completions[i]) - drop
+            if part and size + own > seq_len:
+                units.append((len(part) > 1, part, size) if len(part) > 1 else (False, part, lengths[part[0]]))
+                part, size = [], head
+            part.append(i)
+            size += own
+        units.append((True, part, size) if len(part) > 1 else (False, part, lengths[part[0]]))
+    return units
 
 
 def per_sequence(values: torch.Tensor, batch: dict[str, Any]) -> list[np.ndarray]:
@@ -429,7 +479,7 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(delta) - delta - 1.0
 
 
-__all__ = ["AGGREGATIONS", "Completion", "HeldOutPrompts", "PromptOrder", "Prompts", "clipped_surrogate",
+__all__ = ["AGGREGATIONS", "PROMPT_ROWS", "Completion", "HeldOutPrompts", "PromptOrder", "Prompts", "clipped_surrogate",
            "completion_seed", "encode_prompt", "encode_prompts", "group_advantages", "held_out_figures", "k3_kl",
            "loss_weights", "pack_sequences", "per_sequence", "prompt_messages", "read_prompt_rows",
            "read_prompt_splits", "reference_message", "sample", "sequence_logprobs"]

@@ -5,14 +5,20 @@ rendered with the chat template of the model being tuned and packed pair by pair
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from lmforge.errors import LMForgeError
 from lmforge.posttrain.formats import ReadStats
-from lmforge.posttrain.init import check_reference, init_model_config, init_tokenizer_path
+from lmforge.posttrain.init import (
+    chat_tokenizer,
+    check_pair_rows,
+    check_reference,
+    fit_model_to_tokenizer,
+    init_model_config,
+    init_tokenizer_path,
+    rows_path,
+)
 from lmforge.posttrain.pairs import PackedPairs, PairStats, render_pairs
 from lmforge.posttrain.preferences import PREFERENCE_FORMATS, read_preference_splits
-from lmforge.posttrain.render import check_chat_tokenizer
 from lmforge.recipes import TrainData
 from lmforge.recipes.dpo.reference import make_binder
 from lmforge.train.distributed import DistInfo
@@ -51,40 +57,21 @@ class DPOSettings:
 def build_dpo_data(cfg, distinfo: DistInfo) -> TrainData:
     """``RecipeSpec.build_data`` of the dpo kind. Everything is checked and every pair rendered here,
     before any model runs; the reference's log-probs are computed once the policy is on its device."""
-    from lmforge.tokenizer import Tokenizer
 
     settings: DPOSettings = cfg.recipe
-    if not cfg.data.train_path:
-        raise LMForgeError("no preference pairs: set data.train_path to a JSONL / JSON / parquet file, a `datasets` "
-                           "directory, or a directory with train.jsonl (and val.jsonl) of {prompt, chosen, rejected} "
-                           "rows")
-    if cfg.data.path:
-        raise LMForgeError("the dpo kind reads preference pairs from data.train_path; data.path (token shards) is for "
-                           "the lm kind: remove it")
-    path = Path(cfg.data.train_path)
-    if not path.exists():
-        raise LMForgeError(f"data.train_path={path} does not exist: point it at the preference pairs")
+    path = rows_path(cfg, "dpo", "preference pairs", "a JSONL / JSON / parquet file, a `datasets` directory, or a "
+                     "directory with train.jsonl (and val.jsonl) of {prompt, chosen, rejected} rows")
     if not cfg.training.init_from:
         raise LMForgeError("the dpo kind tunes a chat model that already follows its chat template: set "
                            "training.init_from to that checkpoint (e.g. the sft run, runs/NAME); it is also the "
                            "frozen reference unless recipe.reference_path names another")
     init_dir = init_model_config(cfg, "dpo")
     tokenizer_file = init_tokenizer_path(cfg, init_dir, "dpo")
-    tokenizer = Tokenizer.load(tokenizer_file)
-    check_chat_tokenizer(tokenizer, str(tokenizer_file))
+    tokenizer = chat_tokenizer(tokenizer_file)
     model = cfg.model
-    if model.vocab_size < tokenizer.vocab_size:
-        raise LMForgeError(f"the model has {model.vocab_size} token embeddings but the tokenizer {tokenizer_file} has "
-                           f"{tokenizer.vocab_size} tokens: use the tokenizer the model was trained with (leave "
-                           "data.tokenizer empty to take the init_from checkpoint's)")
-    for key, value in (("eos_token_id", tokenizer.eos_id), ("bos_token_id", tokenizer.bos_id),
-                       ("pad_token_id", tokenizer.pad_id)):
-        setattr(model, key, tokenizer.eos_id if value is None else value)
+    fit_model_to_tokenizer(model, tokenizer, tokenizer_file)
     seq_len = cfg.data.seq_len
-    if seq_len > 2 * model.n_positions:  # a row holds both sides of a pair, each within the context
-        raise LMForgeError(f"data.seq_len={seq_len} is more than twice the model's context model.n_positions="
-                           f"{model.n_positions}: a row holds the two sides of a pair, each at most n_positions "
-                           "tokens; lower data.seq_len")
+    check_pair_rows(seq_len, model.n_positions)
     reference_setting = "recipe.reference_path" if settings.reference_path else "training.init_from"
     reference_dir = check_reference(settings.reference_path or cfg.training.init_from, reference_setting, model,
                                     tokenizer_file, min(seq_len, model.n_positions))

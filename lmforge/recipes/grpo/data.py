@@ -18,17 +18,22 @@ the same model and scores them with the same reward functions: ``eval/reward`` p
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from lmforge.errors import LMForgeError
-from lmforge.posttrain.init import check_reference, init_model_config, init_tokenizer_path
-from lmforge.posttrain.render import check_chat_tokenizer
+from lmforge.posttrain.init import (
+    chat_tokenizer,
+    check_reference,
+    init_model_config,
+    init_tokenizer_path,
+    rows_path,
+)
 from lmforge.posttrain.rewards import Rewards, load_rewards
 from lmforge.posttrain.rollout import (
     AGGREGATIONS,
+    PROMPT_ROWS,
     HeldOutPrompts,
     PromptOrder,
     Prompts,
@@ -156,8 +161,10 @@ class Rollouts:
         rewards = np.asarray(buf["rewards"], dtype=np.float64).reshape(n, -1)
         total = self.rewards.total(rewards) - s.truncation_penalty * ~np.asarray(buf["ended"])
         advantages = group_advantages(total, s.group_size, s.scale_rewards)
-        # The completions in a fresh order (from the rollout's number), so an optimizer step mixes groups.
-        order = np.random.default_rng([self.seed, self.rank, buf["rollout"]]).permutation(n)
+        # The groups in a fresh order (from the rollout's number), each group's completions side by
+        # side: those in one micro-batch are scored against one copy of their prompt (share_prompts).
+        groups = np.random.default_rng([self.seed, self.rank, buf["rollout"]]).permutation(n // s.group_size)
+        order = (groups[:, None] * s.group_size + np.arange(s.group_size)).reshape(-1)
         lengths = [len(buf["completions"][i]) for i in range(n)]
         step_size = self.micro_batch_size * self.accum
         weights = np.zeros(n, dtype=np.float32)
@@ -175,7 +182,8 @@ class Rollouts:
                 if key in buf:
                     values[key] = [np.asarray(buf[key][i], dtype=np.float32) for i in members]
             batch = pack_sequences([self.prompts.ids[buf["prompts"][i]] for i in members],
-                                   [buf["completions"][i] for i in members], self.seq_len, values)
+                                   [buf["completions"][i] for i in members], self.seq_len, values,
+                                   share_prompts=True)
             batch["objective"] = {"temperature": s.temperature, "epsilon": s.epsilon,
                                   "epsilon_high": s.epsilon_high or s.epsilon, "beta": s.beta}
             batch["rollout_stats"] = stats
@@ -223,20 +231,10 @@ class Rollouts:
 def build_grpo_data(cfg, distinfo: DistInfo) -> TrainData:
     """``RecipeSpec.build_data`` of the grpo kind. The rows are read and encoded, the reward functions
     imported and tried on one row, the model, tokenizer and reference checked, all before any model runs."""
-    from lmforge.tokenizer import Tokenizer
 
     s: GRPOSettings = cfg.recipe
     t = cfg.training
-    if not cfg.data.train_path:
-        raise LMForgeError("no prompts: set data.train_path to a JSONL file of rows with 'messages' (and optional "
-                           "'tools', 'answer'), or a directory with train.jsonl (and val.jsonl), e.g. one written by "
-                           "`lmforge data tool-calls --out DIR`")
-    if cfg.data.path:
-        raise LMForgeError("the grpo kind reads prompts from data.train_path; data.path (token shards) is for the lm "
-                           "kind: remove it")
-    path = Path(cfg.data.train_path)
-    if not path.exists():
-        raise LMForgeError(f"data.train_path={path} does not exist: point it at the prompts")
+    path = rows_path(cfg, "grpo", "prompts", PROMPT_ROWS)
     if not t.init_from:
         raise LMForgeError("the grpo kind improves a chat model that already follows its chat template: set "
                            "training.init_from to that checkpoint (e.g. the sft run, runs/NAME); it is also the "
@@ -249,8 +247,7 @@ def build_grpo_data(cfg, distinfo: DistInfo) -> TrainData:
                            f"{t.micro_batch_size} x {t.grad_accum_steps} completions; choose sizes that divide it")
     init_dir = init_model_config(cfg, "grpo")
     tokenizer_file = init_tokenizer_path(cfg, init_dir, "grpo")
-    tokenizer = Tokenizer.load(tokenizer_file)
-    check_chat_tokenizer(tokenizer, str(tokenizer_file))
+    tokenizer = chat_tokenizer(tokenizer_file)
     seq_len = cfg.data.seq_len
     if seq_len > cfg.model.n_positions:
         raise LMForgeError(f"data.seq_len={seq_len} is longer than the model's context model.n_positions="

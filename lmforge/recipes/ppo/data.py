@@ -26,13 +26,18 @@ import torch
 
 from lmforge.errors import LMForgeError
 from lmforge.models.gpt import GPTConfig
-from lmforge.posttrain.init import check_reference, init_tokenizer_path
-from lmforge.posttrain.render import check_chat_tokenizer
+from lmforge.posttrain.init import (
+    chat_tokenizer,
+    check_reference,
+    init_tokenizer_path,
+    rows_path,
+)
 from lmforge.posttrain.rewards import REWARD_MODEL_PREFIX, Rewards, load_rewards
 from lmforge.posttrain.rollout import (
+    PROMPT_ROWS,
     HeldOutPrompts,
-    Prompts,
     PromptOrder,
+    Prompts,
     completion_seed,
     encode_prompts,
     pack_sequences,
@@ -274,17 +279,10 @@ def _value_config(s: PPOSettings, tokenizer_file: Path) -> tuple[Any, Path | Non
 def build_ppo_data(cfg, distinfo: DistInfo) -> TrainData:
     """``RecipeSpec.build_data`` of the ppo kind. Prompts read and encoded, reward sources loaded and
     tried on one row, policy, reference and reward model checked — all before any model runs."""
-    from lmforge.tokenizer import Tokenizer
 
     s: PPOSettings = cfg.recipe
     t = cfg.training
-    if not cfg.data.train_path:
-        raise LMForgeError("no prompts: set data.train_path to a JSONL file of rows with 'messages' (and optional "
-                           "'tools', 'answer'), or a directory with train.jsonl (and val.jsonl), e.g. one written by "
-                           "`lmforge data tool-calls --out DIR`")
-    path = Path(cfg.data.train_path)
-    if not path.exists():
-        raise LMForgeError(f"data.train_path={path} does not exist: point it at the prompts")
+    path = rows_path(cfg, "ppo", "prompts", PROMPT_ROWS)
     rewards = _reward_sources(s)
     if s.prompts_per_rollout % (t.micro_batch_size * t.grad_accum_steps):
         raise LMForgeError(f"recipe.prompts_per_rollout={s.prompts_per_rollout} must split into whole optimizer steps "
@@ -295,8 +293,7 @@ def build_ppo_data(cfg, distinfo: DistInfo) -> TrainData:
     value_config, reward_dir = _value_config(s, tokenizer_file)
     # The model section: the policy's shape from init_from, the value model's from the reward model.
     cfg.model = actor_critic_config(policy_config, value_config)
-    tokenizer = Tokenizer.load(tokenizer_file)
-    check_chat_tokenizer(tokenizer, str(tokenizer_file))
+    tokenizer = chat_tokenizer(tokenizer_file)
     seq_len = cfg.data.seq_len
     if seq_len > policy_config.n_positions:
         raise LMForgeError(f"data.seq_len={seq_len} is longer than the model's context n_positions="

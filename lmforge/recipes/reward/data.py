@@ -16,10 +16,16 @@ from lmforge.errors import LMForgeError
 from lmforge.models.gpt import GPTConfig
 from lmforge.models.reward import reward_config_from
 from lmforge.posttrain.formats import ReadStats
-from lmforge.posttrain.init import TUNABLE_MODEL_KEYS, init_tokenizer_path
+from lmforge.posttrain.init import (
+    TUNABLE_MODEL_KEYS,
+    chat_tokenizer,
+    check_pair_rows,
+    fit_model_to_tokenizer,
+    init_tokenizer_path,
+    rows_path,
+)
 from lmforge.posttrain.pairs import PackedPairs, PairStats, PairStore, render_pairs
 from lmforge.posttrain.preferences import PREFERENCE_FORMATS, read_preference_splits
-from lmforge.posttrain.render import check_chat_tokenizer
 from lmforge.recipes import TrainData
 from lmforge.train.distributed import DistInfo
 
@@ -81,38 +87,18 @@ def read_pairs(path: Path, settings: RewardSettings, val_fraction: float, seed: 
 
 def build_reward_data(cfg, distinfo: DistInfo) -> TrainData:
     """``RecipeSpec.build_data`` of the reward kind."""
-    from lmforge.tokenizer import Tokenizer
 
     settings: RewardSettings = cfg.recipe
-    if not cfg.data.train_path:
-        raise LMForgeError("no preference pairs: set data.train_path to a JSONL / JSON / parquet file of pairs "
-                           "(prompt, chosen, rejected), or a directory with train.jsonl (and val.jsonl), e.g. one "
-                           "written by `lmforge data preferences --out DIR`")
-    if cfg.data.path:
-        raise LMForgeError("the reward kind reads preference pairs from data.train_path; data.path (token shards) is "
-                           "for the lm kind: remove it")
-    path = Path(cfg.data.train_path)
-    if not path.exists():
-        raise LMForgeError(f"data.train_path={path} does not exist")
+    path = rows_path(cfg, "reward", "preference pairs", "a JSONL / JSON / parquet file of pairs (prompt, chosen, "
+                     "rejected), or a directory with train.jsonl (and val.jsonl), e.g. one written by `lmforge data "
+                     "preferences --out DIR`")
     init_dir = init_model_config(cfg)
     tokenizer_file = init_tokenizer_path(cfg, init_dir, "reward")
-    tokenizer = Tokenizer.load(tokenizer_file)
-    check_chat_tokenizer(tokenizer, str(tokenizer_file))
+    tokenizer = chat_tokenizer(tokenizer_file)
     model = cfg.model
-    if model.vocab_size == 0:
-        model.vocab_size = tokenizer.vocab_size
-    elif model.vocab_size < tokenizer.vocab_size:
-        raise LMForgeError(f"the model has {model.vocab_size} token embeddings but the tokenizer {tokenizer_file} has "
-                           f"{tokenizer.vocab_size} tokens: train the reward model with the policy's tokenizer "
-                           "(leave data.tokenizer empty to take the init_from checkpoint's)")
-    for key, value in (("eos_token_id", tokenizer.eos_id), ("bos_token_id", tokenizer.bos_id),
-                       ("pad_token_id", tokenizer.pad_id)):
-        setattr(model, key, tokenizer.eos_id if value is None else value)
+    fit_model_to_tokenizer(model, tokenizer, tokenizer_file)
     seq_len = cfg.data.seq_len
-    if seq_len > 2 * model.n_positions:  # a row holds both sides of a pair, each within the context
-        raise LMForgeError(f"data.seq_len={seq_len} is more than twice the model's context model.n_positions="
-                           f"{model.n_positions}: a row holds the two sides of a pair, each at most n_positions "
-                           "tokens; lower data.seq_len")
+    check_pair_rows(seq_len, model.n_positions)
 
     read_stats = ReadStats()
     train_pairs, val_pairs = read_pairs(path, settings, cfg.data.val_fraction, cfg.seed, read_stats)

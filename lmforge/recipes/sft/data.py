@@ -11,15 +11,15 @@ from typing import Any
 import numpy as np
 
 from lmforge.errors import LMForgeError
-from lmforge.recipes import TrainData
 from lmforge.posttrain.formats import FORMATS, ReadStats, read_conversations
+from lmforge.posttrain.init import chat_tokenizer, fit_model_to_tokenizer, rows_path
 from lmforge.posttrain.packing import ExampleStore, PackedConversations
 from lmforge.posttrain.render import (
     ASSISTANT_TURNS,
     RenderStats,
-    check_chat_tokenizer,
     render_examples,
 )
+from lmforge.recipes import TrainData
 from lmforge.train.distributed import DistInfo
 
 SPLIT_FILES = ("jsonl", "json", "parquet")
@@ -120,33 +120,15 @@ def sft_tokenizer_path(cfg, init_dir: Path | None) -> Path:
 
 def build_sft_data(cfg, distinfo: DistInfo) -> TrainData:
     """``RecipeSpec.build_data`` of the sft kind."""
-    from lmforge.tokenizer import Tokenizer
 
     settings: SFTSettings = cfg.recipe
-    if not cfg.data.train_path:
-        raise LMForgeError("no conversations: set data.train_path to a JSONL / JSON / parquet file, a `datasets` "
-                           "directory, or a directory with train.jsonl (and val.jsonl), e.g. one written by "
-                           "`lmforge data tool-calls --out DIR`")
-    if cfg.data.path:
-        raise LMForgeError("the sft kind reads conversations from data.train_path; data.path (token shards) is for "
-                           "the lm kind: remove it")
-    path = Path(cfg.data.train_path)
-    if not path.exists():
-        raise LMForgeError(f"data.train_path={path} does not exist")
+    path = rows_path(cfg, "sft", "conversations", "a JSONL / JSON / parquet file, a `datasets` directory, or a "
+                     "directory with train.jsonl (and val.jsonl), e.g. one written by `lmforge data tool-calls --out DIR`")
     init_dir = init_model_config(cfg)
     tokenizer_file = sft_tokenizer_path(cfg, init_dir)
-    tokenizer = Tokenizer.load(tokenizer_file)
-    check_chat_tokenizer(tokenizer, str(tokenizer_file))
+    tokenizer = chat_tokenizer(tokenizer_file)
     model = cfg.model
-    if model.vocab_size == 0:
-        model.vocab_size = tokenizer.vocab_size
-    elif model.vocab_size < tokenizer.vocab_size:
-        raise LMForgeError(f"the model has {model.vocab_size} token embeddings but the tokenizer {tokenizer_file} has "
-                           f"{tokenizer.vocab_size} tokens: fine-tune with the tokenizer the model was trained with "
-                           "(leave data.tokenizer empty to take the init_from checkpoint's)")
-    for key, value in (("eos_token_id", tokenizer.eos_id), ("bos_token_id", tokenizer.bos_id),
-                       ("pad_token_id", tokenizer.pad_id)):
-        setattr(model, key, tokenizer.eos_id if value is None else value)
+    fit_model_to_tokenizer(model, tokenizer, tokenizer_file)
     seq_len = cfg.data.seq_len
     if seq_len > model.n_positions:
         raise LMForgeError(f"data.seq_len={seq_len} is longer than the model's context model.n_positions="
