@@ -25,7 +25,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-
 from lmforge.errors import LMForgeError
 from lmforge.files import atomic_file, reporting_write_faults
 
@@ -197,6 +196,28 @@ def resolve_model_dir(path: str | os.PathLike) -> Path:
         f"{p} holds no model: expected model.safetensors, or a run directory with checkpoints/. "
         "Train one with `lmforge train RECIPE` or pass runs/NAME/checkpoints/step-NNNNNN."
     )
+
+
+def run_values(checkpoint: str | os.PathLike) -> dict[str, Any]:
+    """The config of the run a checkpoint belongs to (``runs/NAME/config.yaml``, two levels above a
+    step checkpoint or ``best``), as written; ``{}`` when there is none or it cannot be read."""
+    import yaml
+
+    config = resolve_model_dir(checkpoint).parent.parent / "config.yaml"
+    if not config.is_file():
+        return {}
+    try:
+        values = yaml.safe_load(config.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError):
+        return {}
+    return values if isinstance(values, dict) else {}
+
+
+def fine_tuned_from(checkpoint: str | os.PathLike) -> str | None:
+    """The ``training.init_from`` of the run a checkpoint belongs to, if it still exists: the model
+    before fine-tuning, which evaluations score beside it."""
+    source = (run_values(checkpoint).get("training") or {}).get("init_from")
+    return source if source and Path(source).exists() else None
 
 
 def checkpoint_family(path: str | Path, strict: bool = False) -> str | None:

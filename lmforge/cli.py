@@ -7,7 +7,13 @@ import json
 import sys
 from pathlib import Path
 
-from lmforge.cli_common import add_device_args, add_precision_arg, add_sampling_args, formatter
+from lmforge.cli_common import (
+    add_baseline_args,
+    add_device_args,
+    add_precision_arg,
+    add_sampling_args,
+    formatter,
+)
 from lmforge.errors import LMForgeError
 
 RECIPE_HELP = "a recipe name from configs/ (e.g. go_coder_tiny) or the path of a YAML file"
@@ -68,6 +74,7 @@ def _cmd_train(args) -> int:
 SHARED_OPTIONS = {
     "sampling": lambda group: add_sampling_args(group, max_new_tokens=200),
     "precision": lambda group: add_precision_arg(group),
+    "baseline": add_baseline_args,
     "batch-size": lambda group: group.add_argument("--batch-size", type=int, default=None, help="rows per forward "
                                                    "pass (default: 8 windows for language models, 256 puzzles)"),
 }

@@ -42,6 +42,30 @@ def add_sampling_args(p, max_new_tokens: int) -> None:
     p.add_argument("--seed", type=int, default=None, help="seed for reproducible samples")
 
 
+# `lmforge eval` of models that answer prompts (sft, grpo): the model before fine-tuning scored beside
+# the checkpoint, under this label, and the replies' length limit.
+BASELINE = "before fine-tuning"
+
+
+def add_baseline_args(p) -> None:
+    p.add_argument("--baseline", default=None, metavar="CKPT",
+                   help="score this checkpoint too, as the model before fine-tuning (default: the run's "
+                        "training.init_from, when it still exists)")
+    p.add_argument("--no-baseline", action="store_true", help="score the checkpoint alone")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="reply length limit (default: sft 96; grpo the run's recipe.eval_max_new_tokens or "
+                        "max_new_tokens, else 64)")
+
+
+def check_reply_tokens(value: int | None) -> int | None:
+    """``--max-new-tokens`` of ``add_baseline_args``: None (the kind's default) or >= 1."""
+    if value is not None and value < 1:
+        from lmforge.errors import LMForgeError
+
+        raise LMForgeError(f"--max-new-tokens must be >= 1, got {value}")
+    return value
+
+
 def require_data(args, what: str) -> str:
     """``lmforge eval``'s ``--data``, which this kind needs: ``what`` says what to pass."""
     if not getattr(args, "data", None):

@@ -198,16 +198,27 @@ def test_grpo_raises_the_held_out_reward_of_the_sft_model(tool_sft, grpo_run):
     assert result.eval_metrics["eval/loss"] == pytest.approx(-result.eval_metrics["eval/reward"])
 
 
-def test_eval_cli_scores_a_checkpoint_against_another(tool_sft, grpo_run, capsys):
+def test_eval_cli_scores_a_checkpoint_against_the_model_before_fine_tuning(tool_sft, grpo_run, capsys):
+    """The same options as the sft kind's eval: the run's init_from is the baseline unless --baseline
+    names another or --no-baseline; --max-new-tokens bounds the replies."""
     from lmforge.cli import main
 
     run, _ = grpo_run
-    assert main(["eval", str(run), "--rewards", "tool_call,exact_match", "--prompts", str(tool_sft.data),
-                 "--limit", "12", "--compare-with", str(tool_sft.checkpoint), "--json", "--device", "cpu"]) == 0
+    common = ["--rewards", "tool_call,exact_match", "--prompts", str(tool_sft.data), "--limit", "12", "--json",
+              "--device", "cpu"]
+    assert main(["eval", str(run), *common]) == 0
     figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert set(figures) == {"checkpoint", "compared"}
+    assert set(figures) == {"checkpoint", "before fine-tuning"}  # the run's training.init_from, found alone
     assert figures["checkpoint"]["rows"] == 12
     assert set(figures["checkpoint"]) >= {"reward", "reward/tool_call", "reward/exact_match", "eos_rate"}
+    assert main(["eval", str(run), *common, "--baseline", str(run), "--max-new-tokens", "1"]) == 0
+    figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert figures["checkpoint"] == figures["before fine-tuning"]  # the same model, scored twice
+    assert figures["checkpoint"]["eos_rate"] < 1  # one token: no room for a reply and its eos
+    assert main(["eval", str(run), *common, "--no-baseline"]) == 0
+    assert set(json.loads(capsys.readouterr().out.strip().splitlines()[-1])) == {"checkpoint"}
+    assert main(["eval", str(run), *common, "--max-new-tokens", "0"]) != 0
+    assert "--max-new-tokens must be >= 1, got 0" in capsys.readouterr().err
     assert main(["eval", str(run), "--rewards", "no_such_reward", "--prompts", str(tool_sft.data)]) != 0
     assert "unknown reward function 'no_such_reward'" in capsys.readouterr().err
 

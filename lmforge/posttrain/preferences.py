@@ -69,6 +69,7 @@ from lmforge.posttrain.toolcalls import (
     make_rows,
     reference_call,
     value_split,
+    write_splits,
 )
 
 
@@ -462,36 +463,19 @@ def write_preference_dataset(out_dir: str | Path, n_train: int = 2000, n_val: in
     """Write ``OUT/{train,val,test}.jsonl`` (pairs in the ``ultrafeedback`` layout: ``prompt`` messages,
     ``chosen`` / ``rejected`` one-reply lists, ``tools``, ``kind``, ``case``) and ``OUT/meta.json``;
     returns the meta dict. The prompts are those of ``write_tool_call_dataset`` with the same seed."""
-    from lmforge.files import atomic_directory, remove_stale
+    def describe(pairs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+        return {
+            "format": "lmforge-preferences",
+            "version": FORMAT_VERSION,
+            "seed": seed,
+            "counts": {split: len(p) for split, p in pairs.items()},
+            "kinds": {split: dict(sorted(Counter(x["kind"] for x in p).items())) for split, p in pairs.items()},
+            "cases": {split: dict(sorted(Counter(x["case"] for x in p).items())) for split, p in pairs.items()},
+            "kind_doc": KIND_DOC,
+            "tools": TOOL_NAMES,
+            "value_split": value_split(),
+        }
 
-    sizes = {"train": n_train, "val": n_val, "test": n_test}
-    for split, n in sizes.items():
-        if not isinstance(n, int) or n < 0:
-            raise LMForgeError(f"n_{split} must be an integer >= 0, got {n!r}")
-    out = Path(out_dir).resolve()  # resolved so that "." still has a name for the temporary sibling
-    remove_stale(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        if not overwrite:
-            raise LMForgeError(f"{out} exists and is not empty; pass --overwrite (overwrite=True from Python) to "
-                               "replace it, or choose another directory")
-        if not (out / "meta.json").is_file():
-            raise LMForgeError(f"{out} is not an earlier preference dataset (no meta.json), so it is not "
-                               "replaced even with --overwrite; choose another directory")
-    pairs = {split: make_preference_pairs(make_rows(split, n, seed), seed, split) for split, n in sizes.items()}
-    meta = {
-        "format": "lmforge-preferences",
-        "version": FORMAT_VERSION,
-        "seed": seed,
-        "counts": {split: len(p) for split, p in pairs.items()},
-        "kinds": {split: dict(sorted(Counter(x["kind"] for x in p).items())) for split, p in pairs.items()},
-        "cases": {split: dict(sorted(Counter(x["case"] for x in p).items())) for split, p in pairs.items()},
-        "kind_doc": KIND_DOC,
-        "tools": TOOL_NAMES,
-        "value_split": value_split(),
-    }
-    with atomic_directory(out, fix="or choose another directory") as tmp:
-        for split, p in pairs.items():
-            with open(tmp / f"{split}.jsonl", "w", encoding="utf-8", newline="\n") as f:
-                f.writelines(json.dumps(pair, ensure_ascii=False) + "\n" for pair in p)
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    return meta
+    return write_splits(out_dir, {"train": n_train, "val": n_val, "test": n_test},
+                        lambda split, n: make_preference_pairs(make_rows(split, n, seed), seed, split), describe,
+                        "preference dataset", overwrite)

@@ -43,16 +43,17 @@ PROMPT_ROWS = ("a JSONL file of rows with 'messages' (and optional 'tools', 'ans
 
 
 # ---- prompts ---------------------------------------------------------------------------------------
-def read_prompt_rows(file: str | Path) -> list[dict[str, Any]]:
+def read_message_rows(file: str | Path, fix: str, check: Callable[[dict[str, Any]], Any] | None = None
+                      ) -> list[dict[str, Any]]:
     """The rows of a JSONL file, each an object with a ``messages`` list (OpenAI form), optional
-    ``tools`` (a list) and any other fields (``answer`` ...) the reward functions read. A bad row is
-    refused as ``FILE:LINE: what is wrong``."""
+    ``tools`` (a list) and any other fields (``answer`` ...) the reward functions read; ``check(row)``
+    raises ``LMForgeError`` for anything else the caller requires. A bad row is refused as
+    ``FILE:LINE: what is wrong``; a missing file with ``fix`` (what to give instead)."""
     from lmforge.chat import check_messages
 
     file = Path(file)
     if not file.is_file():
-        raise LMForgeError(f"{file} does not exist; give a JSONL file of rows with 'messages', or a directory "
-                           "with train.jsonl (and val.jsonl), e.g. one written by `lmforge data tool-calls`")
+        raise LMForgeError(f"{file} does not exist; {fix}")
     rows = []
     with open(file, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -69,13 +70,20 @@ def read_prompt_rows(file: str | Path) -> list[dict[str, Any]]:
                 raise LMForgeError(f"{where}: 'tools' must be a list of tool definitions")
             try:
                 check_messages(row["messages"])
-                prompt_messages(row)
+                if check is not None:
+                    check(row)
             except LMForgeError as e:
                 raise LMForgeError(f"{where}: {e}") from None
             rows.append(row)
     if not rows:
         raise LMForgeError(f"{file} holds no rows")
     return rows
+
+
+def read_prompt_rows(file: str | Path) -> list[dict[str, Any]]:
+    """Prompt rows (``read_message_rows``) for the kinds that sample: each must leave a prompt."""
+    return read_message_rows(file, "give a JSONL file of rows with 'messages', or a directory with train.jsonl (and "
+                             "val.jsonl), e.g. one written by `lmforge data tool-calls`", prompt_messages)
 
 
 def read_prompt_splits(path: str | Path, val_fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
@@ -479,7 +487,8 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(delta) - delta - 1.0
 
 
-__all__ = ["AGGREGATIONS", "PROMPT_ROWS", "Completion", "HeldOutPrompts", "PromptOrder", "Prompts", "clipped_surrogate",
-           "completion_seed", "encode_prompt", "encode_prompts", "group_advantages", "held_out_figures", "k3_kl",
-           "loss_weights", "pack_sequences", "per_sequence", "prompt_messages", "read_prompt_rows",
-           "read_prompt_splits", "reference_message", "sample", "sequence_logprobs"]
+__all__ = ["AGGREGATIONS", "PROMPT_ROWS", "Completion", "HeldOutPrompts", "PromptOrder", "Prompts",
+           "clipped_surrogate", "completion_seed", "encode_prompt", "encode_prompts", "group_advantages",
+           "held_out_figures", "k3_kl", "loss_weights", "pack_sequences", "per_sequence", "prompt_messages",
+           "read_message_rows", "read_prompt_rows", "read_prompt_splits", "reference_message", "sample",
+           "sequence_logprobs"]

@@ -35,13 +35,13 @@ import json
 import random
 import re
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from lmforge.chat import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
-    check_messages,
     parse_tool_calls,
 )
 from lmforge.errors import LMForgeError
@@ -471,9 +471,32 @@ def make_rows(split: str, n: int, seed: int) -> list[dict[str, Any]]:
 def write_tool_call_dataset(out_dir: str | Path, n_train: int = 2000, n_val: int = 200, n_test: int = 300,
                             seed: int = 0, overwrite: bool = False) -> dict[str, Any]:
     """Write ``OUT/{train,val,test}.jsonl`` and ``OUT/meta.json``; returns the meta dict."""
+    def describe(rows: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+        return {
+            "format": "lmforge-toolcalls",
+            "version": FORMAT_VERSION,
+            "seed": seed,
+            "counts": {split: len(r) for split, r in rows.items()},
+            "cases": {split: dict(sorted(Counter(case_of(row) for row in r).items())) for split, r in rows.items()},
+            "tools": TOOL_NAMES,
+            "value_split": value_split(),
+            "question_split": split_values([q for q, _ in CHAT_PAIRS]),
+            "shared_values": {"get_weather.unit": UNITS, "run_tests.verbose": [True, False]},
+        }
+
+    return write_splits(out_dir, {"train": n_train, "val": n_val, "test": n_test},
+                        lambda split, n: make_rows(split, n, seed), describe, "tool-call dataset", overwrite)
+
+
+def write_splits(out_dir: str | Path, sizes: dict[str, int], make: Callable[[str, int], list[dict[str, Any]]],
+                 describe: Callable[[dict[str, list[dict[str, Any]]]], dict[str, Any]], what: str,
+                 overwrite: bool) -> dict[str, Any]:
+    """Write a generated dataset: ``OUT/{split}.jsonl`` with ``make(split, n)``'s rows for each of
+    ``sizes`` and ``OUT/meta.json`` with ``describe(rows)``, all at once (a directory that appears
+    complete or not at all). An existing non-empty ``OUT`` is replaced only with ``overwrite`` and
+    only when it is an earlier such dataset (it has a meta.json). Returns the meta dict."""
     from lmforge.files import atomic_directory, remove_stale
 
-    sizes = {"train": n_train, "val": n_val, "test": n_test}
     for split, n in sizes.items():
         if not isinstance(n, int) or n < 0:
             raise LMForgeError(f"n_{split} must be an integer >= 0, got {n!r}")
@@ -484,20 +507,10 @@ def write_tool_call_dataset(out_dir: str | Path, n_train: int = 2000, n_val: int
             raise LMForgeError(f"{out} exists and is not empty; pass --overwrite (overwrite=True from Python) to "
                                "replace it, or choose another directory")
         if not (out / "meta.json").is_file():
-            raise LMForgeError(f"{out} is not an earlier tool-call dataset (no meta.json), so it is not "
+            raise LMForgeError(f"{out} is not an earlier {what} (no meta.json), so it is not "
                                "replaced even with --overwrite; choose another directory")
-    rows = {split: make_rows(split, n, seed) for split, n in sizes.items()}
-    meta = {
-        "format": "lmforge-toolcalls",
-        "version": FORMAT_VERSION,
-        "seed": seed,
-        "counts": {split: len(r) for split, r in rows.items()},
-        "cases": {split: dict(sorted(Counter(case_of(row) for row in r).items())) for split, r in rows.items()},
-        "tools": TOOL_NAMES,
-        "value_split": value_split(),
-        "question_split": split_values([q for q, _ in CHAT_PAIRS]),
-        "shared_values": {"get_weather.unit": UNITS, "run_tests.verbose": [True, False]},
-    }
+    rows = {split: make(split, n) for split, n in sizes.items()}
+    meta = describe(rows)
     with atomic_directory(out, fix="or choose another directory") as tmp:
         for split, r in rows.items():
             with open(tmp / f"{split}.jsonl", "w", encoding="utf-8", newline="\n") as f:
@@ -510,41 +523,19 @@ def load_rows(path: str | Path, split: str = "test") -> list[dict[str, Any]]:
     """Rows of a jsonl file, or of ``DIR/{split}.jsonl`` for a dataset directory. Each must be a
     ``{"messages": [...], "tools": [...]}`` object whose last message is an assistant turn; a bad
     row is reported as ``FILE:LINE: what is wrong``."""
+    from lmforge.posttrain.rollout import read_message_rows
+
     path = Path(path)
     file = path / f"{split}.jsonl" if path.is_dir() else path
-    if not file.is_file():
-        raise LMForgeError(f"{file} does not exist; give a tool-call dataset directory or one of its .jsonl files")
-    rows = []
-    with open(file, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{file}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise LMForgeError(f"{where}: not valid JSON ({e})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
-                raise LMForgeError(f"{where}: a row must be an object with a 'messages' list")
-            tools = row.get("tools")
-            if tools is not None and not isinstance(tools, list):
-                raise LMForgeError(f"{where}: 'tools' must be a list of tool definitions")
-            try:
-                check_messages(row["messages"])
-            except LMForgeError as e:
-                raise LMForgeError(f"{where}: {e}") from None
-            if row["messages"][-1].get("role") != "assistant":
-                raise LMForgeError(f"{where}: the last message must be the assistant turn to score, got role "
-                                   f"{row['messages'][-1].get('role')!r}")
-            for call in row["messages"][-1].get("tool_calls") or []:
-                try:
-                    reference_call(call)
-                except LMForgeError as e:
-                    raise LMForgeError(f"{where}: {e}") from None
-            rows.append(row)
-    if not rows:
-        raise LMForgeError(f"{file} holds no rows")
-    return rows
+    return read_message_rows(file, "give a tool-call dataset directory or one of its .jsonl files", _check_scored_row)
+
+
+def _check_scored_row(row: dict[str, Any]) -> None:
+    last = row["messages"][-1]
+    if last.get("role") != "assistant":
+        raise LMForgeError(f"the last message must be the assistant turn to score, got role {last.get('role')!r}")
+    for call in last.get("tool_calls") or []:
+        reference_call(call)
 
 
 # ---- scoring ------------------------------------------------------------------------------------------

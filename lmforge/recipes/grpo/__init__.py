@@ -42,7 +42,7 @@ SPEC = register(RecipeSpec(
     best_metric="eval/reward",
     best_higher_is_better=True,
     eval_weight=lambda batch: float(len(batch["eval_total"])),  # held-out figures are means over prompts
-    eval=CLIOptions(run=cli.run_eval, add=cli.add_eval_args, uses=("batch-size",),
+    eval=CLIOptions(run=cli.run_eval, add=cli.add_eval_args, uses=("baseline", "batch-size"),
                     help="held-out reward of a checkpoint's greedy replies, by reward function"),
 ))
 

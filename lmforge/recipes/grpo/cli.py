@@ -1,5 +1,6 @@
 """The grpo kind's command line: `lmforge eval CKPT --rewards NAMES --prompts PATH`, the held-out reward
-of a checkpoint's greedy replies (and of a baseline's, to see what training changed)."""
+of a checkpoint's greedy replies, and of the model before fine-tuning (`--baseline`, by default the
+run's training.init_from), to see what training changed."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from lmforge.checkpoint import fine_tuned_from, run_values
+from lmforge.cli_common import BASELINE, check_reply_tokens
 from lmforge.errors import LMForgeError
 
 DEFAULT_REPLY_TOKENS = 64
@@ -21,24 +24,11 @@ def add_eval_args(group) -> None:
     group.add_argument("--prompts", default=None, metavar="PATH",
                        help="held-out prompt rows: a .jsonl file, or a directory's SPLIT.jsonl (--split, default "
                             "test)")
-    group.add_argument("--compare-with", default=None, metavar="CKPT",
-                       help="score this checkpoint too (e.g. the model the run started from, its training.init_from)")
-    group.add_argument("--max-reply-tokens", type=int, default=0,
-                       help="reply length limit (default: the run's recipe.eval_max_new_tokens / max_new_tokens, "
-                            f"else {DEFAULT_REPLY_TOKENS})")
 
 
 def _run_reply_tokens(checkpoint: str) -> int:
     """The held-out reply length the checkpoint's run evaluated with, if its config says."""
-    import yaml
-
-    from lmforge.checkpoint import resolve_model_dir
-
-    config = resolve_model_dir(checkpoint).parent.parent / "config.yaml"
-    try:
-        recipe = (yaml.safe_load(config.read_text()) or {}).get("recipe") or {} if config.is_file() else {}
-    except yaml.YAMLError:
-        return DEFAULT_REPLY_TOKENS
+    recipe = run_values(checkpoint).get("recipe") or {}
     return int(recipe.get("eval_max_new_tokens") or recipe.get("max_new_tokens") or DEFAULT_REPLY_TOKENS)
 
 
@@ -55,7 +45,7 @@ def score_checkpoint(path: str, rows: list[dict], rewards, max_new_tokens: int, 
     fits = [i for i, p in enumerate(ids) if len(p) + max_new_tokens <= model.config.n_positions]
     if not fits:
         raise LMForgeError(f"no prompt fits the context of {path} ({model.config.n_positions} tokens) with "
-                           f"{max_new_tokens} reply tokens; lower --max-reply-tokens")
+                           f"{max_new_tokens} reply tokens; lower --max-new-tokens")
     done = sample(model, [ids[i] for i in fits], tokenizer.eos_id, max_new_tokens, temperature=0,
                   batch_size=batch_size)
     scores = rewards.score([rows[i] for i in fits], [tokenizer.decode(c.tokens) for c in done])
@@ -72,16 +62,17 @@ def run_eval(args) -> int:
     if not args.rewards or not args.prompts:
         raise LMForgeError("pass --rewards NAMES and --prompts PATH to score a checkpoint's replies, e.g. "
                            "--rewards tool_call --prompts DIR (its test.jsonl)")
-    if args.max_reply_tokens < 0:
-        raise LMForgeError("--max-reply-tokens must be >= 1 (0 = the run's setting)")
+    reply_tokens = check_reply_tokens(args.max_new_tokens) or _run_reply_tokens(args.checkpoint)
     rewards = load_rewards([name.strip() for name in args.rewards.split(",") if name.strip()], where="--rewards")
     path = Path(args.prompts)
     rows = read_prompt_rows(path / f"{args.split or 'test'}.jsonl" if path.is_dir() else path)
     if args.limit:
         rows = rows[:args.limit]
     rewards.check(rows)  # a reward that cannot score these rows fails before any model is loaded
-    reply_tokens = args.max_reply_tokens or _run_reply_tokens(args.checkpoint)
-    models = {"checkpoint": args.checkpoint, **({"compared": args.compare_with} if args.compare_with else {})}
+    models = {"checkpoint": args.checkpoint}
+    baseline = None if args.no_baseline else (args.baseline or fine_tuned_from(args.checkpoint))
+    if baseline:
+        models[BASELINE] = baseline
     results = {}
     for label, checkpoint in models.items():
         print(f"{label}: {checkpoint}", file=sys.stderr)

@@ -32,7 +32,7 @@ SPEC = register(RecipeSpec(
     build_data=build_sft_data,
     count=count,
     settings=SFTSettings,
-    eval=CLIOptions(run=cli.run_eval, add=cli.add_eval_args, uses=("batch-size",),
+    eval=CLIOptions(run=cli.run_eval, add=cli.add_eval_args, uses=("baseline", "batch-size"),
                     help="tool-call figures on held-out conversations, before and after fine-tuning"),
     add_data_verbs=cli.add_data_verbs,
 ))

@@ -8,13 +8,16 @@ import json
 import sys
 from pathlib import Path
 
+from lmforge.checkpoint import fine_tuned_from
+from lmforge.cli_common import BASELINE, check_reply_tokens
 from lmforge.errors import LMForgeError
+
+DEFAULT_REPLY_TOKENS = 96
 
 
 # ---- lmforge data sft ------------------------------------------------------------------------------
 def cmd_data_sft(args: argparse.Namespace) -> int:
     from lmforge.infer.loading import find_tokenizer
-    from lmforge.recipes.sft.data import SFTSettings, read_splits
     from lmforge.posttrain.formats import ReadStats
     from lmforge.posttrain.render import (
         RenderStats,
@@ -22,6 +25,7 @@ def cmd_data_sft(args: argparse.Namespace) -> int:
         render_examples,
         show_example,
     )
+    from lmforge.recipes.sft.data import SFTSettings, read_splits
     from lmforge.tokenizer import Tokenizer
 
     if args.show < 0:
@@ -111,29 +115,6 @@ def add_eval_args(group) -> None:
                        help="score tool calling on held-out conversations (DIR/test.jsonl of `lmforge data "
                             "tool-calls`, or a .jsonl file), through the server's parser; also scores the model "
                             "the checkpoint was fine-tuned from, when its run names one")
-    group.add_argument("--baseline", default=None, metavar="CKPT",
-                       help="score this checkpoint too, as the model before fine-tuning (default: the run's "
-                            "training.init_from)")
-    group.add_argument("--no-baseline", action="store_true", help="score the checkpoint alone")
-    group.add_argument("--max-new-tokens", type=int, default=96, help="reply length limit")
-
-
-def fine_tuned_from(checkpoint: str) -> str | None:
-    """The ``training.init_from`` of the run a checkpoint belongs to, if it exists."""
-    import yaml
-
-    from lmforge.checkpoint import resolve_model_dir
-
-    model_dir = resolve_model_dir(checkpoint)
-    run_config = model_dir.parent.parent / "config.yaml"
-    if not run_config.is_file():
-        return None
-    try:
-        values = yaml.safe_load(run_config.read_text()) or {}
-    except yaml.YAMLError:
-        return None
-    source = (values.get("training") or {}).get("init_from") if isinstance(values, dict) else None
-    return source if source and Path(source).exists() else None
 
 
 def run_eval(args) -> int:
@@ -146,20 +127,19 @@ def run_eval(args) -> int:
 
     if not args.tool_calls:
         raise LMForgeError("pass --tool-calls DIR (held-out conversations with tools) to score tool calling")
-    if args.max_new_tokens < 1:
-        raise LMForgeError("--max-new-tokens must be >= 1")
+    reply_tokens = check_reply_tokens(args.max_new_tokens) or DEFAULT_REPLY_TOKENS
     rows = load_rows(args.tool_calls, split=args.split or "test")
     if args.limit:
         rows = rows[:args.limit]
     models = {"checkpoint": args.checkpoint}
     baseline = None if args.no_baseline else (args.baseline or fine_tuned_from(args.checkpoint))
     if baseline:
-        models["before fine-tuning"] = baseline
+        models[BASELINE] = baseline
     results = {}
     for label, path in models.items():
         model, tokenizer, _ = load_for_inference(path, device=args.device)
         print(f"{label}: {path}", file=sys.stderr)
-        results[label] = evaluate_tool_calls(model, tokenizer, rows, max_new_tokens=args.max_new_tokens,
+        results[label] = evaluate_tool_calls(model, tokenizer, rows, max_new_tokens=reply_tokens,
                                              batch_size=args.batch_size or 16)
     if args.json:
         print(json.dumps({label: {k: v for k, v in r.items() if k not in ("examples", "replies")}
