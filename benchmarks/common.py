@@ -41,3 +41,47 @@ def seeded_checkpoint(work: Path, texts: list[str], args) -> tuple[Path, Path]:
     ckpt = model.save_pretrained(work / "ckpt")
     tokenizer.save(ckpt)
     return ckpt, export_hf(ckpt, work / "hf")
+
+
+def cpu_run(cfg, init: Path):
+    """What ``lmforge.train.train`` builds before its Trainer, on the CPU in fp32 for one process: the
+    model (``init``'s weights), the kind's data, the device and process info. The benchmarks make the
+    Trainer themselves (to time its construction or drive it step by step with ``step_once``)."""
+    from lmforge.device import setup_device
+    from lmforge.models import build_model
+    from lmforge.train import _load_initial_weights, seed_everything
+    from lmforge.train.distributed import DistInfo
+
+    dist = DistInfo()
+    devinfo = setup_device("cpu", "fp32", 1e12, 0)
+    data = cfg.spec.build_data(cfg, dist)
+    seed_everything(cfg.seed)
+    model = build_model(cfg.model)
+    _load_initial_weights(model, str(init), dist)
+    return model, data, devinfo, dist
+
+
+def add_model_args(p, seq_len: int, seq_help: str = "the model's context") -> None:
+    """The seeded model's size options every side-by-side script takes (``seeded_checkpoint``)."""
+    p.add_argument("--seq-len", type=int, default=seq_len, help=seq_help)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=4096)
+
+
+def trl_preference_rows(data: Path, hf: Path):
+    """TRL's DPO inputs for a preference set written by ``lmforge data preferences``: its training pairs
+    as conversational rows (message lists, the row's tools as a JSON string: ``datasets`` would
+    null-fill ragged dicts; TRL renders them with the exported chat template, lmforge's), and the HF
+    export's tokenizer and fp32 SDPA model."""
+    import json
+
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    rows = [json.loads(line) for line in (data / "train.jsonl").read_text().splitlines()]
+    ds = datasets.Dataset.from_list([{"prompt": r["prompt"], "chosen": r["chosen"], "rejected": r["rejected"],
+                                      "tools": json.dumps(r["tools"])} for r in rows])
+    tokenizer = AutoTokenizer.from_pretrained(hf)
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32, attn_implementation="sdpa")
+    return ds, tokenizer, model

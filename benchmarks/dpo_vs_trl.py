@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import cpu_name, seeded_checkpoint
+from common import add_model_args, cpu_name, cpu_run, seeded_checkpoint, trl_preference_rows
 
 
 def prepare(work: Path, args) -> tuple[Path, Path, Path]:
@@ -76,10 +76,6 @@ def amortised(pairs_per_s: float, n_pairs: int, setup_s: float) -> float:
 def run_lmforge(data: Path, ckpt: Path, work: Path, args, reference: str) -> dict:
     import lmforge.recipes.dpo.reference as dpo_reference
     from lmforge.config import load_config
-    from lmforge.device import setup_device
-    from lmforge.models import build_model
-    from lmforge.train import _load_initial_weights, seed_everything
-    from lmforge.train.distributed import DistInfo
     from lmforge.train.loop import Trainer
 
     cfg = load_config(values={
@@ -91,12 +87,7 @@ def run_lmforge(data: Path, ckpt: Path, work: Path, args, reference: str) -> dic
                      "max_steps": args.warmup + args.steps,
                      "device": "cpu", "precision": "fp32", "peak_flops": 1e12, "grad_clip": 1.0},
         "logging": {"tensorboard": False, "progress_bar": False}})
-    dist = DistInfo()
-    devinfo = setup_device("cpu", "fp32", 1e12, 0)
-    data_ = cfg.spec.build_data(cfg, dist)
-    seed_everything(cfg.seed)
-    model = build_model(cfg.model)
-    _load_initial_weights(model, str(ckpt), dist)
+    model, data_, devinfo, dist = cpu_run(cfg, ckpt)
 
     # The reference pass runs while the Trainer is built (TrainData.bind_model): time it per split.
     passes: dict[str, float] = {}
@@ -143,17 +134,12 @@ def run_lmforge(data: Path, ckpt: Path, work: Path, args, reference: str) -> dic
 
 
 def run_trl(data: Path, hf: Path, work: Path, args, batch: int, precompute: bool) -> dict:
-    import datasets
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import TrainerCallback
     from trl import DPOConfig, DPOTrainer
 
-    rows = [json.loads(line) for line in (data / "train.jsonl").read_text().splitlines()]
     # Conversational rows: TRL renders prompt, prompt + chosen and prompt + rejected with the tokenizer's chat
     # template (lmforge's, exported) and the row's tools, and scores the replies' tokens.
-    ds = datasets.Dataset.from_list([{"prompt": r["prompt"], "chosen": r["chosen"], "rejected": r["rejected"],
-                                      "tools": json.dumps(r["tools"])} for r in rows])
-    tokenizer = AutoTokenizer.from_pretrained(hf)
-    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32, attn_implementation="sdpa")
+    ds, tokenizer, model = trl_preference_rows(data, hf)
     marks: dict[str, float] = {}
     counted = {"pairs": 0, "real": 0, "positions": 0}
     passes: dict[str, float] = {}
@@ -212,13 +198,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4, help="lmforge's packed rows per step")
     p.add_argument("--trl-batch", type=int, default=0,
                    help="TRL's pairs per step (default: lmforge's measured mean pairs per step, rounded)")
-    p.add_argument("--seq-len", type=int, default=1024,
-                   help="lmforge's row (holds a pair's two sides); TRL's max_length per sequence")
+    add_model_args(p, 1024, "lmforge's row (holds a pair's two sides); TRL's max_length per sequence")
     p.add_argument("--beta", type=float, default=0.1)
     p.add_argument("--lr", type=float, default=1e-5)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--width", type=int, default=256)
-    p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--no-live", action="store_true", help="skip lmforge's reference: live row")
     p.add_argument("--no-trl-precompute", action="store_true", help="skip TRL's precompute_ref_log_probs row")
     p.add_argument("--json", default=None, help="write the results here too")

@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import cpu_name, seeded_checkpoint
+from common import add_model_args, cpu_name, cpu_run, seeded_checkpoint
 
 
 def prepare(work: Path, args) -> tuple[Path, Path, Path]:
@@ -70,11 +70,7 @@ def prepare(work: Path, args) -> tuple[Path, Path, Path]:
 
 def run_lmforge(data: Path, ckpt: Path, work: Path, args) -> dict:
     from lmforge.config import load_config
-    from lmforge.device import setup_device
-    from lmforge.models import build_model
     from lmforge.models.losses import IGNORE_INDEX
-    from lmforge.train import _load_initial_weights, seed_everything
-    from lmforge.train.distributed import DistInfo
     from lmforge.train.loop import Trainer
 
     per_step = args.prompts * args.group
@@ -90,12 +86,7 @@ def run_lmforge(data: Path, ckpt: Path, work: Path, args) -> dict:
                      "max_steps": args.warmup + args.steps,
                      "device": "cpu", "precision": "fp32", "peak_flops": 1e12, "grad_clip": 1.0},
         "logging": {"tensorboard": False, "progress_bar": False}})
-    dist = DistInfo()
-    devinfo = setup_device("cpu", "fp32", 1e12, 0)
-    data_ = cfg.spec.build_data(cfg, dist)
-    seed_everything(cfg.seed)
-    model = build_model(cfg.model)
-    _load_initial_weights(model, str(ckpt), dist)
+    model, data_, devinfo, dist = cpu_run(cfg, ckpt)
     trainer = Trainer(cfg, model, data_, devinfo, dist, work / "runs" / "bench")
     loader = data_.train
     seen = {"completions": 0, "tokens": 0, "reward": 0.0, "rollouts": 0}
@@ -206,10 +197,7 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--beta", type=float, default=0.04, help="KL weight (> 0: a reference model on both sides)")
     p.add_argument("--lr", type=float, default=1e-5)
-    p.add_argument("--seq-len", type=int, default=512, help="the model's context; prompt + completion must fit")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--width", type=int, default=256)
-    p.add_argument("--vocab", type=int, default=4096)
+    add_model_args(p, 512, "the model's context; prompt + completion must fit")
     p.add_argument("--json", default=None, help="write the results here too")
     args = p.parse_args()
     per_step = args.prompts * args.group

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import cpu_name, seeded_checkpoint
+from common import add_model_args, cpu_name, cpu_run, seeded_checkpoint
 
 
 def prepare(work: Path, args) -> tuple[Path, Path, Path]:
@@ -44,10 +44,6 @@ def prepare(work: Path, args) -> tuple[Path, Path, Path]:
 
 def run_lmforge(data: Path, ckpt: Path, work: Path, args) -> dict:
     from lmforge.config import load_config
-    from lmforge.device import setup_device
-    from lmforge.models import build_model
-    from lmforge.train import _load_initial_weights, seed_everything
-    from lmforge.train.distributed import DistInfo
     from lmforge.train.loop import Trainer
 
     cfg = load_config(values={
@@ -58,12 +54,7 @@ def run_lmforge(data: Path, ckpt: Path, work: Path, args) -> dict:
                      "warmup_steps": 0,
                      "device": "cpu", "precision": "fp32", "peak_flops": 1e12, "grad_clip": 1.0},
         "logging": {"tensorboard": False, "progress_bar": False}})
-    dist = DistInfo()
-    devinfo = setup_device("cpu", "fp32", 1e12, 0)
-    data_ = cfg.spec.build_data(cfg, dist)
-    seed_everything(cfg.seed)
-    model = build_model(cfg.model)
-    _load_initial_weights(model, str(ckpt), dist)
+    model, data_, devinfo, dist = cpu_run(cfg, ckpt)
     trainer = Trainer(cfg, model, data_, devinfo, dist, work / "runs" / "bench")
     loader = data_.train
     seen = {"real": 0, "positions": 0}
@@ -148,10 +139,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=2000, help="training conversations")
     p.add_argument("--batch", type=int, default=8, help="rows per step (both systems)")
     p.add_argument("--lmforge-batch", type=int, default=0, help="lmforge's packed rows per step (default --batch)")
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--width", type=int, default=256)
-    p.add_argument("--vocab", type=int, default=4096)
+    add_model_args(p, 512)
     p.add_argument("--trl-packing", action="store_true", help="also time TRL's packed (bfd) layout")
     p.add_argument("--lmforge-unpacked", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help="write the results here too")

@@ -291,6 +291,51 @@ def test_documents_with_a_shared_prefix_attend_to_it_in_both_forms(flavor):
     torch.testing.assert_close(out[0, :6], whole[:6], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_hidden_states_at_kept_positions_equal_the_full_pass(flavor):
+    """hidden_states(keep=...) is hidden_states()[keep], outputs and gradients: through the last block
+    trimmed to the kept positions when they end each packed document (a prompt's reply, after a shared
+    prefix or not), and through the full pass when they do not."""
+    model = randomize(tiny(flavor)).train()
+    model.config.resid_pdrop = model.config.attn_pdrop = 0.0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    # row 0: prefix document 0 shared by documents 1 and 2, then document 3; row 1: two documents, padding
+    documents = torch.tensor([[0] * 6 + [1] * 4 + [2] * 5 + [3] * 3 + [-1] * 2, [0] * 12 + [1] * 6 + [-1] * 2])
+    prefixes = torch.tensor([[-1] * 6 + [0] * 9 + [-1] * 5, [-1] * 20])
+    positions = torch.tensor([[*range(6), *range(6, 10), *range(6, 11), *range(3), 0, 1],
+                              [*range(12), *range(6), 0, 1]])
+    ids = random_ids(batch=2, length=20)
+    tails = torch.zeros(2, 20, dtype=torch.bool)
+    tails[0, 8:10] = tails[0, 12:15] = tails[0, 17] = tails[1, 9:12] = tails[1, 14:18] = True
+    scattered = tails.clone()
+    scattered[1, 2] = True  # not at the end of its document: the full pass
+    calls = []
+    real = gpt_module.Block.forward_kept
+
+    def counting(self, *args):
+        calls.append(1)
+        return real(self, *args)
+
+    for keep, trimmed in ((tails, True), (scattered, False)):
+        outs = {}
+        for name in ("full", "kept"):
+            model.zero_grad(set_to_none=True)
+            calls.clear()
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(gpt_module.Block, "forward_kept", counting)
+                hidden = model.hidden_states(ids, position_ids=positions, document_ids=documents, prefix_ids=prefixes,
+                                             keep=keep if name == "kept" else None)
+            picked = hidden if name == "kept" else hidden[keep]
+            (picked * torch.linspace(-1, 1, picked.numel()).view_as(picked)).sum().backward()
+            outs[name] = (picked.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, len(calls))
+        assert outs["kept"][2] == (1 if trimmed else 0) and outs["full"][2] == 0
+        torch.testing.assert_close(outs["kept"][0], outs["full"][0], rtol=1e-5, atol=1e-5)
+        for n, g in outs["full"][1].items():
+            torch.testing.assert_close(outs["kept"][1][n], g, rtol=1e-4, atol=1e-6, msg=n)
+
+
 def test_loss_ignores_masked_labels():
     model = tiny().eval()
     ids = random_ids(batch=1, length=10)

@@ -25,6 +25,7 @@ from lmforge.posttrain.rollout import (
     per_sequence,
     read_prompt_rows,
     read_prompt_splits,
+    row_length,
     sample,
     sequence_logprobs,
 )
@@ -133,6 +134,41 @@ def test_sequence_logprobs_equal_each_sequence_scored_alone(policy):
         assert got.shape == (len(c),)
         assert got == pytest.approx(want.numpy(), abs=1e-5)
         assert (got < 0).all()
+
+
+def test_sampler_keeps_the_logprobs_of_what_it_drew(policy):
+    """sample(logprobs=True): each completion's ids (its closing eos included) with their log-probs under
+    the sampling temperature, as a forward over prompt + completion gives them (the old log-probs PPO and
+    GRPO compare with); at temperature 0 under the plain distribution."""
+    model, tokenizer, rows = policy
+    prompts = [encode_prompt(tokenizer, row) for row in rows[:6]]
+    for temperature in (0.7, 0.0):
+        done = sample(model, prompts, tokenizer.eos_id, 12, temperature=temperature, top_k=5 if temperature else 0,
+                      seeds=[completion_seed(3, j) for j in range(6)], logprobs=True)
+        completions = [c.tokens + [tokenizer.eos_id] if c.ended else c.tokens for c in done]
+        assert any(c.ended for c in done) and not all(c.ended for c in done)  # both kinds of ending
+        want = sequence_logprobs(model, pack_sequences(prompts, completions, 512), temperature=temperature or 1.0)
+        for c, ids, w in zip(done, completions, want):
+            assert len(c.logprobs) == len(ids)
+            assert c.logprobs == pytest.approx(w.tolist(), abs=1e-4)
+    assert all(c.logprobs is None for c in sample(model, prompts[:2], tokenizer.eos_id, 4, temperature=0.7))
+
+
+def test_rows_on_cpus_hold_a_whole_micro_batch(policy):
+    """row_length: on CPUs a micro-batch packs into one row (no padding between rows), with the same
+    log-probs as rows of seq_len; elsewhere rows stay seq_len long."""
+    model, tokenizer, rows = policy
+    prompts = [encode_prompt(tokenizer, row) for row in rows[:4]]
+    completions = [p[-3:] for p in prompts]
+    seq_len = max(len(p) + 2 for p in prompts)  # one sequence per row
+    assert row_length(seq_len, "cpu") > 100 * seq_len and row_length(seq_len, torch.device("cuda")) == seq_len
+    short = pack_sequences(prompts, completions, seq_len)
+    one = pack_sequences(prompts, completions, seq_len, row_len=row_length(seq_len, "cpu"))
+    assert short["input_ids"].shape[0] == 4 and one["input_ids"].shape[0] == 1
+    assert int((one["document_ids"] < 0).sum()) < 16  # padding only to round the row's width
+    assert int(one["position_ids"].max()) < seq_len  # each sequence keeps its own positions
+    for a, b in zip(sequence_logprobs(model, one), sequence_logprobs(model, short)):
+        assert a == pytest.approx(b, abs=1e-5)
 
 
 def test_completions_of_one_prompt_share_it_with_the_same_logprobs_and_gradients(policy):

@@ -2,16 +2,20 @@
 
 One thread owns the model: a background thread by default, or the caller's with ``run()`` (``lmforge
 serve`` runs it on the main thread and the HTTP server beside it: PyTorch's CPU kernels ran 10-25%
-slower in a secondary thread here, benchmarks/RESULTS.md). Requests wait in a queue; each is prefilled on its own
-(one forward over its prompt; a request whose prompt is the same as the one prefilled just before it —
-several samples of one prompt, as GRPO draws them — reuses that prefill), then joins the running batch, where every step decodes one token
-for every sequence in one forward (``BatchedKVCache``: each row at its own length). A sequence
+slower in a secondary thread here, benchmarks/RESULTS.md). Requests wait in a queue; each is
+prefilled on its own (one forward over its prompt; a request whose prompt is the same as the one
+prefilled just before it — several samples of one prompt, as GRPO draws them — reuses that
+prefill), then joins the running batch, where every step decodes one token for every sequence in
+one forward (``BatchedKVCache``: each row at its own length). A sequence
 leaves when it ends and a waiting request takes its place at the next step, so a long reply
 never holds up a short one and no step computes padding.
 
 Results go to each request's ``on_event`` callback, called on the engine thread with
 ``("token", id)``, then ``("done", finish_reason)`` or ``("error", message)``. finish_reason is
 ``"stop"`` (the eos token), ``"length"`` (max_tokens, or the context is full) or ``"cancelled"``.
+With ``SamplingParams.logprobs`` the request also keeps each sampled token's log-probability
+(``Request.logprobs``, the closing eos's included), of the distribution it was drawn from: the
+logits divided by the temperature (1 when greedy), in fp32, before top-k / top-p narrowed it.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    logprobs: bool = False  # keep each sampled token's log-probability (Request.logprobs)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -60,6 +65,7 @@ class Request:
     on_event: Callable[[Event], Any]
     cancelled: bool = False
     generated: int = 0
+    logprobs: list[float] = field(default_factory=list)  # with params.logprobs: one per sampled token
     _generator: torch.Generator | None = field(default=None, repr=False)
 
     def cancel(self) -> None:
@@ -197,35 +203,46 @@ class Engine:
                                        last_only=True)
             self._prefilled = (list(request.prompt_ids), single, logits)
             self.prefills += 1
-        token = int(self._sample(logits[:, -1], [request])[0])
+        tokens, logprobs = self._sample(logits[:, -1], [request])
         self._cache.add_row(single)
         self._rows.append(request)
-        self._last.append(token)
-        self._deliver(len(self._rows) - 1, token)
+        self._last.append(int(tokens[0]))
+        self._deliver(len(self._rows) - 1, int(tokens[0]), None if logprobs is None else logprobs[0])
 
     @torch.inference_mode()
     def _decode_step(self) -> None:
         inputs = torch.tensor(self._last, device=self.device)[:, None]
         logits = self.model.logits(inputs, kv_cache=self._cache)[:, -1]
-        tokens = self._sample(logits, self._rows).tolist()
+        tokens, logprobs = self._sample(logits, self._rows)
+        tokens = tokens.tolist()
         # Deliver from the last row down: a removed row's place is taken by the (already handled) last one.
         for row in range(len(self._rows) - 1, -1, -1):
             self._last[row] = tokens[row]
-            self._deliver(row, tokens[row])
+            self._deliver(row, tokens[row], None if logprobs is None else logprobs[row])
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor, list[float] | None]:
+        """The next token of each row (on the CPU) and, when any request keeps them, each one's
+        log-probability under its row's temperature (1 when greedy)."""
         params = [r.params for r in requests]
-        if all(p.temperature == 0 for p in params):
-            return logits.argmax(dim=-1).cpu()
-        uniform = torch.tensor([float(torch.rand((), generator=r._generator)) for r in requests])
         dev = logits.device
-        return sample_rows(logits, torch.tensor([p.temperature for p in params], device=dev),
-                           torch.tensor([p.top_k for p in params], device=dev),
-                           torch.tensor([p.top_p for p in params], device=dev), uniform.to(dev)).cpu()
+        temperature = torch.tensor([p.temperature for p in params], device=dev)
+        if all(p.temperature == 0 for p in params):
+            tokens = logits.argmax(dim=-1)
+        else:
+            uniform = torch.tensor([float(torch.rand((), generator=r._generator)) for r in requests])
+            tokens = sample_rows(logits, temperature, torch.tensor([p.top_k for p in params], device=dev),
+                                 torch.tensor([p.top_p for p in params], device=dev), uniform.to(dev))
+        logprobs = None
+        if any(p.logprobs for p in params):
+            scaled = logits.float() / torch.where(temperature > 0, temperature, 1.0)[:, None]
+            logprobs = (scaled.gather(-1, tokens[:, None]).squeeze(-1) - scaled.logsumexp(-1)).tolist()
+        return tokens.cpu(), logprobs
 
-    def _deliver(self, row: int, token: int) -> None:
+    def _deliver(self, row: int, token: int, logprob: float | None = None) -> None:
         """Hand ``token`` to its request, or end the request (eos, limits, cancel) and free its row."""
         request = self._rows[row]
+        if logprob is not None and request.params.logprobs and not request.cancelled:
+            request.logprobs.append(logprob)
         if request.cancelled:
             reason = "cancelled"
         elif token == self.eos_id:

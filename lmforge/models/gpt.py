@@ -48,6 +48,7 @@ The guide's figures are not what its shapes give: 12.4M, 138M, 1.36B and 2.75B (
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -60,7 +61,13 @@ from torch.utils.checkpoint import checkpoint
 from lmforge.errors import LMForgeError
 from lmforge.models.base import LMForgeModel
 from lmforge.models.losses import linear_cross_entropy
-from lmforge.models.mhc import UNHEALTHY_GAIN, MHCLayer, MHCMetrics, gain_tensors, metrics_from_gains
+from lmforge.models.mhc import (
+    UNHEALTHY_GAIN,
+    MHCLayer,
+    MHCMetrics,
+    gain_tensors,
+    metrics_from_gains,
+)
 
 FLAVORS = ("gpt2", "llama")
 ACTIVATIONS = {"gelu": "none", "gelu_new": "tanh"}  # name -> F.gelu(approximate=...)
@@ -372,6 +379,24 @@ class PackedDocuments:
     lengths: list[int] | None = None
     prefixes: list[int] | None = None  # split form: each document's prefix as an index into lengths, -1 none
     mask: torch.Tensor | None = None
+    # split form, for a model's last block: how many of each document's last positions need an output
+    # (the others' keys and values are still used); None = all of every document
+    tails: list[int] | None = None
+
+    def with_tails(self, keep: torch.Tensor) -> PackedDocuments | None:
+        """This split form with ``tails`` from ``keep`` (``[B, T]`` bool, the positions whose outputs are
+        wanted), when the kept positions of every document are its last ones; else None."""
+        if self.lengths is None:
+            return None
+        lengths = torch.tensor(self.lengths)
+        ends = lengths.cumsum(0)
+        flat = keep.reshape(-1).cpu()
+        counts = torch.zeros(len(self.lengths), dtype=torch.long).index_add_(
+            0, torch.repeat_interleave(torch.arange(len(self.lengths)), lengths), flat.long())
+        tail_start = torch.repeat_interleave(ends - counts, lengths)
+        if not torch.equal(flat, torch.arange(flat.numel()) >= tail_start):
+            return None
+        return dataclasses.replace(self, tails=counts.tolist())
 
     @classmethod
     def from_ids(cls, document_ids: torch.Tensor, prefix_ids: torch.Tensor | None = None) -> PackedDocuments:
@@ -418,24 +443,31 @@ class PackedDocuments:
 def _attend_per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: PackedDocuments,
                          dropout_p: float) -> torch.Tensor:
     """Causal attention within each document of packed rows (and over its prefix document, if it has
-    one): ``[B, H, T, D]`` in, ``[B, T, H * D]`` out. Tokens are laid out row after row and split by
-    document (split's backward is one concatenation)."""
+    one): ``[B, H, T, D]`` in, ``[B, T, H * D]`` out; with ``docs.tails``, only the queries of each
+    document's last ``tails[i]`` positions, ``[N, H * D]`` out (row after row). Tokens are laid out row
+    after row and split by document (split's backward is one concatenation)."""
     B, H, T, D = q.shape
     q, k, v = ((t.transpose(1, 2).reshape(B * T, H, D).split(docs.lengths)) for t in (q, k, v))
     outs = []
     for i, (dq, dk, dv) in enumerate(zip(q, k, v)):
         p = docs.prefixes[i] if docs.prefixes is not None else -1
-        if p < 0:
+        length = dq.shape[0]
+        n = length if docs.tails is None else docs.tails[i]
+        if n == 0:
+            continue
+        if p < 0 and n == length:
             o = F.scaled_dot_product_attention(dq.transpose(0, 1)[None], dk.transpose(0, 1)[None],
                                                dv.transpose(0, 1)[None], is_causal=True, dropout_p=dropout_p)
         else:
-            # The prefix's keys first, all visible; then the document's own, causally.
-            n, m = dq.shape[0], k[p].shape[0]
-            allowed = torch.ones(n, m + n, dtype=torch.bool, device=dq.device).tril(diagonal=m)
-            o = F.scaled_dot_product_attention(dq.transpose(0, 1)[None], torch.cat([k[p], dk]).transpose(0, 1)[None],
-                                               torch.cat([v[p], dv]).transpose(0, 1)[None], attn_mask=allowed,
-                                               dropout_p=dropout_p)
+            # The prefix's keys first (all visible), then the document's own, causally up to each query.
+            m = k[p].shape[0] if p >= 0 else 0
+            keys, values = (torch.cat([kv[p], own]) if p >= 0 else own for kv, own in ((k, dk), (v, dv)))
+            allowed = torch.ones(n, m + length, dtype=torch.bool, device=dq.device).tril(diagonal=m + length - n)
+            o = F.scaled_dot_product_attention(dq[length - n:].transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                               values.transpose(0, 1)[None], attn_mask=allowed, dropout_p=dropout_p)
         outs.append(o[0].transpose(0, 1))
+    if docs.tails is not None:
+        return torch.cat(outs).reshape(-1, H * D) if outs else q[0].new_zeros(0, H * D)
     return torch.cat(outs).view(B, T, H * D)
 
 
@@ -472,7 +504,7 @@ class Attention(nn.Module):
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         dropout_p = self.attn_pdrop if self.training else 0.0
         if docs is not None and docs.lengths is not None:
-            y = _attend_per_document(q, k, v, docs, dropout_p)
+            y = _attend_per_document(q, k, v, docs, dropout_p)  # [N, H * D] when docs.tails picks queries
         else:
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, dropout_p=dropout_p)
@@ -528,6 +560,14 @@ class Block(nn.Module):
         x, attn_coeffs = self.hc_attn(x, lambda h: self.attn(self.norm_1(h), rope, cache, layer, docs))
         x, mlp_coeffs = self.hc_mlp(x, lambda h: self.mlp(self.norm_2(h)))
         return x, (attn_coeffs, mlp_coeffs)
+
+    def forward_kept(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                     docs: PackedDocuments, kept: torch.Tensor) -> torch.Tensor:
+        """The block's output at the flat positions ``kept`` only (``[N, C]``; ``docs.tails`` says which
+        they are per document): every position's keys and values still feed attention, nothing else of
+        the others is computed. Plain residual stream only (no mHC)."""
+        x = x.reshape(-1, x.shape[-1]).index_select(0, kept) + self.attn(self.norm_1(x), rope, None, 0, docs)
+        return x + self.mlp(self.norm_2(x))
 
 
 class GPT(LMForgeModel):
@@ -596,23 +636,28 @@ class GPT(LMForgeModel):
 
     def hidden_states(self, input_ids: torch.Tensor, kv_cache: KVCache | None = None,
                       extra_embeds: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                      document_ids: torch.Tensor | None = None, prefix_ids: torch.Tensor | None = None
-                      ) -> torch.Tensor:
+                      document_ids: torch.Tensor | None = None, prefix_ids: torch.Tensor | None = None,
+                      keep: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, T]`` token ids -> ``[B, T, n_embd]`` final-norm outputs, the LM head's input.
         ``extra_embeds`` (``[B, T, n_embd]``) is added to the token embeddings: how another module
         conditions this one (HRGC's planner states at the generator's plan positions).
-        ``position_ids`` / ``document_ids`` / ``prefix_ids``: packed rows, as in ``forward``'s batch."""
+        ``position_ids`` / ``document_ids`` / ``prefix_ids``: packed rows, as in ``forward``'s batch.
+        ``keep`` (``[B, T]`` bool): only those positions' outputs, ``[N, n_embd]`` row after row —
+        what post-training reads (a reply's positions after its prompt). On CPUs, when the kept
+        positions of each packed document are its last ones, the last block computes only them
+        (the others' keys and values are all it needs): a 4-layer model whose prompts are 80% of
+        each row does ~17% less work."""
         return self._trunk(input_ids, kv_cache, extra_embeds=extra_embeds, position_ids=position_ids,
-                           document_ids=document_ids, prefix_ids=prefix_ids)[0]
+                           document_ids=document_ids, prefix_ids=prefix_ids, keep=keep)[0]
 
     def _trunk(self, input_ids: torch.Tensor, kv_cache: KVCache | None, collect: bool = False,
                extra_embeds: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-               document_ids: torch.Tensor | None = None, prefix_ids: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]:
+               document_ids: torch.Tensor | None = None, prefix_ids: torch.Tensor | None = None,
+               keep: torch.Tensor | None = None) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]:
         """Final-norm hidden states and (``collect``, mHC only) every sub-layer's mixing coefficients
         for the first sequence of the batch. ``position_ids`` / ``document_ids`` (``[B, T]``, training
         only): packed documents, each attending causally to itself only (and to all of its prefix
-        document, ``prefix_ids``; see ``PackedDocuments``)."""
+        document, ``prefix_ids``; see ``PackedDocuments``). ``keep``: see ``hidden_states``."""
         c = self.config
         T = input_ids.size(1)
         length = kv_cache.length_after(T) if kv_cache is not None else T
@@ -633,6 +678,9 @@ class GPT(LMForgeModel):
             if kv_cache is not None:
                 raise LMForgeError("document_ids (packed training rows) cannot be combined with a KV cache")
             docs = PackedDocuments.from_ids(document_ids, prefix_ids)
+        trimmed = None  # the last block's form when it computes the kept positions only
+        if keep is not None and docs is not None and docs.lengths is not None and not c.mhc_enabled:
+            trimmed = docs.with_tails(keep)
         x = self.tok_embed(input_ids)
         if extra_embeds is not None:
             x = x + extra_embeds.to(x.dtype)
@@ -647,6 +695,9 @@ class GPT(LMForgeModel):
         use_checkpoint = self._checkpointing and self.training and torch.is_grad_enabled() and kv_cache is None
         coeffs: list[tuple[torch.Tensor, ...]] = []
         for i, block in enumerate(self.blocks):
+            if trimmed is not None and i == len(self.blocks) - 1:
+                x = block.forward_kept(x, rope, trimmed, keep.reshape(-1).nonzero().view(-1))
+                break
             if use_checkpoint:
                 # The checkpoint keeps only the block's input stream (n flows wide with mHC) and
                 # recomputes everything inside, the mixing coefficients included.
@@ -659,6 +710,8 @@ class GPT(LMForgeModel):
             kv_cache.advance(T)
         if c.mhc_enabled:
             x = x.mean(-2)  # the flows' average: at initialisation, the plain residual stream
+        if keep is not None and trimmed is None:
+            x = x.reshape(-1, x.shape[-1])[keep.reshape(-1)]
         return self.norm_f(x), coeffs
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

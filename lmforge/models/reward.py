@@ -52,17 +52,32 @@ class RewardModel(LMForgeModel):
 
     # ---- scoring ------------------------------------------------------------------------------
     def scores(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-               document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """``[B, T]`` fp32 scalars, one per position: the reward of each prefix (a value model's output)."""
-        hidden = self.trunk.hidden_states(input_ids, position_ids=position_ids, document_ids=document_ids)
-        return self.head(hidden).squeeze(-1).float()
+               document_ids: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, T]`` fp32 scalars, one per position: the reward of each prefix (a value model's output).
+        ``keep`` (``[B, T]`` bool): only those positions are scored, the others are 0 (less work: see
+        ``GPT.hidden_states``)."""
+        hidden = self.trunk.hidden_states(input_ids, position_ids=position_ids, document_ids=document_ids,
+                                          keep=keep)
+        if keep is None:
+            return self.head(hidden).squeeze(-1).float()
+        out = torch.zeros(keep.shape, dtype=torch.float32, device=keep.device)
+        out[keep] = self.head(hidden).squeeze(-1).float()
+        return out
 
     def rewards(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """``[2P]`` fp32 rewards of a pair batch's sequences (chosen, rejected, chosen, ...), each read at
         its last real token: ``batch["last_index"]``, a flat index into the ``B * T`` positions."""
-        hidden = self.trunk.hidden_states(batch["input_ids"], position_ids=batch.get("position_ids"),
-                                          document_ids=batch.get("document_ids"))
-        last = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch["last_index"])
+        ids, index = batch["input_ids"], batch["last_index"]
+        if ids.device.type == "cpu":  # only the read positions' outputs (GPT.hidden_states' keep)
+            keep = torch.zeros(ids.numel(), dtype=torch.bool)
+            keep[index] = True
+            ordered = self.trunk.hidden_states(ids, position_ids=batch.get("position_ids"),
+                                               document_ids=batch.get("document_ids"), keep=keep.view_as(ids))
+            last = ordered[torch.searchsorted(index.sort().values, index)]  # back to the sequences' order
+        else:
+            hidden = self.trunk.hidden_states(ids, position_ids=batch.get("position_ids"),
+                                              document_ids=batch.get("document_ids"))
+            last = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
         return self.head(last).squeeze(-1).float()
 
     # ---- training -----------------------------------------------------------------------------

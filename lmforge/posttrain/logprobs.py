@@ -26,16 +26,19 @@ def token_logprobs(model: Any, batch: dict[str, torch.Tensor], with_entropy: boo
     distribution a sampler at that temperature drew from). ``select``: compute logits at scored
     positions only (default: on CPUs, where finding them costs no device synchronisation)."""
     labels = batch["labels"]
-    hidden = model.hidden_states(batch["input_ids"], position_ids=batch.get("position_ids"),
-                                 document_ids=batch.get("document_ids"), prefix_ids=batch.get("prefix_ids"))
-    weight = model.lm_head.weight
     scored = labels != IGNORE_INDEX
-    flat_h, flat_y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     if select is None:
-        select = hidden.device.type == "cpu"
+        select = labels.device.type == "cpu"
+    # Selecting on CPUs: the trunk returns the scored positions' outputs only (and its last block
+    # computes only those where they end each packed sequence: GPT.hidden_states' keep).
+    hidden = model.hidden_states(batch["input_ids"], position_ids=batch.get("position_ids"),
+                                 document_ids=batch.get("document_ids"), prefix_ids=batch.get("prefix_ids"),
+                                 keep=scored if select else None)
+    weight = model.lm_head.weight
+    flat_h, flat_y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     if select:
         keep = scored.reshape(-1)
-        flat_h, flat_y = flat_h[keep], flat_y[keep]
+        flat_y = flat_y[keep]
     logits = (flat_h @ weight.to(flat_h.dtype).t()).float()
     if temperature != 1.0:
         logits = logits / temperature

@@ -42,7 +42,12 @@ import numpy as np
 import torch
 
 from lmforge.errors import LMForgeError
-from lmforge.posttrain.rollout import encode_prompt, pack_sequences, reference_message
+from lmforge.posttrain.rollout import (
+    encode_prompt,
+    pack_sequences,
+    reference_message,
+    row_length,
+)
 
 RewardFn = Callable[[list[dict[str, Any]], list[str]], Sequence[float]]
 
@@ -245,7 +250,7 @@ class RewardModelScore:
                 cut = max(0, len(prompt) + len(reply) - n_ctx)
                 heads.append(prompt[cut:] if cut < len(prompt) else [])
                 tails.append(reply[max(0, cut - len(prompt)):])
-            batch = pack_sequences(heads, tails, n_ctx, with_last_token=True)
+            batch = pack_sequences(heads, tails, n_ctx, with_last_token=True, row_len=row_length(n_ctx, device))
             batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
             out += self.model.rewards(batch).float().cpu().tolist()
         return out

@@ -196,15 +196,20 @@ def completion_seed(seed: int, *counters: int) -> int:
 class Completion:
     tokens: list[int]  # the generated ids, the eos that ended it not included
     ended: bool  # it ended with the eos token (False: it hit max_new_tokens or filled the context)
+    # sample(logprobs=True): the log-probability of each id the update scores (the tokens, then the
+    # closing eos when it ended) under the sampling distribution (logits / temperature), in fp32
+    logprobs: list[float] | None = None
 
 
 def sample(model: Any, prompts: list[list[int]], eos_id: int, max_new_tokens: int, temperature: float = 1.0,
            top_p: float = 1.0, top_k: int = 0, seeds: list[int] | None = None, batch_size: int = 64,
-           on_done: Callable[[], None] | None = None) -> list[Completion]:
+           on_done: Callable[[], None] | None = None, logprobs: bool = False) -> list[Completion]:
     """One completion per prompt (pass a prompt several times for several completions), decoded by the
     continuous-batching ``Engine`` in this thread. ``seeds`` (one per prompt) make sampling reproducible:
     a completion's randomness is its own, whatever else is in the batch; temperature 0 is greedy. The
-    model is left in the train / eval mode it was in. ``on_done()`` is called as each one ends."""
+    model is left in the train / eval mode it was in. ``on_done()`` is called as each one ends.
+    ``logprobs``: each completion also carries its ids' log-probabilities as sampled (``Completion``),
+    what the update's ratio compares with: no forward pass is spent on them afterwards."""
     from lmforge.infer.engine import Engine, SamplingParams
 
     if not prompts:
@@ -241,26 +246,29 @@ def sample(model: Any, prompts: list[list[int]], eos_id: int, max_new_tokens: in
         if left[0] == 0:
             engine.close()  # run() returns after this step
 
+    requests = []
     try:
         for i, ids in enumerate(prompts):
             params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                    seed=None if seeds is None else seeds[i])
-            engine.submit(ids, params, lambda e, i=i: on_event(i, e))
+                                    seed=None if seeds is None else seeds[i], logprobs=logprobs)
+            requests.append(engine.submit(ids, params, lambda e, i=i: on_event(i, e)))
         engine.run()
     finally:
         if was_training:
             model.train()
     if errors:
         raise LMForgeError(f"generation failed for {len(errors)} prompts: {errors[0]}")
-    return [Completion(t, e) for t, e in zip(tokens, ended)]
+    return [Completion(t, e, r.logprobs if logprobs else None) for t, e, r in zip(tokens, ended, requests)]
 
 
 # ---- layout ----------------------------------------------------------------------------------------
 def pack_sequences(prompts: list[list[int]], completions: list[list[int]], seq_len: int,
                    values: dict[str, list[np.ndarray]] | None = None,
-                   with_last_token: bool = False, share_prompts: bool = False) -> dict[str, Any]:
-    """Prompt + completion sequences packed into rows of at most ``seq_len`` positions (best-fit
-    decreasing), each its own document: positions restart at 0, no attention between documents.
+                   with_last_token: bool = False, share_prompts: bool = False,
+                   row_len: int | None = None) -> dict[str, Any]:
+    """Prompt + completion sequences packed into rows of at most ``row_len`` positions (default
+    ``seq_len``; best-fit decreasing), each its own document of at most ``seq_len`` positions:
+    positions restart at 0, no attention between documents. ``row_len``: see ``row_length``.
 
     ``completions[i]`` holds the ids the model is to be scored on (a generated reply and its closing
     eos when it has one). Returns ``input_ids``, ``labels`` (the completion ids at the positions that
@@ -288,11 +296,12 @@ def pack_sequences(prompts: list[list[int]], completions: list[list[int]], seq_l
     if n and max(lengths) > seq_len:
         raise LMForgeError(f"a prompt and its completion take {max(lengths)} positions, more than the rows' "
                            f"{seq_len}; raise data.seq_len or lower the completion length")
-    units = _layout_units(prompts, completions, lengths, drop, seq_len, share_prompts)
+    capacity = max(seq_len, row_len or seq_len)
+    units = _layout_units(prompts, completions, lengths, drop, capacity, share_prompts)
     unit_lengths = np.asarray([size for _, _, size in units], dtype=np.int64)
-    rows = pack_rows(unit_lengths, seq_len, np.arange(len(units))) if units else []
+    rows = pack_rows(unit_lengths, capacity, np.arange(len(units))) if units else []
     longest = max((int(unit_lengths[r].sum()) for r in rows), default=1)
-    shape = (len(rows), min(seq_len, -(-longest // ROUND_TO) * ROUND_TO))
+    shape = (len(rows), min(capacity, -(-longest // ROUND_TO) * ROUND_TO))
     inputs = np.zeros(shape, dtype=np.int64)
     labels = np.full(shape, IGNORE_INDEX, dtype=np.int64)
     positions = np.zeros(shape, dtype=np.int64)
@@ -337,6 +346,16 @@ def pack_sequences(prompts: list[list[int]], completions: list[list[int]], seq_l
         batch["prefix_ids"] = torch.from_numpy(prefixes)
     batch.update({key: torch.from_numpy(t) for key, t in tensors.items()})
     return batch
+
+
+def row_length(seq_len: int, device: Any) -> int:
+    """How long the packed rows of an update may be on ``device``. On CPUs attention runs one document
+    at a time (``lmforge.models.gpt.PackedDocuments``), so one long row costs what several short ones
+    do, without their padding: a micro-batch becomes one row (measured: a PPO rollout of 16 ~280-token
+    sequences lost 27% of its update positions to padding in rows of 512, benchmarks/RESULTS.md).
+    Elsewhere the mask is ``T x T`` per row: rows stay ``seq_len`` long."""
+    device = torch.device(device) if not isinstance(device, torch.device) else device
+    return 1 << 30 if device.type == "cpu" else seq_len
 
 
 def _layout_units(prompts: list[list[int]], completions: list[list[int]], lengths: list[int], drop: int,
@@ -490,5 +509,5 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 __all__ = ["AGGREGATIONS", "PROMPT_ROWS", "Completion", "HeldOutPrompts", "PromptOrder", "Prompts",
            "clipped_surrogate", "completion_seed", "encode_prompt", "encode_prompts", "group_advantages",
            "held_out_figures", "k3_kl", "loss_weights", "pack_sequences", "per_sequence", "prompt_messages",
-           "read_message_rows", "read_prompt_rows", "read_prompt_splits", "reference_message", "sample",
+           "read_message_rows", "read_prompt_rows", "read_prompt_splits", "reference_message", "row_length", "sample",
            "sequence_logprobs"]

@@ -43,6 +43,7 @@ from lmforge.posttrain.rollout import (
     loss_weights,
     pack_sequences,
     read_prompt_splits,
+    row_length,
     sample,
     sequence_logprobs,
 )
@@ -112,6 +113,10 @@ class Rollouts:
     def bind(self, model: Any, devinfo: Any, reference: Any = None) -> None:
         self.model, self.devinfo, self.reference = model, devinfo, reference
 
+    @property
+    def row_len(self) -> int:
+        return row_length(self.seq_len, self.devinfo.device if self.devinfo is not None else "cpu")
+
     # ---- drawing a rollout ---------------------------------------------------------------------
     def _draw(self) -> None:
         s, tok = self.s, self.tokenizer
@@ -120,38 +125,29 @@ class Rollouts:
         picked = self.order.take(s.prompts_per_rollout)
         prompt_of = [p for p in picked for _ in range(s.group_size)]
         seeds = [completion_seed(self.seed, self.rank, self.drawn, j) for j in range(len(prompt_of))]
+        # The sampling policy's log-probs are needed once the policy has moved (a second iteration, or a
+        # later optimizer step of the same rollout): the sampler keeps them as it draws.
+        needs_old = s.iterations > 1 or self.batches_per_rollout > self.accum
         done = sample(self.model, [self.prompts.ids[p] for p in prompt_of], tok.eos_id, s.max_new_tokens,
                       temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seeds=seeds,
-                      batch_size=s.generation_batch_size)
+                      batch_size=s.generation_batch_size, logprobs=needs_old)
         texts = [tok.decode(c.tokens) for c in done]
         scores = self.rewards.score([self.prompts.rows[p] for p in prompt_of], texts)
         self.buffer = {"rollout": self.drawn, "group_size": s.group_size, "prompts": prompt_of,
                        "completions": [c.tokens + [tok.eos_id] if c.ended else c.tokens for c in done],
                        "ended": [c.ended for c in done], "rewards": scores.tolist()}
+        if needs_old:
+            self.buffer["old_logprobs"] = [c.logprobs for c in done]
         self.drawn += 1
         self.handed = 0
         self._batches = None
-        # The log-probs the update compares with, on the micro-batches it will see: the sampling
-        # policy's (needed once the policy has moved: a second iteration, or a later optimizer step
-        # of the same rollout) and the frozen reference's.
-        needs_old = s.iterations > 1 or self.batches_per_rollout > self.accum
-        models = {"old_logprobs": self.model if needs_old else None,
-                  "ref_logprobs": self.reference if s.beta > 0 else None}
-        models = {k: m for k, m in models.items() if m is not None}
-        if models:
-            was_training = self.model.training
-            self.model.eval()
-            try:
-                plain = self._build()
-                with self.devinfo.autocast():
-                    for key, model in models.items():
-                        per_seq: list[Any] = [None] * len(prompt_of)
-                        for batch, members in plain:
-                            for i, values in zip(members, sequence_logprobs(model, batch, s.temperature)):
-                                per_seq[i] = values.tolist()
-                        self.buffer[key] = per_seq
-            finally:
-                self.model.train(was_training)
+        if s.beta > 0:  # the frozen reference's log-probs, on the micro-batches the update will see
+            per_seq: list[Any] = [None] * len(prompt_of)
+            with self.devinfo.autocast():
+                for batch, members in self._build():
+                    for i, values in zip(members, sequence_logprobs(self.reference, batch, s.temperature)):
+                        per_seq[i] = values.tolist()
+            self.buffer["ref_logprobs"] = per_seq
 
     # ---- micro-batches ---------------------------------------------------------------------------
     def _build(self) -> list[tuple[dict[str, Any], list[int]]]:
@@ -183,7 +179,7 @@ class Rollouts:
                     values[key] = [np.asarray(buf[key][i], dtype=np.float32) for i in members]
             batch = pack_sequences([self.prompts.ids[buf["prompts"][i]] for i in members],
                                    [buf["completions"][i] for i in members], self.seq_len, values,
-                                   share_prompts=True)
+                                   share_prompts=True, row_len=self.row_len)
             batch["objective"] = {"temperature": s.temperature, "epsilon": s.epsilon,
                                   "epsilon_high": s.epsilon_high or s.epsilon, "beta": s.beta}
             batch["rollout_stats"] = stats

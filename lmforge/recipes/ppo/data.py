@@ -3,8 +3,9 @@
 ``PPORollouts`` draws ``prompts_per_rollout`` prompts (this process's share) and samples one reply to
 each with the policy being trained (``lmforge.posttrain.rollout.sample``, one seed per reply). It
 scores each reply (a reward model, reward functions, or both; minus ``missing_eos_penalty`` for a
-reply that never ended), runs three no-grad passes over the rollout — the sampling policy's
-log-probs, the frozen reference's, the value model's values — and turns them into per-token rewards
+reply that never ended), takes the sampling policy's log-probs from the sampler (they are kept as the
+tokens are drawn), runs two no-grad passes over the rollout — the frozen reference's log-probs, the
+value model's values — and turns them into per-token rewards
 (``-kl_coef`` x the KL estimate on every token, the score on the last), advantages (GAE, whitened
 over the rollout) and returns. It then hands the rollout out as micro-batches of
 ``training.micro_batch_size`` replies, ``ppo_epochs`` times in fresh orders, and draws the next one.
@@ -26,6 +27,7 @@ import torch
 
 from lmforge.errors import LMForgeError
 from lmforge.models.gpt import GPTConfig
+from lmforge.models.losses import IGNORE_INDEX
 from lmforge.posttrain.init import (
     chat_tokenizer,
     check_reference,
@@ -43,6 +45,7 @@ from lmforge.posttrain.rollout import (
     pack_sequences,
     per_sequence,
     read_prompt_splits,
+    row_length,
     sample,
 )
 from lmforge.recipes import TrainData
@@ -109,6 +112,10 @@ class PPORollouts:
         self.model, self.devinfo, self.reference = model, devinfo, reference
 
     @property
+    def row_len(self) -> int:
+        return row_length(self.seq_len, self.devinfo.device if self.devinfo is not None else "cpu")
+
+    @property
     def batches_per_rollout(self) -> int:
         return self.per_epoch * self.s.ppo_epochs
 
@@ -123,7 +130,7 @@ class PPORollouts:
         seeds = [completion_seed(self.seed, self.rank, self.drawn, j) for j in range(len(picked))]
         done = sample(policy, [self.prompts.ids[p] for p in picked], tok.eos_id, s.max_new_tokens,
                       temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seeds=seeds,
-                      batch_size=s.generation_batch_size)
+                      batch_size=s.generation_batch_size, logprobs=True)  # the old log-probs, as sampled
         rows = [self.prompts.rows[p] for p in picked]
         raw = self.rewards.score(rows, [tok.decode(c.tokens) for c in done])
         ended = np.asarray([c.ended for c in done])
@@ -131,8 +138,9 @@ class PPORollouts:
         completions = [c.tokens + [tok.eos_id] if c.ended else c.tokens for c in done]
         prompts = [self.prompts.ids[p] for p in picked]
 
-        # The three no-grad passes, over the rollout in micro-batch-sized packs.
-        per_seq: dict[str, list[np.ndarray]] = {"old_logprobs": [], "ref_logprobs": [], "values": []}
+        # The two no-grad passes (the sampler kept the old log-probs), over the rollout in micro-batch-sized packs.
+        per_seq: dict[str, list[np.ndarray]] = {"old_logprobs": [np.asarray(c.logprobs, np.float32) for c in done],
+                                                "ref_logprobs": [], "values": []}
         was_training = self.model.training
         self.model.eval()
         try:
@@ -141,13 +149,14 @@ class PPORollouts:
             with self.devinfo.autocast():
                 for start in range(0, len(picked), self.micro_batch_size):
                     part = slice(start, start + self.micro_batch_size)
-                    batch = pack_sequences(prompts[part], completions[part], self.seq_len)
+                    batch = pack_sequences(prompts[part], completions[part], self.seq_len, row_len=self.row_len)
                     dev = {k: (v.to(self.devinfo.device) if torch.is_tensor(v) else v) for k, v in batch.items()}
-                    per_seq["old_logprobs"] += per_sequence(token_logprobs(policy, dev, temperature=s.temperature), batch)
                     per_seq["ref_logprobs"] += per_sequence(
                         token_logprobs(self.reference, dev, temperature=s.temperature), batch)
+                    scored = dev["labels"] != IGNORE_INDEX
                     values = value.scores(dev["input_ids"], position_ids=dev["position_ids"],
-                                          document_ids=dev["document_ids"])
+                                          document_ids=dev["document_ids"],
+                                          keep=scored if scored.device.type == "cpu" else None)
                     per_seq["values"] += per_sequence(values, batch)
         finally:
             self.model.train(was_training)
@@ -197,7 +206,7 @@ class PPORollouts:
                   for key, source in (("old_logprobs", "old_logprobs"), ("advantages", "advantages"),
                                       ("returns", "returns"), ("old_values", "values"))}
         batch = pack_sequences([self.prompts.ids[buf["prompts"][i]] for i in members],
-                               [buf["completions"][i] for i in members], self.seq_len, values)
+                               [buf["completions"][i] for i in members], self.seq_len, values, row_len=self.row_len)
         batch["objective"] = {"temperature": s.temperature, "clip": s.clip, "clip_value": s.clip_value,
                               "vf_coef": s.vf_coef}
         batch["rollout_stats"] = buf["stats"]

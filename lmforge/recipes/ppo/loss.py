@@ -83,8 +83,9 @@ def ppo_loss(model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str,
     logp, entropy = token_logprobs(model.policy, batch, with_entropy=True, temperature=o["temperature"])
     per_token, clipped = clipped_surrogate(logp, batch["old_logprobs"], batch["advantages"], o["clip"], o["clip"])
     pg_loss = (per_token * mask).sum() / n
+    on_cpu = mask.device.type == "cpu"  # where picking positions costs no device synchronisation
     values = model.value.scores(batch["input_ids"], position_ids=batch.get("position_ids"),
-                                document_ids=batch.get("document_ids"))
+                                document_ids=batch.get("document_ids"), keep=mask.bool() if on_cpu else None)
     vf_loss, vf_metrics = value_loss(values, batch["old_values"], batch["returns"], mask, o["clip_value"])
     with torch.no_grad():
         log_ratio = (logp - batch["old_logprobs"]) * mask
