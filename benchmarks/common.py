@@ -85,3 +85,20 @@ def trl_preference_rows(data: Path, hf: Path):
     tokenizer = AutoTokenizer.from_pretrained(hf)
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32, attn_implementation="sdpa")
     return ds, tokenizer, model
+
+
+def trl_step_window(marks: dict[str, float], warmup: int, steps: int):
+    """A TRL ``TrainerCallback`` that times the window the lmforge side times: ``marks["t0"]`` at the
+    end of the last warm-up step, ``marks["t1"]`` at the end of the last timed one."""
+    import time
+
+    from transformers import TrainerCallback
+
+    class StepWindow(TrainerCallback):
+        def on_step_end(self, a, state, control, **kw):
+            if state.global_step == warmup:
+                marks["t0"] = time.perf_counter()
+            if state.global_step == warmup + steps:
+                marks["t1"] = time.perf_counter()
+
+    return StepWindow()

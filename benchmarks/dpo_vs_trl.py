@@ -49,7 +49,14 @@ import time
 from pathlib import Path
 
 import torch
-from common import add_model_args, cpu_name, cpu_run, seeded_checkpoint, trl_preference_rows
+from common import (
+    add_model_args,
+    cpu_name,
+    cpu_run,
+    seeded_checkpoint,
+    trl_preference_rows,
+    trl_step_window,
+)
 
 
 def prepare(work: Path, args) -> tuple[Path, Path, Path]:
@@ -134,7 +141,6 @@ def run_lmforge(data: Path, ckpt: Path, work: Path, args, reference: str) -> dic
 
 
 def run_trl(data: Path, hf: Path, work: Path, args, batch: int, precompute: bool) -> dict:
-    from transformers import TrainerCallback
     from trl import DPOConfig, DPOTrainer
 
     # Conversational rows: TRL renders prompt, prompt + chosen and prompt + rejected with the tokenizer's chat
@@ -144,12 +150,6 @@ def run_trl(data: Path, hf: Path, work: Path, args, batch: int, precompute: bool
     counted = {"pairs": 0, "real": 0, "positions": 0}
     passes: dict[str, float] = {}
 
-    class Clock(TrainerCallback):
-        def on_step_end(self, a, state, control, **kw):
-            if state.global_step == args.warmup:
-                marks["t0"] = time.perf_counter()
-            elif state.global_step == args.warmup + args.steps:
-                marks["t1"] = time.perf_counter()
 
     class TimedDPOTrainer(DPOTrainer):
         def _precompute_ref_logps(self, dataset, name, batch_size):
@@ -166,7 +166,7 @@ def run_trl(data: Path, hf: Path, work: Path, args, batch: int, precompute: bool
                        precompute_ref_log_probs=precompute,
                        gradient_checkpointing=False)  # TRL's default is on (saves memory, costs time)
     trainer = TimedDPOTrainer(model=model, args=config, train_dataset=ds, processing_class=tokenizer,
-                              callbacks=[Clock()])
+                              callbacks=[trl_step_window(marks, args.warmup, args.steps)])
     n_pairs = len(trainer.train_dataset)
     step = trainer.training_step
 

@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import add_model_args, cpu_name, cpu_run, seeded_checkpoint
+from common import add_model_args, cpu_name, cpu_run, seeded_checkpoint, trl_step_window
 
 
 def prepare(work: Path, args) -> tuple[Path, Path, Path]:
@@ -135,7 +135,7 @@ def trl_rows(data: Path, hf: Path, args) -> list[dict]:
 
 def run_trl(data: Path, hf: Path, work: Path, args) -> dict:
     import datasets
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     from lmforge.posttrain.rewards import tool_call as lmforge_tool_call
@@ -157,12 +157,6 @@ def run_trl(data: Path, hf: Path, work: Path, args) -> dict:
             seen["rollouts"] += 1
         return scores
 
-    class Clock(TrainerCallback):
-        def on_step_end(self, a, state, control, **kw):
-            if state.global_step == args.warmup:
-                marks["t0"] = time.perf_counter()
-            elif state.global_step == args.warmup + args.steps:
-                marks["t1"] = time.perf_counter()
 
     per_step = args.prompts * args.group
     config = GRPOConfig(output_dir=str(work / "trl"), per_device_train_batch_size=args.micro,
@@ -175,7 +169,7 @@ def run_trl(data: Path, hf: Path, work: Path, args) -> dict:
                         seed=0, disable_tqdm=True, log_completions=False,
                         gradient_checkpointing=False)  # TRL's default is on (saves memory, costs time)
     trainer = GRPOTrainer(model=model, reward_funcs=tool_call, args=config, train_dataset=ds,
-                          processing_class=tokenizer, callbacks=[Clock()])
+                          processing_class=tokenizer, callbacks=[trl_step_window(marks, args.warmup, args.steps)])
     trainer.train()
     seconds = marks["t1"] - marks["t0"]
     return {"system": "TRL GRPOTrainer (transformers generate)", "completions_per_s": seen["completions"] / seconds,

@@ -15,8 +15,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from lmforge.models.losses import linear_cross_entropy
 from lmforge.device import measure_matmul_flops, setup_device
+from lmforge.models.losses import linear_cross_entropy
 
 
 def best_ms(fn, repeats: int) -> float:

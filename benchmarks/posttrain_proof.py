@@ -62,7 +62,12 @@ def method_values(method: str, seed: int, sft: Path, pipe: Path, out: Path, args
 def kl_to(policy, reference, prompts: list[list[int]], eos_id: int, seed: int, max_new_tokens: int = 64) -> float:
     """Mean over held-out prompts of sum_t log pi(y_t) - log ref(y_t), replies sampled from pi at T=1."""
     from lmforge.posttrain.logprobs import token_logprobs
-    from lmforge.posttrain.rollout import completion_seed, pack_sequences, per_sequence, sample
+    from lmforge.posttrain.rollout import (
+        completion_seed,
+        pack_sequences,
+        per_sequence,
+        sample,
+    )
 
     seeds = [completion_seed(seed, 99, i) for i in range(len(prompts))]
     done = sample(policy, prompts, eos_id, max_new_tokens, temperature=1.0, seeds=seeds)

@@ -26,8 +26,8 @@ def spin(until: float) -> None:
 
 
 def run_quickstart(out: Path, minutes: float, busy_seconds: float, overrides: list[str]) -> dict:
-    from lmforge.quickstart import quickstart
     from lmforge.checkpoint import latest_checkpoint
+    from lmforge.quickstart import quickstart
 
     cores = (os.cpu_count() or 1) if busy_seconds > 0 else 0
     spinners = [mp.Process(target=spin, args=(time.time() + busy_seconds,)) for _ in range(cores)]

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import add_model_args, cpu_name, cpu_run, seeded_checkpoint
+from common import add_model_args, cpu_name, cpu_run, seeded_checkpoint, trl_step_window
 
 
 def prepare(work: Path, args) -> tuple[Path, Path, Path]:
@@ -82,7 +82,7 @@ def run_lmforge(data: Path, ckpt: Path, work: Path, args) -> dict:
 
 def run_trl(data: Path, hf: Path, work: Path, args, packing: bool) -> dict:
     import datasets
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
     rows = [json.loads(line) for line in (data / "train.jsonl").read_text().splitlines()]
@@ -97,12 +97,6 @@ def run_trl(data: Path, hf: Path, work: Path, args, packing: bool) -> dict:
     marks: dict[str, float] = {}
     counted = {"real": 0, "positions": 0}
 
-    class Clock(TrainerCallback):
-        def on_step_end(self, a, state, control, **kw):
-            if state.global_step == args.warmup:  # timed from the end of the last warm-up step
-                marks["t0"] = time.perf_counter()
-            if state.global_step == args.warmup + args.steps:
-                marks["t1"] = time.perf_counter()
 
     config = SFTConfig(output_dir=str(work / f"trl{int(packing)}"), max_length=args.seq_len,
                        per_device_train_batch_size=args.batch, max_steps=args.warmup + args.steps, learning_rate=1e-4,
@@ -110,7 +104,8 @@ def run_trl(data: Path, hf: Path, work: Path, args, packing: bool) -> dict:
                        report_to=[], use_cpu=True, bf16=False, max_grad_norm=1.0, dataloader_num_workers=0,
                        packing=packing, completion_only_loss=True, seed=0, disable_tqdm=True,
                        gradient_checkpointing=False)  # TRL's default is on (saves memory, costs time)
-    trainer = SFTTrainer(model=model, args=config, train_dataset=ds, processing_class=tokenizer, callbacks=[Clock()])
+    trainer = SFTTrainer(model=model, args=config, train_dataset=ds, processing_class=tokenizer,
+                         callbacks=[trl_step_window(marks, args.warmup, args.steps)])
     step = trainer.training_step
 
     def counting_step(model_, inputs, *a, **kw):

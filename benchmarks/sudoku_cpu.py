@@ -59,9 +59,9 @@ def main() -> int:
                         "--seed", "0"], check=True)
         print(f"data built in {time.perf_counter() - t0:.0f} s")
 
-    from lmforge.recipes.puzzles.evaluate import evaluate_puzzles
-    from lmforge.models import load_model
     from lmforge.checkpoint import latest_checkpoint
+    from lmforge.models import load_model
+    from lmforge.recipes.puzzles.evaluate import evaluate_puzzles
 
     results = {}
     for key in args.models.split(","):

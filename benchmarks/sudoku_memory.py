@@ -33,9 +33,9 @@ def measure(overrides: list[str], data: str, steps: int, device: str) -> dict:
     import torch
 
     from lmforge.config import load_config
+    from lmforge.device import setup_device
     from lmforge.models import build_model
     from lmforge.recipes.lm.data import build_puzzle_data
-    from lmforge.device import setup_device
     from lmforge.train.distributed import DistInfo
     from lmforge.train.loop import Trainer
 

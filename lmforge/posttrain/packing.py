@@ -20,7 +20,9 @@ dropped so every rank draws the same number).
 from __future__ import annotations
 
 import bisect
-from typing import Any, Iterator
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -72,7 +74,7 @@ def pack_rows(lengths: np.ndarray, seq_len: int, order: np.ndarray) -> list[list
     return rows
 
 
-class RowLoader:
+class RowLoader(ABC):
     """Endless epochs of packed rows, handed out ``micro_batch_size`` rows at a time: what the sft loader
     and the preference-pair loader (``lmforge.posttrain.pairs``) share. A subclass lays out one epoch
     (``_layout``: rows of item indices, from the epoch's order) and builds a batch of rows (``_batch``).
@@ -90,11 +92,13 @@ class RowLoader:
         self._rows: list[list[int]] = []
         self.rows_per_epoch = len(self._epoch_rows(0, all_ranks=True))  # all ranks together
 
+    @abstractmethod
     def _layout(self, order: np.ndarray, rng: np.random.Generator) -> list[list[int]]:
-        raise NotImplementedError
+        """The epoch's rows: lists of item indices, taken from ``order`` (shuffled or not)."""
 
+    @abstractmethod
     def _batch(self, rows: list[list[int]]) -> dict[str, Any]:
-        raise NotImplementedError
+        """One micro-batch's tensors from its rows."""
 
     def _epoch_rows(self, epoch: int, all_ranks: bool = False) -> list[list[int]]:
         rng = np.random.default_rng([self.seed, epoch])
