@@ -25,7 +25,7 @@ from lmforge.recipes.hrgc.model import HEAD_LABELS, HRGC, HRGCConfig, ModuleConf
 from lmforge.models.losses import IGNORE_INDEX
 from lmforge.tokenizer import Tokenizer, train_tokenizer
 from lmforge.safe_state import load_state
-from tests.train_helpers import PEAK_FLOPS
+from tests.train_helpers import PEAK_FLOPS, torchrun
 
 # Small Go packages of our own: each function is written from a template with its own names, so the
 # corpus has enough functions to batch, several statement kinds, and packages to split by.
@@ -624,15 +624,10 @@ def test_two_processes_run_the_probe_on_every_rank(corpus, tmp_path):
     """Under torchrun each process writes its own sample of functions and keeps its own failures; the
     logged probe metrics are the mean over both (the probe ran on rank 0 alone before, and fed rank 0's
     loader only)."""
-    import subprocess
-    import sys
-
     args = hrgc_args(corpus, tmp_path, "training.max_steps=4", "training.device=cpu", "training.log_interval=2",
                      "training.eval_interval=4", "recipe.refinement_warmup=2", "recipe.validation_frequency=2",
                      "recipe.validation_samples=1")
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-                          "lmforge", *args], cwd=Path(__file__).parent.parent, capture_output=True, text=True,
-                         timeout=600)
+    two = torchrun(args, tmp_path / "r")
     assert two.returncode == 0, two.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     probes = [r for r in rows if "probe/parse_rate" in r]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from lmforge.errors import LMForgeError
 from lmforge.models.gpt import GPT, GPTConfig, RLMModel
 from lmforge.models.mhc import MHCLayer, amax_gains, gain_tensors, sinkhorn_log
 from lmforge.train import train
-from tests.train_helpers import PEAK_FLOPS, REPO, lmforge_cmd, run, write_go_corpus
+from tests.train_helpers import PEAK_FLOPS, REPO, lmforge_cmd, run, torchrun, write_go_corpus
 
 SIZES = dict(flavor="llama", vocab_size=97, n_positions=32, n_embd=32, n_layer=3, n_head=4)
 
@@ -430,9 +429,8 @@ def test_torchrun_two_processes_match_one(tmp_path, jsonl):
                           "training.batch_size=4"), cwd=REPO)
     assert one.returncode == 0, one.stderr + one.stdout
     # the second run reuses the first's tokenizer so both see the same tokens
-    two = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "lmforge",
-               "train", "rlm_mhc_tiny", *args, "name=two", f"out_dir={tmp_path}", "training.batch_size=2",
-               f"data.tokenizer={tmp_path / 'one' / 'tokenizer'}"], cwd=REPO)
+    two = torchrun(["train", "rlm_mhc_tiny", *args, "name=two", f"out_dir={tmp_path}", "training.batch_size=2",
+                    f"data.tokenizer={tmp_path / 'one' / 'tokenizer'}"], tmp_path / "two")
     assert two.returncode == 0, two.stderr + two.stdout
     a = {r["step"]: r["train/loss"] for r in rows(tmp_path / "one") if "train/loss" in r}
     b = {r["step"]: r["train/loss"] for r in rows(tmp_path / "two") if "train/loss" in r}
