@@ -71,6 +71,7 @@ class Tokenizer:
         # A foreign tokenizer without a template of its own borrows lmforge's for serving; fine-tuning
         # on chats needs to know whether the template is really the one the model will be prompted with.
         self.has_chat_template = bool(chat_template) or self.is_native
+        self._bytes: list[bytes] | None = None  # token_bytes' table, built on first use
 
     def _foreign_specials(self, named: dict[str, str | None]) -> dict[str, str | None]:
         vocab = self._backend.get_vocab(with_added_tokens=True)
@@ -151,6 +152,13 @@ class Tokenizer:
             ids = ids.tolist()
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a special token: its text). A byte-level token may be part
+        of a UTF-8 character, which ``decode`` of that token alone cannot show."""
+        if self._bytes is None:
+            self._bytes = _token_bytes_table(self._backend)
+        return self._bytes[token_id] if 0 <= token_id < len(self._bytes) else b""
+
     def apply_chat_template(self, messages: list[dict], tools: list | None = None,
                             add_generation_prompt: bool = True) -> str:
         """The prompt text of an OpenAI-style conversation (``lmforge.chat``), ready for ``encode``."""
@@ -196,6 +204,38 @@ class Tokenizer:
             for name, text in texts.items():
                 stack.enter_context(atomic_file(directory / name)).write_text(text, encoding="utf-8")
         return directory
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's stand-ins: each byte is written as one printable character in the vocabulary
+    (printable Latin-1 bytes as themselves, the other 68 as the characters from U+0100 on, in order)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    moved = [b for b in range(256) if b not in keep]
+    return {**{chr(b): b for b in keep}, **{chr(256 + i): b for i, b in enumerate(moved)}}
+
+
+def _token_bytes_table(backend: _RustTokenizer) -> list[bytes]:
+    """Every token's bytes: a byte-level vocabulary's strings mapped back through its alphabet; another
+    tokenizer's tokens decoded one by one (a byte-fallback token ``<0xE2>`` is that byte)."""
+    size = backend.get_vocab_size(with_added_tokens=True)
+    byte_level = isinstance(backend.decoder, decoders.ByteLevel)
+    alphabet = _byte_level_alphabet()
+    specials = {t.content for t in backend.get_added_tokens_decoder().values()}
+    table = []
+    for i in range(size):
+        piece = backend.id_to_token(i)
+        if piece is None:
+            table.append(b"")
+        elif piece in specials:
+            table.append(piece.encode("utf-8"))
+        elif byte_level and all(c in alphabet for c in piece):
+            table.append(bytes(alphabet[c] for c in piece))
+        elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            table.append(bytes([int(piece[3:5], 16)]))
+        else:
+            table.append(backend.decode([i], skip_special_tokens=False).encode("utf-8"))
+    return table
 
 
 def _configured_specials(directory: Path) -> dict[str, str | None] | None:

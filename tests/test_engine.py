@@ -175,3 +175,86 @@ def test_samples_of_one_prompt_share_its_prefill_and_sample_as_alone():
         finally:
             alone.close()
     assert len({tuple(tokens) for tokens, _ in together[:4]}) > 1  # the seeds still differ
+
+
+def collect(engine: Engine, jobs: list[tuple[list[int], SamplingParams]]) -> list[dict]:
+    """Every event of each job, by kind: tokens, logprob events, prompt log-probabilities, the end."""
+    events: queue.Queue = queue.Queue()
+    for i, (ids, params) in enumerate(jobs):
+        engine.submit(ids, params, lambda e, i=i: events.put((i, e)))
+    out = [{"token": [], "logprob": [], "prompt_logprobs": None, "done": None} for _ in jobs]
+    while any(o["done"] is None for o in out):
+        i, (kind, value) = events.get(timeout=60)
+        if kind in ("token", "logprob"):
+            out[i][kind].append(value)
+        else:
+            out[i][kind] = value
+    return out
+
+
+def direct_logprobs(model: GPT, ids: list[int]) -> torch.Tensor:
+    """``[T, V]`` fp32 log-probabilities of one plain forward over ``ids``: what the engine must report."""
+    with torch.no_grad():
+        return model.logits(torch.tensor([ids]))[0].float().log_softmax(-1)
+
+
+@pytest.mark.parametrize("flavor", ["gpt2", "llama"])
+def test_reported_logprobs_equal_a_direct_forward_whatever_the_temperature(flavor):
+    """Sampled tokens' log-probabilities (and their top n) are the model's own distribution at
+    temperature 1, whatever the request samples with; batched with other requests."""
+    model = make_model(flavor)
+    engine = Engine(model, eos_id=-1, max_batch_size=4)
+    try:
+        jobs = [([5, 6, 7], SamplingParams(8, temperature=0.7, top_p=0.8, seed=3, top_logprobs=5)),
+                ([9, 10], SamplingParams(8, temperature=0, top_logprobs=0)),
+                ([11] * 4, SamplingParams(8, temperature=1.3, seed=4))]  # reports nothing
+        results = collect(engine, jobs)
+    finally:
+        engine.close()
+    for (prompt, params), got in zip(jobs, results):
+        assert got["done"] == "length"
+        if params.top_logprobs is None:
+            assert got["logprob"] == []
+            continue
+        assert [r.token for r in got["logprob"]] == got["token"]
+        want = direct_logprobs(model, prompt + got["token"])[len(prompt) - 1:-1]
+        for step, report in enumerate(got["logprob"]):
+            assert report.logprob == pytest.approx(float(want[step, report.token]), abs=1e-4)
+            assert len(report.top) == params.top_logprobs
+            values, ids = want[step].topk(params.top_logprobs)
+            assert [t for t, _ in report.top] == ids.tolist()
+            assert [lp for _, lp in report.top] == pytest.approx(values.tolist(), abs=1e-4)
+
+
+def test_prompt_logprobs_score_every_prompt_token_and_max_tokens_0_generates_nothing():
+    model = make_model("llama")
+    engine = Engine(model, eos_id=-1, max_batch_size=2)
+    prompt = [7, 3, 250, 8, 8, 1, 40]
+    try:
+        scored, generated, again = collect(engine, [(prompt, SamplingParams(0, prompt_logprobs=3)),
+                                                    (prompt, SamplingParams(2, temperature=0, prompt_logprobs=1)),
+                                                    (prompt, SamplingParams(0, prompt_logprobs=4))])
+    finally:
+        engine.close()
+    want = direct_logprobs(model, prompt)
+    for got, n in ((scored, 3), (generated, 1), (again, 4)):
+        first, *rest = got["prompt_logprobs"]
+        assert first is None and len(rest) == len(prompt) - 1
+        assert [r.token for r in rest] == prompt[1:]
+        for pos, r in enumerate(rest):
+            assert r.logprob == pytest.approx(float(want[pos, prompt[pos + 1]]), abs=1e-4)
+            assert [t for t, _ in r.top] == want[pos].topk(n).indices.tolist()
+    assert scored["token"] == [] and scored["done"] == "length"
+    assert len(generated["token"]) == 2 and generated["done"] == "length"
+    # The second request reused the first's prefill (same prompt, fewer alternatives); the third asks
+    # for more alternatives than were kept, so its prompt is scored again.
+    assert engine.prefills == 2
+
+
+def test_scoring_settings_are_checked():
+    with pytest.raises(LMForgeError, match="max_tokens must be >= 1"):
+        SamplingParams(0, top_logprobs=2)
+    with pytest.raises(LMForgeError, match="top_logprobs must be in 0..20"):
+        SamplingParams(3, top_logprobs=21)
+    with pytest.raises(LMForgeError, match="prompt_logprobs must be in 0..20"):
+        SamplingParams(0, prompt_logprobs=-1)

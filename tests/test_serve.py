@@ -171,7 +171,8 @@ def error_of(server, payload, path="/v1/completions", raw=None):
     (None, 400, None, "not valid JSON"),
     ({"model": "gpt-4", "prompt": "x"}, 404, "model", "does not exist"),
     ({"prompt": "x"}, 400, "model", "required"),
-    ({"model": "tiny", "prompt": "x", "max_tokens": -1}, 400, "max_tokens", ">= 1"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": -1}, 400, "max_tokens", ">= 0"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens", "needs \"echo\": true"),
     ({"model": "tiny", "prompt": "x", "max_tokens": 10**6}, 400, "max_tokens", "maximum context length"),
     ({"model": "tiny", "prompt": "word " * 300}, 400, "prompt", "maximum context length"),
     ({"model": "tiny", "prompt": "x", "temperature": "hot"}, 400, "temperature", "number"),
@@ -183,7 +184,8 @@ def error_of(server, payload, path="/v1/completions", raw=None):
     ({"model": "tiny", "prompt": "x", "top_p": 0}, 400, "top_p", "(0.0, 1.0]"),
     ({"model": "tiny", "prompt": "x", "stop": ["a", 3]}, 400, "stop", "strings"),
     ({"model": "tiny", "prompt": "x", "frobnicate": 1}, 400, "frobnicate", "Unrecognized"),
-    ({"model": "tiny", "prompt": "x", "logprobs": 3}, 400, "logprobs", "not supported"),
+    ({"model": "tiny", "prompt": "x", "logprobs": 21}, 400, "logprobs", "between 0 and 20"),
+    ({"model": "tiny", "prompt": "x", "logprobs": True}, 400, "logprobs", "chat endpoint's form"),
     # Found by reading the sampler while writing the fuzz test: a top_k above int64 failed generation
     # with a 500 (a server_error event inside a 200 stream).
     ({"model": "tiny", "prompt": "x", "top_k": 10**30}, 400, "top_k", "between"),
@@ -244,6 +246,10 @@ def test_every_documented_field_is_accepted_and_no_other(server):
     ({"model": "tiny", "messages": [{"role": "user", "content": 3}]}, "string"),
     ({"model": "tiny", "messages": GREETING, "tools": [{"type": "function"}]}, "tools"),
     ({"model": "tiny", "messages": GREETING, "tool_choice": "required"}, "tool_choice"),
+    ({"model": "tiny", "messages": GREETING, "echo": True}, "belongs to /v1/completions"),
+    ({"model": "tiny", "messages": GREETING, "top_logprobs": 2}, "needs \"logprobs\": true"),
+    ({"model": "tiny", "messages": GREETING, "logprobs": True, "top_logprobs": 21}, "between 0 and 20"),
+    ({"model": "tiny", "messages": GREETING, "logprobs": 1}, "true or false"),
 ])
 def test_bad_chat_requests_get_400(server, payload, words):
     code, error = error_of(server, payload, path="/v1/chat/completions")

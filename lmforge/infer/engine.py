@@ -16,6 +16,13 @@ Results go to each request's ``on_event`` callback, called on the engine thread 
 With ``SamplingParams.logprobs`` the request also keeps each sampled token's log-probability
 (``Request.logprobs``, the closing eos's included), of the distribution it was drawn from: the
 logits divided by the temperature (1 when greedy), in fp32, before top-k / top-p narrowed it.
+
+What the HTTP API reports is the model's own distribution instead (``lmforge.infer.logprobs``):
+with ``SamplingParams.top_logprobs`` = n, each ``("token", id)`` event is preceded by
+``("logprob", TokenLogprob)`` (its log-probability and the n most likely tokens); with
+``prompt_logprobs`` = n, the first event is ``("prompt_logprobs", [None, TokenLogprob, ...])``, one per
+prompt token, computed in the prefill's forward. ``max_tokens`` 0 (only with ``prompt_logprobs``)
+scores the prompt and ends with ("done", "length") without generating.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import torch
 
 from lmforge.errors import LMForgeError
 from lmforge.infer.generate import check_sampling, sample_rows
+from lmforge.infer.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, prompt_logprobs, sampled_logprobs
 
 Event = tuple[str, Any]
 
@@ -51,11 +59,26 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     logprobs: bool = False  # keep each sampled token's log-probability (Request.logprobs)
+    top_logprobs: int | None = None  # report each token's log-probability and the n most likely ("logprob")
+    prompt_logprobs: int | None = None  # report the prompt's log-probabilities ("prompt_logprobs")
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise LMForgeError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise LMForgeError(f"max_tokens must be >= 1, got {self.max_tokens} (0 only when scoring the prompt)")
+        for name in ("top_logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and not 0 <= n <= MAX_TOP_LOGPROBS:
+                raise LMForgeError(f"{name} must be in 0..{MAX_TOP_LOGPROBS}, got {n}")
         check_sampling(self.temperature, self.top_k, self.top_p)
+
+
+@dataclass
+class _Prefill:
+    ids: list[int]
+    cache: Any  # a KVCache of one row
+    logits: torch.Tensor  # at the last position
+    prompt: list[TokenLogprob | None]  # the prompt's log-probabilities, when scored
+    scored: int  # how many most likely tokens each of them has; -1: not scored
 
 
 @dataclass
@@ -89,7 +112,7 @@ class Engine:
         self._rows: list[Request] = []  # the requests in the batch, in cache row order
         self._last: list[int] = []  # each row's latest token, the next step's input
         self._seeds = itertools.count(torch.initial_seed() % 2**62)
-        self._prefilled: tuple[list[int], Any, torch.Tensor] | None = None  # the last prompt, its cache and logits
+        self._prefilled: _Prefill | None = None  # the last prompt's, for the next request with the same prompt
         self.prefills = 0  # forwards over prompts (a reused prefill is not counted)
         self._closed = False
         self._lock = threading.Lock()  # orders submit() against close(): no request slips past the final drain
@@ -104,7 +127,7 @@ class Engine:
         ``EngineClosed`` after ``close``)."""
         if not prompt_ids:
             raise LMForgeError("the prompt has no tokens")
-        if len(prompt_ids) >= self.n_ctx:
+        if len(prompt_ids) > self.n_ctx or len(prompt_ids) == self.n_ctx and params.max_tokens > 0:
             raise LMForgeError(f"the prompt has {len(prompt_ids)} tokens; this model's context is {self.n_ctx} "
                                "tokens and must also hold the reply")
         request = Request(list(prompt_ids), params, on_event)
@@ -195,34 +218,48 @@ class Engine:
     def _prefill(self, request: Request) -> None:
         seed = request.params.seed if request.params.seed is not None else next(self._seeds)
         request._generator = torch.Generator().manual_seed(seed)
-        if self._prefilled is not None and self._prefilled[0] == request.prompt_ids:
-            _, single, logits = self._prefilled  # add_row copies the cache: it can be reused as it is
+        scored = request.params.prompt_logprobs
+        last = self._prefilled
+        if last is not None and last.ids == request.prompt_ids and (scored is None or last.scored >= scored):
+            single, logits, prompt = last.cache, last.logits, last.prompt  # add_row copies the cache: reusable
         else:
             single = self.model.new_kv_cache(1)
-            logits = self.model.logits(torch.tensor([request.prompt_ids], device=self.device), kv_cache=single,
-                                       last_only=True)
-            self._prefilled = (list(request.prompt_ids), single, logits)
+            hidden = self.model.hidden_states(torch.tensor([request.prompt_ids], device=self.device), kv_cache=single)
+            logits = self.model.lm_head(hidden[:, -1:])
+            prompt = [None] if scored is None else prompt_logprobs(self.model, hidden[0], request.prompt_ids, scored)
+            self._prefilled = _Prefill(list(request.prompt_ids), single, logits, prompt,
+                                       -1 if scored is None else scored)
             self.prefills += 1
-        tokens, logprobs = self._sample(logits[:, -1], [request])
+        if scored is not None:
+            self._emit(request, ("prompt_logprobs", [p if p is None else p._replace(top=p.top[:scored])
+                                                     for p in prompt]))
+            if request.params.max_tokens == 0:
+                self._emit(request, ("done", "length"))
+                return
+        tokens, logprobs, reported = self._sample(logits[:, -1], [request])
         self._cache.add_row(single)
         self._rows.append(request)
         self._last.append(int(tokens[0]))
-        self._deliver(len(self._rows) - 1, int(tokens[0]), None if logprobs is None else logprobs[0])
+        self._deliver(len(self._rows) - 1, int(tokens[0]), None if logprobs is None else logprobs[0],
+                      None if reported is None else reported[0])
 
     @torch.inference_mode()
     def _decode_step(self) -> None:
         inputs = torch.tensor(self._last, device=self.device)[:, None]
         logits = self.model.logits(inputs, kv_cache=self._cache)[:, -1]
-        tokens, logprobs = self._sample(logits, self._rows)
+        tokens, logprobs, reported = self._sample(logits, self._rows)
         tokens = tokens.tolist()
         # Deliver from the last row down: a removed row's place is taken by the (already handled) last one.
         for row in range(len(self._rows) - 1, -1, -1):
             self._last[row] = tokens[row]
-            self._deliver(row, tokens[row], None if logprobs is None else logprobs[row])
+            self._deliver(row, tokens[row], None if logprobs is None else logprobs[row],
+                          None if reported is None else reported[row])
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor, list[float] | None]:
-        """The next token of each row (on the CPU) and, when any request keeps them, each one's
-        log-probability under its row's temperature (1 when greedy)."""
+    def _sample(self, logits: torch.Tensor, requests: list[Request]
+                ) -> tuple[torch.Tensor, list[float] | None, list[TokenLogprob] | None]:
+        """The next token of each row (on the CPU); when any request keeps them, each one's
+        log-probability under its row's temperature (1 when greedy); when any reports them, each
+        one's ``TokenLogprob`` under the model's own distribution."""
         params = [r.params for r in requests]
         dev = logits.device
         temperature = torch.tensor([p.temperature for p in params], device=dev)
@@ -236,9 +273,12 @@ class Engine:
         if any(p.logprobs for p in params):
             scaled = logits.float() / torch.where(temperature > 0, temperature, 1.0)[:, None]
             logprobs = (scaled.gather(-1, tokens[:, None]).squeeze(-1) - scaled.logsumexp(-1)).tolist()
-        return tokens.cpu(), logprobs
+        wanted = [p.top_logprobs for p in params if p.top_logprobs is not None]
+        reported = sampled_logprobs(logits, tokens, max(wanted)) if wanted else None
+        return tokens.cpu(), logprobs, reported
 
-    def _deliver(self, row: int, token: int, logprob: float | None = None) -> None:
+    def _deliver(self, row: int, token: int, logprob: float | None = None,
+                 reported: TokenLogprob | None = None) -> None:
         """Hand ``token`` to its request, or end the request (eos, limits, cancel) and free its row."""
         request = self._rows[row]
         if logprob is not None and request.params.logprobs and not request.cancelled:
@@ -249,6 +289,9 @@ class Engine:
             reason = "stop"
         else:
             request.generated += 1
+            n = request.params.top_logprobs
+            if n is not None and reported is not None:
+                self._emit(request, ("logprob", reported._replace(top=reported.top[:n])))
             self._emit(request, ("token", token))
             full = self._cache.lengths[row] + 1 >= self.n_ctx  # the next step would not fit
             reason = "length" if request.generated >= request.params.max_tokens or full else None

@@ -24,8 +24,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from lmforge.chat import TOOL_CALL_OPEN, parse_tool_calls
 from lmforge.errors import LMForgeError
 from lmforge.infer.engine import Engine, EngineClosed, QueueFull, SamplingParams
+from lmforge.infer.logprobs import TokenLogprob
 from lmforge.serve.protocol import (MAX_BODY_BYTES, APIError, ChatBody, ChatRequest, Common, CompletionBody,
                                     CompletionRequest, ErrorBody, bad, parse_chat, parse_completion, parse_json)
+from lmforge.serve.logprobs import Entry, TokenScores, chat_logprobs, completion_logprobs
 from lmforge.serve.text import ChoiceText
 
 
@@ -37,15 +39,26 @@ class Choice:
     finish_reason: str | None = None
     tokens: int = 0
     request: Any = None
-    events: list[tuple[str, str]] = field(default_factory=list)  # pieces to stream: ("text", piece)
+    echo: str | None = None  # the prompt's text, when the reply starts with it
+    scores: TokenScores | None = None  # with logprobs: the tokens' log-probabilities
+    separated: bool = False  # the prompt starts with the document separator the server added
+    _score: TokenLogprob | None = field(default=None, repr=False)  # the next token's, until it arrives
+
+    @property
+    def text_start(self) -> int:
+        """Where the generated text starts in the reply's text."""
+        return len(self.echo) if self.echo is not None else 0
 
 
 class Generation:
-    """The choices of one HTTP request, running on the engine."""
+    """The choices of one HTTP request, running on the engine. ``top_logprobs`` (None: none) asks for
+    log-probabilities with that many most likely tokens; with echo, of the prompt's tokens too."""
 
-    def __init__(self, engine: Engine, choices: list[Choice], common: Common, max_tokens: int):
+    def __init__(self, engine: Engine, choices: list[Choice], common: Common, max_tokens: int,
+                 top_logprobs: int | None = None):
         self.engine, self.choices, self.common = engine, choices, common
         self.max_tokens = max_tokens
+        self.top_logprobs = top_logprobs
         self.queue: asyncio.Queue = asyncio.Queue()
         self.open = len(choices)
 
@@ -55,7 +68,10 @@ class Generation:
             for choice in self.choices:
                 c = self.common
                 seed = None if c.seed is None else c.seed + choice.index
-                params = SamplingParams(self.max_tokens, c.temperature, c.top_p, c.top_k, seed)
+                scored = choice.echo is not None and (self.top_logprobs is not None or self.max_tokens == 0)
+                params = SamplingParams(self.max_tokens, c.temperature, c.top_p, c.top_k, seed,
+                                        top_logprobs=self.top_logprobs,
+                                        prompt_logprobs=(self.top_logprobs or 0) if scored else None)
 
                 def on_event(event, index=choice.index):
                     loop.call_soon_threadsafe(self.queue.put_nowait, (index, event))
@@ -76,15 +92,33 @@ class Generation:
             if choice.request is not None:
                 choice.request.cancel()
 
-    async def events(self) -> AsyncIterator[tuple[Choice, str]]:
-        """Yields ``(choice, piece)`` for sendable text and ``(choice, "")`` once when a choice ends."""
+    async def events(self) -> AsyncIterator[tuple[Choice, str, list[Entry] | None]]:
+        """Yields ``(choice, piece, logprobs)`` for sendable text (an echoed prompt first) and
+        ``(choice, "", logprobs)`` once when a choice ends; ``logprobs``: the entries of the tokens
+        whose text starts in what has been sent (None without logprobs)."""
+        for choice in self.choices:
+            if choice.echo is not None and choice.scores is None:
+                yield choice, choice.echo, None
         while self.open:
             index, (kind, value) = await self.queue.get()
             choice = self.choices[index]
             if choice.finish_reason is not None:
                 continue
+            if kind == "prompt_logprobs":
+                if choice.scores is None:  # max_tokens 0 without logprobs: its echo is out already
+                    continue
+                for i, (token, score) in enumerate(zip(choice.prompt_ids, value)):
+                    choice.scores.add(token, score, in_text=not (i == 0 and choice.separated))
+                choice.scores.skip_to(choice.text_start)  # generated text starts after the echo, exactly
+                yield choice, choice.echo, choice.scores.take()
+                continue
+            if kind == "logprob":
+                choice._score = value
+                continue
             if kind == "token":
                 choice.tokens += 1
+                if choice.scores is not None:
+                    choice.scores.add(value, choice._score)
                 piece = choice.text.push(value)
                 if choice.text.stopped:
                     choice.request.cancel()
@@ -92,9 +126,9 @@ class Generation:
                     choice.finish_reason = "stop"
                     self.open -= 1
                 if piece:
-                    yield choice, piece
+                    yield choice, piece, self._sent_scores(choice)
                 if choice.finish_reason:
-                    yield choice, ""
+                    yield choice, "", self._sent_scores(choice, final=True)
                 continue
             if kind == "error":
                 self.cancel()
@@ -103,13 +137,24 @@ class Generation:
             choice.finish_reason = "stop" if value == "cancelled" else value
             self.open -= 1
             if piece:
-                yield choice, piece
-            yield choice, ""
+                yield choice, piece, self._sent_scores(choice)
+            yield choice, "", self._sent_scores(choice, final=True)
 
-    async def collect(self, request: Request) -> dict[int, list[str]]:
-        """All text of every choice (for a reply that is not streamed); the choices are cancelled
-        if the client disconnects before they finish."""
+    @staticmethod
+    def _sent_scores(choice: Choice, final: bool = False) -> list[Entry] | None:
+        """The log-probabilities of the tokens whose text has been sent; ``final``: of every token left
+        (the held-back tool section's too), except those a stop string cut off."""
+        if choice.scores is None:
+            return None
+        if final and not choice.text.stopped:
+            return choice.scores.take()
+        return choice.scores.take(choice.text_start + (len(choice.text.text) if final else choice.text.sent))
+
+    async def collect(self, request: Request) -> tuple[dict[int, list[str]], dict[int, list[Entry]]]:
+        """All text of every choice (for a reply that is not streamed) and, with logprobs, all their
+        entries; the choices are cancelled if the client disconnects before they finish."""
         texts: dict[int, list[str]] = {c.index: [] for c in self.choices}
+        scores: dict[int, list[Entry]] = {c.index: [] for c in self.choices}
 
         async def watch() -> None:
             while not await request.is_disconnected():
@@ -118,12 +163,13 @@ class Generation:
 
         watcher = asyncio.create_task(watch())
         try:
-            async for choice, piece in self.events():
+            async for choice, piece, entries in self.events():
                 texts[choice.index].append(piece)
+                scores[choice.index].extend(entries or ())
         finally:
             watcher.cancel()
             self.cancel()
-        return texts
+        return texts, scores
 
     def usage(self) -> dict[str, int]:
         prompt = sum(len(c.prompt_ids) for c in {id(c.prompt_ids): c for c in self.choices}.values())
@@ -183,6 +229,8 @@ def create_app(engine: Engine, tokenizer: Any, model_id: str, api_key: str | Non
     def max_tokens_for(common: Common, prompts: list[list[int]], default: int | None, prompt_param: str) -> int:
         longest = max(len(p) for p in prompts)
         room = n_ctx - longest
+        if common.max_tokens == 0 and room >= 0:  # scoring a prompt: it may fill the context
+            return 0
         if room < 1:
             raise bad(f"This model's maximum context length is {n_ctx} tokens. However, your prompt has "
                       f"{longest} tokens, which leaves no room for the reply; shorten the prompt.", prompt_param)
@@ -197,13 +245,18 @@ def create_app(engine: Engine, tokenizer: Any, model_id: str, api_key: str | Non
     async def completions(request: Request):
         req: CompletionRequest = parse_completion(parse_json(await _body(request)), model_id, tokenizer.vocab_size)
         c = req.common
+        # A text prompt starts after the document separator, as every document did in training.
         prompt_ids = [[tokenizer.eos_id, *tokenizer.encode(p)] if isinstance(p, str) else list(p)
                       for p in req.prompts]
         max_tokens = max_tokens_for(c, prompt_ids, default=16, prompt_param="prompt")  # 16: OpenAI's default
-        choices = [Choice(i * c.n + j, ids, ChoiceText(tokenizer, c.stop))
-                   for i, ids in enumerate(prompt_ids) for j in range(c.n)]
-        echo = [p if isinstance(p, str) else tokenizer.decode(p) for p in req.prompts]
-        gen = Generation(engine, choices, c, max_tokens)
+        choices = []
+        for i, (prompt, ids) in enumerate(zip(req.prompts, prompt_ids)):
+            echo = (prompt if isinstance(prompt, str) else tokenizer.decode(prompt)) if req.echo else None
+            for j in range(c.n):
+                choices.append(Choice(i * c.n + j, ids, ChoiceText(tokenizer, c.stop), echo=echo,
+                                      separated=isinstance(prompt, str),
+                                      scores=None if req.logprobs is None else TokenScores(tokenizer)))
+        gen = Generation(engine, choices, c, max_tokens, top_logprobs=req.logprobs)
         gen.start()
         rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -213,22 +266,26 @@ def create_app(engine: Engine, tokenizer: Any, model_id: str, api_key: str | Non
                 body["usage"] = usage
             return body
 
+        def logprobs(entries: list[Entry] | None) -> dict | None:
+            return None if entries is None else completion_logprobs(tokenizer, entries)
+
         if c.stream:
             async def stream():
-                if req.echo:
-                    for ch in choices:
-                        yield _sse(chunk([{"index": ch.index, "text": echo[ch.index // c.n], "logprobs": None,
+                async for ch, piece, entries in gen.events():
+                    if piece or entries:
+                        yield _sse(chunk([{"index": ch.index, "text": piece, "logprobs": logprobs(entries),
                                            "finish_reason": None}]))
-                async for ch, piece in gen.events():
-                    yield _sse(chunk([{"index": ch.index, "text": piece, "logprobs": None,
-                                       "finish_reason": None if piece else ch.finish_reason}]))
+                    if not piece:
+                        yield _sse(chunk([{"index": ch.index, "text": "", "logprobs": None,
+                                           "finish_reason": ch.finish_reason}]))
                 if c.include_usage:
                     yield _sse(chunk([], gen.usage()))
 
             return _stream_response(stream(), gen)
-        texts = await gen.collect(request)
-        return chunk([{"index": ch.index, "text": (echo[ch.index // c.n] if req.echo else "") + "".join(texts[ch.index]),
-                       "logprobs": None, "finish_reason": ch.finish_reason} for ch in choices], gen.usage())
+        texts, scores = await gen.collect(request)
+        return chunk([{"index": ch.index, "text": "".join(texts[ch.index]),
+                       "logprobs": logprobs(scores[ch.index] if ch.scores is not None else None),
+                       "finish_reason": ch.finish_reason} for ch in choices], gen.usage())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -241,8 +298,9 @@ def create_app(engine: Engine, tokenizer: Any, model_id: str, api_key: str | Non
         ids = [tokenizer.eos_id, *tokenizer.encode(prompt)]
         max_tokens = max_tokens_for(c, [ids], default=None, prompt_param="messages")
         marker = TOOL_CALL_OPEN if req.tools else None
-        choices = [Choice(j, ids, ChoiceText(tokenizer, c.stop, hold_marker=marker)) for j in range(c.n)]
-        gen = Generation(engine, choices, c, max_tokens)
+        choices = [Choice(j, ids, ChoiceText(tokenizer, c.stop, hold_marker=marker),
+                          scores=None if req.top_logprobs is None else TokenScores(tokenizer)) for j in range(c.n)]
+        gen = Generation(engine, choices, c, max_tokens, top_logprobs=req.top_logprobs)
         gen.start()
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -260,21 +318,24 @@ def create_app(engine: Engine, tokenizer: Any, model_id: str, api_key: str | Non
                 return "", []
             return parse_tool_calls(held)
 
+        def logprobs(entries: list[Entry] | None) -> dict | None:
+            return None if entries is None else chat_logprobs(tokenizer, entries)
+
         if c.stream:
             async def stream():
                 for ch in choices:
                     yield _sse(chunk([{"index": ch.index, "delta": {"role": "assistant", "content": ""},
                                        "logprobs": None, "finish_reason": None}]))
-                async for ch, piece in gen.events():
+                async for ch, piece, entries in gen.events():
                     if piece:
-                        yield _sse(chunk([{"index": ch.index, "delta": {"content": piece}, "logprobs": None,
-                                           "finish_reason": None}]))
+                        yield _sse(chunk([{"index": ch.index, "delta": {"content": piece},
+                                           "logprobs": logprobs(entries), "finish_reason": None}]))
                         continue
                     content, calls = tool_section(ch)
                     reason = ch.finish_reason
-                    if content:
-                        yield _sse(chunk([{"index": ch.index, "delta": {"content": content}, "logprobs": None,
-                                           "finish_reason": None}]))
+                    if content or entries:
+                        yield _sse(chunk([{"index": ch.index, "delta": {"content": content} if content else {},
+                                           "logprobs": logprobs(entries), "finish_reason": None}]))
                     if calls:
                         reason = "tool_calls"
                         deltas = [{"index": k, **call.to_openai()} for k, call in enumerate(calls)]
@@ -285,7 +346,7 @@ def create_app(engine: Engine, tokenizer: Any, model_id: str, api_key: str | Non
                     yield _sse(chunk([], gen.usage()))
 
             return _stream_response(stream(), gen)
-        await gen.collect(request)
+        _, scores = await gen.collect(request)
         out = []
         for ch in choices:
             sent = ch.text.text[:ch.text.sent]
@@ -294,7 +355,8 @@ def create_app(engine: Engine, tokenizer: Any, model_id: str, api_key: str | Non
                                        else None}
             if calls:
                 message["tool_calls"] = [call.to_openai() for call in calls]
-            out.append({"index": ch.index, "message": message, "logprobs": None,
+            out.append({"index": ch.index, "message": message,
+                        "logprobs": logprobs(scores[ch.index] if ch.scores is not None else None),
                         "finish_reason": "tool_calls" if calls else ch.finish_reason})
         return {"id": rid, "object": "chat.completion", "created": now, "model": model_id,
                 "system_fingerprint": None, "choices": out, "usage": gen.usage()}

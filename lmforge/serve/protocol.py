@@ -2,8 +2,8 @@
 
 Every problem becomes an ``APIError`` with the HTTP status and the OpenAI error body
 (``{"error": {"message", "type", "param", "code"}}``), naming the field and what it should be.
-Parameters that a sampler of this kind cannot honour (logprobs, penalties, echo) are refused
-rather than silently ignored; unknown fields are refused as OpenAI does.
+Parameters that a sampler of this kind cannot honour (penalties, logit_bias, suffix, best_of) are
+refused rather than silently ignored; unknown fields are refused as OpenAI does.
 
 The pydantic models (``CompletionBody``, ``ChatBody``) describe the request bodies for the OpenAPI
 document (``/openapi.json``, ``/docs``) and name the fields each endpoint knows. The ``parse_*``
@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from lmforge.chat import ROLES, check_messages
 from lmforge.errors import LMForgeError
+from lmforge.infer.logprobs import MAX_TOP_LOGPROBS
 
 MAX_CHOICES = 16  # n times the number of prompts
 MAX_STOP = 4
@@ -56,7 +57,8 @@ class CommonBody(_Closed):
 
     model: str = Field(description="The id that GET /v1/models lists.")
     max_tokens: Optional[int] = Field(None, ge=1, description="Tokens to generate at most; the prompt and these "
-                                      "must fit the model's context (default: /v1/completions 16, chat the rest).")
+                                      "must fit the model's context (default: /v1/completions 16, chat the rest). "
+                                      "/v1/completions takes 0 with echo: the prompt is scored, nothing generated.")
     temperature: Optional[float] = Field(1.0, ge=0, le=2, description="0 = greedy.")
     top_p: Optional[float] = Field(1.0, gt=0, le=1, description="Nucleus sampling; 1 = off.")
     top_k: Optional[int] = Field(0, ge=0, le=MAX_TOP_K, description="Keep the k most likely tokens; 0 = off.")
@@ -71,7 +73,6 @@ class CommonBody(_Closed):
     metadata: Optional[dict[str, str]] = Field(None, description="Accepted and ignored.")
     store: Optional[bool] = Field(None, description="Accepted and ignored.")
     service_tier: Optional[str] = Field(None, description="Accepted and ignored.")
-    logprobs: Optional[Literal[False, 0]] = Field(None, description=UNSUPPORTED)
     presence_penalty: Optional[Literal[0]] = Field(None, description=UNSUPPORTED)
     frequency_penalty: Optional[Literal[0]] = Field(None, description=UNSUPPORTED)
     logit_bias: Optional[dict[str, float]] = Field(None, max_length=0, description=UNSUPPORTED)
@@ -83,7 +84,13 @@ class CompletionBody(CommonBody):
     prompt: Union[str, Annotated[list[str], Field(min_length=1)], Annotated[list[TokenId], Field(min_length=1)],
                   Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]] = Field(
         description="A string, a list of strings, a list of token ids or a list of such lists.")
-    echo: Optional[bool] = Field(False, description="Start each choice's text with its prompt.")
+    max_tokens: Optional[int] = Field(None, ge=0, description="Tokens to generate at most (default 16); the prompt "
+                                      "and these must fit the model's context. 0 with echo: score the prompt only.")
+    echo: Optional[bool] = Field(False, description="Start each choice's text with its prompt (with logprobs: "
+                                 "its tokens and their log-probabilities, the first one null).")
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
+        "Return each token's log-probability and the N most likely tokens at its position (0-20). They are the "
+        "model's own distribution (temperature 1), whatever temperature, top_k and top_p sample from."))
     suffix: Optional[Literal[""]] = Field(None, description=UNSUPPORTED)
     best_of: Optional[Literal[1]] = Field(None, description=UNSUPPORTED)
 
@@ -129,6 +136,11 @@ class ChatBody(CommonBody):
     max_completion_tokens: Optional[int] = Field(None, ge=1, description="The newer name of max_tokens.")
     parallel_tool_calls: Optional[bool] = Field(None, description="Accepted and ignored.")
     response_format: Optional[ResponseFormat] = None
+    logprobs: Optional[bool] = Field(None, description=(
+        "Return each content token's log-probability (choices[].logprobs.content). They are the model's own "
+        "distribution (temperature 1), whatever temperature, top_k and top_p sample from."))
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="With logprobs: the N most "
+                                        "likely tokens at each position too (0-20).")
 
 
 class ErrorDetail(BaseModel):
@@ -224,7 +236,7 @@ class Common:
     seed: int | None
 
 
-def _common(body: dict, allowed: set[str], model_id: str) -> Common:
+def _common(body: dict, allowed: set[str], model_id: str, min_tokens: int = 1) -> Common:
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise bad(f"Unrecognized request argument supplied: {', '.join(unknown)}", unknown[0])
@@ -237,8 +249,6 @@ def _common(body: dict, allowed: set[str], model_id: str) -> Common:
     for name in ("presence_penalty", "frequency_penalty"):
         if body.get(name) not in (None, 0, 0.0):
             raise bad(f"'{name}' is not supported by lmforge serve; leave it out", name)
-    if body.get("logprobs") not in (None, False, 0):
-        raise bad("'logprobs' is not supported by lmforge serve; leave it out", "logprobs")
     if body.get("logit_bias") not in (None, {}):
         raise bad("'logit_bias' is not supported by lmforge serve; leave it out", "logit_bias")
     stop = body.get("stop")
@@ -256,7 +266,7 @@ def _common(body: dict, allowed: set[str], model_id: str) -> Common:
         raise bad("'stream_options' is only allowed with \"stream\": true", "stream_options")
     return Common(
         model=model,
-        max_tokens=_int(body, "max_tokens", None, 1),
+        max_tokens=_int(body, "max_tokens", None, min_tokens),
         temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         top_k=_int(body, "top_k", 0, 0, MAX_TOP_K),
@@ -273,10 +283,19 @@ class CompletionRequest:
     common: Common
     prompts: list[str | list[int]]
     echo: bool = False
+    logprobs: int | None = None  # the N most likely tokens with each token's log-probability; None: none
 
 
 def parse_completion(body: dict, model_id: str, vocab_size: int) -> CompletionRequest:
-    common = _common(body, set(CompletionBody.model_fields), model_id)
+    common = _common(body, set(CompletionBody.model_fields), model_id, min_tokens=0)
+    echo = _bool(body, "echo", False)
+    if common.max_tokens == 0 and not echo:
+        raise bad("'max_tokens': 0 generates nothing, so it needs \"echo\": true (score the prompt, with "
+                  "\"logprobs\"); otherwise ask for 1 or more tokens", "max_tokens")
+    if body.get("logprobs") is True or body.get("logprobs") is False:  # the chat endpoint's form
+        raise bad(f"'logprobs' of /v1/completions is a number of most likely tokens, 0 to {MAX_TOP_LOGPROBS} "
+                  "(true/false is the chat endpoint's form)", "logprobs")
+    logprobs = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
     if body.get("suffix") not in (None, ""):
         raise bad("'suffix' (insertion) is not supported by lmforge serve", "suffix")
     if body.get("best_of") not in (None, 1):
@@ -299,7 +318,7 @@ def parse_completion(body: dict, model_id: str, vocab_size: int) -> CompletionRe
             raise bad(f"'prompt' has a token id outside the vocabulary (0..{vocab_size - 1})", "prompt")
     if len(prompts) * common.n > MAX_CHOICES:
         raise bad(f"{len(prompts)} prompts x n={common.n} choices is more than {MAX_CHOICES} per request", "n")
-    return CompletionRequest(common, prompts, echo=_bool(body, "echo", False))
+    return CompletionRequest(common, prompts, echo=echo, logprobs=logprobs)
 
 
 @dataclass
@@ -307,13 +326,22 @@ class ChatRequest:
     common: Common
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] = field(default_factory=list)
+    top_logprobs: int | None = None  # with "logprobs": true, the N most likely tokens too (0 by default)
 
 
 def parse_chat(body: dict, model_id: str) -> ChatRequest:
     if "max_completion_tokens" in body:  # the newer name of max_tokens
         body = dict(body)
         body["max_tokens"] = body.pop("max_completion_tokens")
+    if "echo" in body or "prompt" in body:
+        name = "echo" if "echo" in body else "prompt"
+        raise bad(f"'{name}' belongs to /v1/completions; a chat request sends 'messages' (its prompt's "
+                  "log-probabilities are scored with POST /v1/completions, echo and max_tokens 0)", name)
     common = _common(body, set(ChatBody.model_fields), model_id)
+    logprobs = _bool(body, "logprobs", False)
+    top = _int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    if top is not None and not logprobs:
+        raise bad("'top_logprobs' needs \"logprobs\": true", "top_logprobs")
     try:
         messages = check_messages(body.get("messages"))
     except LMForgeError as e:
@@ -333,4 +361,4 @@ def parse_chat(body: dict, model_id: str) -> ChatRequest:
     if fmt is not None and fmt != {"type": "text"}:
         raise bad("'response_format' other than {\"type\": \"text\"} is not supported by lmforge serve",
                   "response_format")
-    return ChatRequest(common, messages, tools)
+    return ChatRequest(common, messages, tools, top_logprobs=(top or 0) if logprobs else None)
