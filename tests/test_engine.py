@@ -139,7 +139,7 @@ def test_close_cancels_running_and_waiting_requests_at_the_next_step():
 
     def logits_then_close(*a, **k):
         calls.append(1)
-        if len(calls) == 3:  # request 0's prefill and two decode steps; 1 and 2 wait for its row
+        if len(calls) == 3:  # request 0's third decode step (its prefill is not a logits call); 1 and 2 wait
             engine.close()  # as from another thread: the loop is in the middle of a step
         return real_logits(*a, **k)
 
@@ -258,3 +258,55 @@ def test_scoring_settings_are_checked():
         SamplingParams(3, top_logprobs=21)
     with pytest.raises(LMForgeError, match="prompt_logprobs must be in 0..20"):
         SamplingParams(0, prompt_logprobs=-1)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_the_decode_steps_of_running_requests():
+    """While a 56-token prompt is prefilled 8 tokens a step, the running request keeps getting a token
+    every step (counted in events, not timed); both replies equal one-at-a-time generation."""
+    model = make_model("gpt2")
+    engine = Engine(model, eos_id=-1, max_batch_size=2, prefill_chunk=8, background=False)
+    order = []
+
+    def on_event(name):
+        def f(event):
+            if event[0] == "token":
+                order.append(name)
+            elif name == "long":
+                engine.close()
+        return f
+
+    engine.submit([5, 6, 7], SamplingParams(40, temperature=0), on_event("short"))
+    engine.submit(list(range(10, 66)), SamplingParams(3, temperature=0), on_event("long"))
+    engine.run()
+    before_long = order.index("long")
+    # Step 1 prefills the short prompt (its first token) and the long one's first 5 tokens (the budget
+    # is 8), then decodes; steps 2-7 prefill 8 more each and decode; step 8 prefills the last 3 and
+    # the long request's first token comes before that step's decode: 1 + 7 short tokens before it.
+    assert before_long == 8
+    assert engine.prefilled_tokens == 3 + 56
+
+
+def test_prompts_sharing_a_beginning_compute_it_once_and_score_as_alone():
+    model = make_model("llama")
+    system = list(range(20, 50))  # a shared 30-token "system prompt"
+    jobs = [(system + [7, 8], SamplingParams(5, temperature=0, prompt_logprobs=2)),
+            (system + [9, 10, 11], SamplingParams(5, temperature=0, prompt_logprobs=2)),
+            (system[:12], SamplingParams(0, prompt_logprobs=1))]  # a beginning of a kept prompt
+    shared = Engine(model, eos_id=-1, max_batch_size=1)
+    alone = Engine(model, eos_id=-1, max_batch_size=1, prefix_cache=0)
+    try:
+        got = collect(shared, jobs)
+        want = collect(alone, jobs)
+    finally:
+        shared.close()
+        alone.close()
+    assert alone.prefilled_tokens == 32 + 33 + 12
+    # The second recomputes the last shared position (its logits score token 31); the third only its last.
+    assert shared.prefilled_tokens == 32 + 4 + 1
+    for g, w, (prompt, _) in zip(got, want, jobs):
+        assert g["token"] == w["token"] and g["done"] == w["done"]
+        lp = direct_logprobs(model, prompt)
+        assert g["prompt_logprobs"][0] is None and len(g["prompt_logprobs"]) == len(prompt)
+        for pos, r in enumerate(g["prompt_logprobs"][1:]):
+            assert r.token == prompt[pos + 1]
+            assert r.logprob == pytest.approx(float(lp[pos, prompt[pos + 1]]), abs=1e-4)

@@ -3,12 +3,17 @@
 One thread owns the model: a background thread by default, or the caller's with ``run()`` (``lmforge
 serve`` runs it on the main thread and the HTTP server beside it: PyTorch's CPU kernels ran 10-25%
 slower in a secondary thread here, benchmarks/RESULTS.md). Requests wait in a queue; each is
-prefilled on its own (one forward over its prompt; a request whose prompt is the same as the one
-prefilled just before it — several samples of one prompt, as GRPO draws them — reuses that
-prefill), then joins the running batch, where every step decodes one token for every sequence in
-one forward (``BatchedKVCache``: each row at its own length). A sequence
-leaves when it ends and a waiting request takes its place at the next step, so a long reply
-never holds up a short one and no step computes padding.
+prefilled on its own, then joins the running batch, where every step decodes one token for every
+sequence in one forward (``BatchedKVCache``: each row at its own length). A sequence leaves when it
+ends and a waiting request takes its place at the next step, so a long reply never holds up a short
+one and no step computes padding.
+
+Prefill is chunked: each step prefills at most ``prefill_chunk`` prompt tokens (several short
+prompts, or one chunk of a long one) before it decodes, so a long prompt arriving delays the running
+sequences' next tokens by one chunk's forward, not by its whole prompt's. And prompts share work: the
+keys and values of the last ``prefix_cache`` prefilled prompts are kept, and a new prompt starting
+with the same tokens (a long system prompt or tool list, a question scored with each of its answers,
+the samples of one prompt that GRPO draws) copies them and computes only the rest.
 
 Results go to each request's ``on_event`` callback, called on the engine thread with
 ``("token", id)``, then ``("done", finish_reason)`` or ``("error", message)``. finish_reason is
@@ -43,6 +48,16 @@ from lmforge.infer.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, prompt_logpro
 Event = tuple[str, Any]
 
 
+def _shared_length(a: list[int], b: list[int]) -> int:
+    """How many tokens ``a`` and ``b`` start with in common."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class QueueFull(LMForgeError):
     """Too many requests are waiting: a retry later can succeed (HTTP 429)."""
 
@@ -73,12 +88,23 @@ class SamplingParams:
 
 
 @dataclass
-class _Prefill:
+class _Prefix:
+    """A prefilled prompt, kept for the prompts that start like it."""
     ids: list[int]
-    cache: Any  # a KVCache of one row
-    logits: torch.Tensor  # at the last position
-    prompt: list[TokenLogprob | None]  # the prompt's log-probabilities, when scored
-    scored: int  # how many most likely tokens each of them has; -1: not scored
+    cache: Any  # its KVCache of one row
+    logits: torch.Tensor  # at its last position
+    prompt: list[TokenLogprob | None] | None  # its tokens' log-probabilities, when it was scored
+    scored: int  # how many most likely tokens each of those has; -1: not scored
+
+
+@dataclass
+class _Filling:
+    """A request whose prompt is being prefilled, chunk by chunk."""
+    request: Any
+    cache: Any = None  # its KVCache of one row, once started
+    done: int = 0  # prompt positions in the cache
+    prompt: list[TokenLogprob | None] | None = None  # the log-probabilities of prompt tokens 0 .. done
+    logits: torch.Tensor | None = None  # at the last prompt position, once done
 
 
 @dataclass
@@ -100,9 +126,12 @@ class Engine:
     """Continuous-batching generation over ``model`` (a ``GPT``) in a background thread."""
 
     def __init__(self, model: Any, eos_id: int, max_batch_size: int = 16, max_queue: int = 1024,
-                 background: bool = True):
+                 background: bool = True, prefill_chunk: int = 512, prefix_cache: int = 4):
         if max_batch_size < 1:
             raise LMForgeError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if prefill_chunk < 1 or prefix_cache < 0:
+            raise LMForgeError(f"prefill_chunk must be >= 1 and prefix_cache >= 0, got {prefill_chunk} and "
+                               f"{prefix_cache}")
         self.model = model.eval()
         self.eos_id = eos_id
         self.n_ctx = model.config.n_positions
@@ -112,8 +141,12 @@ class Engine:
         self._rows: list[Request] = []  # the requests in the batch, in cache row order
         self._last: list[int] = []  # each row's latest token, the next step's input
         self._seeds = itertools.count(torch.initial_seed() % 2**62)
-        self._prefilled: _Prefill | None = None  # the last prompt's, for the next request with the same prompt
-        self.prefills = 0  # forwards over prompts (a reused prefill is not counted)
+        self.prefill_chunk = prefill_chunk
+        self._filling: list[_Filling] = []  # admitted, prompt not prefilled yet (in order)
+        self._prefixes: list[_Prefix] = []  # the last prefilled prompts, most recent last
+        self._prefix_cache = prefix_cache
+        self.prefills = 0  # prompts prefilled (wholly reused ones are not counted)
+        self.prefilled_tokens = 0  # prompt positions computed (those copied from a shared prefix are not)
         self._closed = False
         self._lock = threading.Lock()  # orders submit() against close(): no request slips past the final drain
         self._thread = None
@@ -165,9 +198,9 @@ class Engine:
     def cancel_all(self) -> None:
         """End every running and waiting request with ("done", "cancelled"); for a loop that was
         interrupted (Ctrl-C) and will not run again."""
-        for request in self._rows:
+        for request in [*self._rows, *(f.request for f in self._filling)]:
             self._emit(request, ("done", "cancelled"))
-        self._rows, self._last = [], []
+        self._rows, self._last, self._filling = [], [], []
         while True:
             try:
                 request = self._queue.get_nowait()
@@ -183,22 +216,24 @@ class Engine:
         while not self._closed:
             if not self._admit():
                 break
+            if self._filling:
+                self._prefill_step()
             if self._rows:
                 try:
                     self._decode_step()
                 except Exception as e:  # e.g. out of memory: fail these requests, keep serving
                     for request in self._rows:
                         self._emit(request, ("error", f"generation failed: {e}"))
-                    self._rows, self._last, self._prefilled = [], [], None
+                    self._rows, self._last, self._prefixes = [], [], []
                     self._cache = self.model.new_batched_kv_cache(self.max_batch_size)
         self.cancel_all()
 
     def _admit(self) -> bool:
-        """Move waiting requests into free rows (blocking while there is nothing to do).
+        """Take waiting requests while there are free rows (blocking while there is nothing to do).
         Returns False when the engine is closing."""
-        while len(self._rows) < self.max_batch_size:
+        while len(self._rows) + len(self._filling) < self.max_batch_size:
             try:
-                request = self._queue.get(block=not self._rows)
+                request = self._queue.get(block=not (self._rows or self._filling))
             except queue.Empty:
                 return True
             if request is None or self._closed:
@@ -208,36 +243,105 @@ class Engine:
             if request.cancelled:
                 self._emit(request, ("done", "cancelled"))
                 continue
-            try:
-                self._prefill(request)
-            except Exception as e:
-                self._emit(request, ("error", f"generation failed: {e}"))
+            seed = request.params.seed if request.params.seed is not None else next(self._seeds)
+            request._generator = torch.Generator().manual_seed(seed)
+            self._filling.append(_Filling(request))
         return True
 
+    def _prefill_step(self) -> None:
+        """Prefill up to ``prefill_chunk`` prompt positions, oldest request first; a request whose
+        prompt is done gets its first token and joins the batch."""
+        budget = self.prefill_chunk
+        while self._filling and budget > 0:
+            filling = self._filling[0]
+            if filling.request.cancelled:
+                self._filling.pop(0)
+                self._emit(filling.request, ("done", "cancelled"))
+                continue
+            try:
+                budget -= self._prefill_chunk(filling, budget)
+                if filling.logits is not None:
+                    self._filling.pop(0)
+                    self._join(filling)
+            except Exception as e:
+                if self._filling and self._filling[0] is filling:
+                    self._filling.pop(0)
+                self._emit(filling.request, ("error", f"generation failed: {e}"))
+
     @torch.inference_mode()
-    def _prefill(self, request: Request) -> None:
-        seed = request.params.seed if request.params.seed is not None else next(self._seeds)
-        request._generator = torch.Generator().manual_seed(seed)
-        scored = request.params.prompt_logprobs
-        last = self._prefilled
-        if last is not None and last.ids == request.prompt_ids and (scored is None or last.scored >= scored):
-            single, logits, prompt = last.cache, last.logits, last.prompt  # add_row copies the cache: reusable
-        else:
-            single = self.model.new_kv_cache(1)
-            hidden = self.model.hidden_states(torch.tensor([request.prompt_ids], device=self.device), kv_cache=single)
-            logits = self.model.lm_head(hidden[:, -1:])
-            prompt = [None] if scored is None else prompt_logprobs(self.model, hidden[0], request.prompt_ids, scored)
-            self._prefilled = _Prefill(list(request.prompt_ids), single, logits, prompt,
-                                       -1 if scored is None else scored)
+    def _prefill_chunk(self, filling: _Filling, budget: int) -> int:
+        """Compute the next (at most ``budget``) positions of ``filling``'s prompt; returns how many."""
+        ids, scored = filling.request.prompt_ids, filling.request.params.prompt_logprobs
+        if filling.cache is None and self._reuse(filling):
+            return 0
+        n = min(budget, len(ids) - filling.done)
+        start = filling.done
+        hidden = self.model.hidden_states(torch.tensor([ids[start:start + n]], device=self.device),
+                                          kv_cache=filling.cache)[0]
+        if scored is not None:
+            filling.prompt.extend(prompt_logprobs(self.model, hidden, ids[start + 1:start + n + 1], scored))
+        filling.done += n
+        self.prefilled_tokens += n
+        if filling.done == len(ids):
+            filling.logits = self.model.lm_head(hidden[-1:])[None]
             self.prefills += 1
+            self._remember(filling)
+        return n
+
+    def _reuse(self, filling: _Filling) -> bool:
+        """Start ``filling`` from the kept prompt sharing the longest beginning with it; returns True
+        when that prompt is the very same (its logits are reused: nothing to compute)."""
+        ids, scored = filling.request.prompt_ids, filling.request.params.prompt_logprobs
+        best, shared = None, 0
+        for prefix in self._prefixes:
+            if scored is not None and prefix.scored < scored:
+                continue  # its prompt log-probabilities have fewer alternatives than asked
+            n = _shared_length(prefix.ids, ids)
+            if n > shared:
+                best, shared = prefix, n
+        filling.cache, filling.prompt = self.model.new_kv_cache(1), [None]
+        if best is None:
+            return False
+        if shared == len(ids) == len(best.ids):
+            filling.cache, filling.logits, filling.done = best.cache, best.logits, len(ids)  # add_row copies it
+            filling.prompt = best.prompt
+            self._prefixes.remove(best)
+            self._prefixes.append(best)
+            return True
+        # Keep at least one position to compute (its logits are needed); when scoring, recompute the
+        # last shared position too: the next token's log-probability is read from it.
+        keep = min(shared, len(ids) - 1) - (scored is not None and shared <= len(ids) - 1)
+        if keep <= 0:
+            return False
+        for layer in range(len(best.cache.k)):
+            filling.cache.k[layer][:, :, :keep] = best.cache.k[layer][:, :, :keep]
+            filling.cache.v[layer][:, :, :keep] = best.cache.v[layer][:, :, :keep]
+        filling.cache.pos = filling.done = keep
+        if scored is not None:
+            filling.prompt = best.prompt[:keep + 1]
+        return False
+
+    def _remember(self, filling: _Filling) -> None:
+        if not self._prefix_cache:
+            return
+        scored = filling.request.params.prompt_logprobs
+        self._prefixes.append(_Prefix(list(filling.request.prompt_ids), filling.cache, filling.logits,
+                                      filling.prompt if scored is not None else None,
+                                      -1 if scored is None else scored))
+        del self._prefixes[:-self._prefix_cache]
+
+    def _join(self, filling: _Filling) -> None:
+        """The prompt is prefilled: report its scores, sample the first token, take a batch row."""
+        request = filling.request
+        scored = request.params.prompt_logprobs
         if scored is not None:
             self._emit(request, ("prompt_logprobs", [p if p is None else p._replace(top=p.top[:scored])
-                                                     for p in prompt]))
+                                                     for p in filling.prompt]))
             if request.params.max_tokens == 0:
                 self._emit(request, ("done", "length"))
                 return
-        tokens, logprobs, reported = self._sample(logits[:, -1], [request])
-        self._cache.add_row(single)
+        tokens, logprobs, reported = self._sample(filling.logits[:, -1], [request])
+        self._cache.add_row(filling.cache)
         self._rows.append(request)
         self._last.append(int(tokens[0]))
         self._deliver(len(self._rows) - 1, int(tokens[0]), None if logprobs is None else logprobs[0],

@@ -39,16 +39,14 @@ def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, n: int) -> list
 
 
 @torch.inference_mode()
-def prompt_logprobs(model: Any, hidden: torch.Tensor, ids: list[int], n: int) -> list[TokenLogprob | None]:
-    """Each prompt token's log-probability given the tokens before it; the first has none (None).
-
-    ``hidden`` is the model's ``[T, C]`` final hidden states over ``ids`` (from the prefill that also
-    fills the KV cache); the LM head runs over ``_CHUNK`` positions at a time, so a long prompt never
-    holds a ``T x vocab`` tensor.
-    """
-    targets = torch.tensor(ids[1:], device=hidden.device)
-    out: list[TokenLogprob | None] = [None]
-    for start in range(0, len(ids) - 1, _CHUNK):
-        logits = model.lm_head(hidden[start:start + _CHUNK][:len(targets) - start])
+def prompt_logprobs(model: Any, hidden: torch.Tensor, next_ids: list[int], n: int) -> list[TokenLogprob]:
+    """The log-probability of each of ``next_ids``, the prompt tokens after the positions whose final
+    hidden states ``hidden`` (``[T, C]``, from the prefill that also fills the KV cache) holds: one per
+    position that has a next token (the prompt's last position has none). The LM head runs over
+    ``_CHUNK`` positions at a time, so a long prompt never holds a ``T x vocab`` tensor."""
+    targets = torch.tensor(next_ids, dtype=torch.long, device=hidden.device)
+    out: list[TokenLogprob] = []
+    for start in range(0, len(next_ids), _CHUNK):
+        logits = model.lm_head(hidden[start:min(start + _CHUNK, len(next_ids))])
         out.extend(sampled_logprobs(logits, targets[start:start + logits.size(0)], n))
     return out
