@@ -25,9 +25,10 @@ from lmforge.chat import TOOL_CALL_OPEN, parse_tool_calls
 from lmforge.errors import LMForgeError
 from lmforge.infer.engine import Engine, EngineClosed, QueueFull, SamplingParams
 from lmforge.infer.logprobs import TokenLogprob
+from lmforge.serve.logprobs import Entry, TokenScores, chat_logprobs, completion_logprobs
+from lmforge.serve.page import add_chat_page
 from lmforge.serve.protocol import (MAX_BODY_BYTES, APIError, ChatBody, ChatRequest, Common, CompletionBody,
                                     CompletionRequest, ErrorBody, bad, parse_chat, parse_completion, parse_json)
-from lmforge.serve.logprobs import Entry, TokenScores, chat_logprobs, completion_logprobs
 from lmforge.serve.text import ChoiceText
 
 
@@ -196,7 +197,8 @@ def create_app(engine: Engine, tokenizer: Any, model_id: str, api_key: str | Non
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, e: StarletteHTTPException):
-        message = {404: "no such endpoint; see GET /v1/models, POST /v1/completions, POST /v1/chat/completions",
+        message = {404: "no such endpoint; see GET / (the chat page), GET /v1/models, POST /v1/completions, "
+                   "POST /v1/chat/completions",
                    405: "method not allowed on this endpoint"}.get(e.status_code, str(e.detail))
         return error_response(APIError(e.status_code, message), headers=getattr(e, "headers", None))  # 405: Allow
 
@@ -210,6 +212,8 @@ def create_app(engine: Engine, tokenizer: Any, model_id: str, api_key: str | Non
     def model_card() -> dict[str, Any]:
         return {"id": model_id, "object": "model", "created": created, "owned_by": "lmforge",
                 "context_length": n_ctx}
+
+    add_chat_page(app)  # GET /: the browser chat page (no key needed to load it)
 
     @app.get("/health")
     async def health():
