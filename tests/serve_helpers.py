@@ -29,7 +29,7 @@ CORPUS = ["package main\n\nimport \"fmt\"\n\nfunc main() {\n\tfmt.Println(\"hell
           '<tool_call>{"name": "read_file", "arguments": {"path": "main.go"}}</tool_call>'] * 20
 
 
-def train_chat_model(out: Path, flavor: str = "llama", max_steps: int = 400) -> Path:
+def train_chat_model(out: Path, flavor: str = "llama", max_steps: int = 400, n_positions: int = 256) -> Path:
     """A tiny model that has learnt two conversations by heart: a tool call for "Open main.go" (with
     the tools listed) and a fixed greeting for "Say hello". Saved with its tokenizer; returns the dir.
     It trains until its loss is below 0.02 (~150 steps), not for a fixed count: at a fixed count the
@@ -43,7 +43,7 @@ def train_chat_model(out: Path, flavor: str = "llama", max_steps: int = 400) -> 
     ids = torch.tensor([r + [tokenizer.pad_id] * (width - len(r)) for r in rows])
     labels = torch.tensor([r[1:] + [-100] * (width - len(r)) for r in rows])
     torch.manual_seed(0)
-    model = GPT(GPTConfig(flavor=flavor, vocab_size=tokenizer.vocab_size, n_positions=256, n_embd=64, n_layer=2,
+    model = GPT(GPTConfig(flavor=flavor, vocab_size=tokenizer.vocab_size, n_positions=n_positions, n_embd=64, n_layer=2,
                           n_head=4))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for _ in range(max_steps):

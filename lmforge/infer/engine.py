@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from lmforge.errors import LMForgeError
+from lmforge.infer.constrain import apply_bitmask, fill_bitmask, new_bitmask
 from lmforge.infer.generate import check_sampling, sample_rows
 from lmforge.infer.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, prompt_logprobs, sampled_logprobs
 
@@ -76,6 +77,7 @@ class SamplingParams:
     logprobs: bool = False  # keep each sampled token's log-probability (Request.logprobs)
     top_logprobs: int | None = None  # report each token's log-probability and the n most likely ("logprob")
     prompt_logprobs: int | None = None  # report the prompt's log-probabilities ("prompt_logprobs")
+    grammar: Any = None  # an lmforge.infer.constrain.Grammar the reply must follow (masked logits)
 
     def __post_init__(self) -> None:
         if self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
@@ -116,6 +118,7 @@ class Request:
     generated: int = 0
     logprobs: list[float] = field(default_factory=list)  # with params.logprobs: one per sampled token
     _generator: torch.Generator | None = field(default=None, repr=False)
+    _matcher: Any = field(default=None, repr=False)  # its place in params.grammar
 
     def cancel(self) -> None:
         """Stop generating for this request; it ends with ("done", "cancelled") at the next step."""
@@ -142,6 +145,7 @@ class Engine:
         self._last: list[int] = []  # each row's latest token, the next step's input
         self._seeds = itertools.count(torch.initial_seed() % 2**62)
         self.prefill_chunk = prefill_chunk
+        self._bitmask: torch.Tensor | None = None  # the constrained rows' allowed tokens, refilled each step
         self._filling: list[_Filling] = []  # admitted, prompt not prefilled yet (in order)
         self._prefixes: list[_Prefix] = []  # the last prefilled prompts, most recent last
         self._prefix_cache = prefix_cache
@@ -245,6 +249,8 @@ class Engine:
                 continue
             seed = request.params.seed if request.params.seed is not None else next(self._seeds)
             request._generator = torch.Generator().manual_seed(seed)
+            if request.params.grammar is not None:
+                request._matcher = request.params.grammar.matcher()
             self._filling.append(_Filling(request))
         return True
 
@@ -359,6 +365,7 @@ class Engine:
             self._deliver(row, tokens[row], None if logprobs is None else logprobs[row],
                           None if reported is None else reported[row])
 
+    @torch.inference_mode()
     def _sample(self, logits: torch.Tensor, requests: list[Request]
                 ) -> tuple[torch.Tensor, list[float] | None, list[TokenLogprob] | None]:
         """The next token of each row (on the CPU); when any request keeps them, each one's
@@ -366,6 +373,16 @@ class Engine:
         one's ``TokenLogprob`` under the model's own distribution."""
         params = [r.params for r in requests]
         dev = logits.device
+        wanted = [p.top_logprobs for p in params if p.top_logprobs is not None]
+        raw = logits
+        constrained = [row for row, r in enumerate(requests) if r._matcher is not None]
+        if constrained:
+            if wanted:
+                raw = logits.clone()  # what is reported is the model's own distribution, before the mask
+            if self._bitmask is None:
+                self._bitmask = new_bitmask(self.max_batch_size, logits.size(-1))
+            fill_bitmask([(requests[row]._matcher, row) for row in constrained], self._bitmask)
+            apply_bitmask(logits, self._bitmask, constrained)
         temperature = torch.tensor([p.temperature for p in params], device=dev)
         if all(p.temperature == 0 for p in params):
             tokens = logits.argmax(dim=-1)
@@ -377,8 +394,7 @@ class Engine:
         if any(p.logprobs for p in params):
             scaled = logits.float() / torch.where(temperature > 0, temperature, 1.0)[:, None]
             logprobs = (scaled.gather(-1, tokens[:, None]).squeeze(-1) - scaled.logsumexp(-1)).tolist()
-        wanted = [p.top_logprobs for p in params if p.top_logprobs is not None]
-        reported = sampled_logprobs(logits, tokens, max(wanted)) if wanted else None
+        reported = sampled_logprobs(raw, tokens, max(wanted)) if wanted else None
         return tokens.cpu(), logprobs, reported
 
     def _deliver(self, row: int, token: int, logprob: float | None = None,
@@ -389,6 +405,12 @@ class Engine:
             request.logprobs.append(logprob)
         if request.cancelled:
             reason = "cancelled"
+        elif request._matcher is not None and not request._matcher.accept(token):
+            # Only possible if the mask was not applied: end the request rather than break its format.
+            self._emit(request, ("error", f"token {token} is outside the reply's grammar "
+                                          f"({request._matcher.error or 'not allowed'})"))
+            self._free(row)
+            return
         elif token == self.eos_id:
             reason = "stop"
         else:
@@ -402,6 +424,9 @@ class Engine:
         if reason is None:
             return
         self._emit(request, ("done", reason))
+        self._free(row)
+
+    def _free(self, row: int) -> None:
         self._cache.remove_row(row)
         last = len(self._rows) - 1
         self._rows[row], self._last[row] = self._rows[last], self._last[last]

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmforge.chat import TOOL_CALL_OPEN, parse_tool_calls
 from lmforge.errors import LMForgeError
+from lmforge.infer.constrain import GrammarCompiler
 from lmforge.infer.engine import Engine, EngineClosed, QueueFull, SamplingParams
 from lmforge.infer.logprobs import TokenLogprob
 from lmforge.serve.logprobs import Entry, TokenScores, chat_logprobs, completion_logprobs
@@ -56,10 +57,11 @@ class Generation:
     log-probabilities with that many most likely tokens; with echo, of the prompt's tokens too."""
 
     def __init__(self, engine: Engine, choices: list[Choice], common: Common, max_tokens: int,
-                 top_logprobs: int | None = None):
+                 top_logprobs: int | None = None, grammar: Any = None):
         self.engine, self.choices, self.common = engine, choices, common
         self.max_tokens = max_tokens
         self.top_logprobs = top_logprobs
+        self.grammar = grammar  # the constraint every choice's reply follows (lmforge.infer.constrain)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.open = len(choices)
 
@@ -72,7 +74,8 @@ class Generation:
                 scored = choice.echo is not None and (self.top_logprobs is not None or self.max_tokens == 0)
                 params = SamplingParams(self.max_tokens, c.temperature, c.top_p, c.top_k, seed,
                                         top_logprobs=self.top_logprobs,
-                                        prompt_logprobs=(self.top_logprobs or 0) if scored else None)
+                                        prompt_logprobs=(self.top_logprobs or 0) if scored else None,
+                                        grammar=self.grammar)
 
                 def on_event(event, index=choice.index):
                     loop.call_soon_threadsafe(self.queue.put_nowait, (index, event))
@@ -185,6 +188,26 @@ def create_app(engine: Engine, tokenizer: Any, model_id: str, api_key: str | Non
     app.openapi = lambda: app.openapi_schema or _openapi_document(app, model_id, tokenizer.vocab_size, n_ctx)
     created = int(time.time())
     n_ctx = engine.n_ctx
+    compilers: list[GrammarCompiler] = []  # built at the first constrained request (~0.2 s at 50k tokens)
+
+    def grammar_for(req: ChatRequest):
+        """The compiled grammar of the request's constraint; a 400 naming what cannot be compiled."""
+        c = req.constraint
+        if c is None:
+            return None
+        param = "tool_choice" if c.kind == "tool_calls" else "response_format"
+        try:
+            if not compilers:
+                compilers.append(GrammarCompiler(tokenizer, engine.model.config.vocab_size))
+            compiler = compilers[0]
+            if c.kind == "json_object":
+                return compiler.json_object()
+            if c.kind == "json_schema":
+                return compiler.json_schema(c.schema)
+            return compiler.tool_calls(req.tools, name=c.tool, parallel=c.parallel)
+        except LMForgeError as e:
+            where = "response_format.json_schema.schema: " if c.kind == "json_schema" else ""
+            raise bad(f"{where}{e}", param) from None
 
     def error_response(e: APIError, headers: dict | None = None) -> JSONResponse:
         if e.status == 401:
@@ -301,10 +324,11 @@ def create_app(engine: Engine, tokenizer: Any, model_id: str, api_key: str | Non
             raise bad(str(e), "messages") from None
         ids = [tokenizer.eos_id, *tokenizer.encode(prompt)]
         max_tokens = max_tokens_for(c, [ids], default=None, prompt_param="messages")
+        grammar = grammar_for(req)
         marker = TOOL_CALL_OPEN if req.tools else None
         choices = [Choice(j, ids, ChoiceText(tokenizer, c.stop, hold_marker=marker),
                           scores=None if req.top_logprobs is None else TokenScores(tokenizer)) for j in range(c.n)]
-        gen = Generation(engine, choices, c, max_tokens, top_logprobs=req.top_logprobs)
+        gen = Generation(engine, choices, c, max_tokens, top_logprobs=req.top_logprobs, grammar=grammar)
         gen.start()
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 

@@ -106,7 +106,7 @@ class Message(_Open):
         {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
         {"required": ["tool_calls"], "properties": {"tool_calls": {"minItems": 1}}}]})
 
-    role: Literal[ROLES]
+    role: Literal[(*ROLES, "developer")] = Field(description="developer is read as system (OpenAI's newer name).")
     content: Union[str, list[TextPart], None] = Field(None, description="Required unless the message has "
                                                       "tool_calls.")
     tool_calls: Optional[list[dict[str, Any]]] = None
@@ -123,8 +123,28 @@ class Tool(_Open):
     function: FunctionSpec
 
 
+class JSONSchemaFormat(_Open):
+    name: str = Field(description="A name for the schema (not used).")
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema", description="The JSON Schema the reply follows.")
+    strict: Optional[bool] = Field(None, description="Accepted: replies always follow the schema, and an object "
+                                   "schema listing its properties allows no others unless it says so.")
+    description: Optional[str] = None
+
+
 class ResponseFormat(_Closed):
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"] = Field(description="json_object: the reply is a JSON "
+                                                                "object; json_schema: it validates against the "
+                                                                "schema. Enforced by constrained decoding.")
+    json_schema: Optional[JSONSchemaFormat] = Field(None, description='With "type": "json_schema".')
+
+
+class NamedFunction(_Closed):
+    name: str
+
+
+class NamedToolChoice(_Closed):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatBody(CommonBody):
@@ -132,9 +152,12 @@ class ChatBody(CommonBody):
 
     messages: list[Message] = Field(min_length=1)
     tools: Optional[list[Tool]] = None
-    tool_choice: Optional[Literal["auto", "none"]] = Field(None, description="lmforge serve does not force calls.")
+    tool_choice: Union[Literal["auto", "none", "required"], NamedToolChoice, None] = Field(
+        None, description="required: the reply is one or more calls of the tools; a named function: calls of it "
+        "(enforced by constrained decoding); none: the tools are not shown to the model.")
     max_completion_tokens: Optional[int] = Field(None, ge=1, description="The newer name of max_tokens.")
-    parallel_tool_calls: Optional[bool] = Field(None, description="Accepted and ignored.")
+    parallel_tool_calls: Optional[bool] = Field(None, description="With tool_choice required or named: false "
+                                                "allows one call only (default: several).")
     response_format: Optional[ResponseFormat] = None
     logprobs: Optional[bool] = Field(None, description=(
         "Return each content token's log-probability (choices[].logprobs.content). They are the model's own "
@@ -322,11 +345,22 @@ def parse_completion(body: dict, model_id: str, vocab_size: int) -> CompletionRe
 
 
 @dataclass
+class Constraint:
+    """What constrained decoding must enforce on a chat reply."""
+
+    kind: str  # "json_object", "json_schema" or "tool_calls"
+    schema: dict[str, Any] | None = None  # json_schema's schema
+    tool: str | None = None  # tool_calls: the one tool named by tool_choice (None: any of the tools)
+    parallel: bool = True  # tool_calls: several calls allowed
+
+
+@dataclass
 class ChatRequest:
     common: Common
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] = field(default_factory=list)
     top_logprobs: int | None = None  # with "logprobs": true, the N most likely tokens too (0 by default)
+    constraint: Constraint | None = None
 
 
 def parse_chat(body: dict, model_id: str) -> ChatRequest:
@@ -338,12 +372,16 @@ def parse_chat(body: dict, model_id: str) -> ChatRequest:
         raise bad(f"'{name}' belongs to /v1/completions; a chat request sends 'messages' (its prompt's "
                   "log-probabilities are scored with POST /v1/completions, echo and max_tokens 0)", name)
     common = _common(body, set(ChatBody.model_fields), model_id)
+    messages = body.get("messages")
+    if isinstance(messages, list):  # developer is OpenAI's newer name for system
+        messages = [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m
+                    for m in messages]
     logprobs = _bool(body, "logprobs", False)
     top = _int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
     if top is not None and not logprobs:
         raise bad("'top_logprobs' needs \"logprobs\": true", "top_logprobs")
     try:
-        messages = check_messages(body.get("messages"))
+        messages = check_messages(messages)
     except LMForgeError as e:
         raise bad(str(e), "messages") from None
     tools = body.get("tools") or []
@@ -352,13 +390,64 @@ def parse_chat(body: dict, model_id: str) -> ChatRequest:
             and isinstance(t["function"].get("name"), str) for t in tools):
         raise bad("'tools' must be a list of {\"type\": \"function\", \"function\": {\"name\": ..., "
                   "\"parameters\": {...}}}", "tools")
-    choice = body.get("tool_choice")
-    if choice == "none":
+    parallel = _bool(body, "parallel_tool_calls", True)
+    constraint = _tool_choice(body.get("tool_choice"), tools, parallel)
+    if body.get("tool_choice") == "none":
         tools = []
-    elif choice not in (None, "auto"):
-        raise bad("'tool_choice' can be \"auto\" or \"none\": lmforge serve does not force calls", "tool_choice")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise bad("'response_format' other than {\"type\": \"text\"} is not supported by lmforge serve",
+    fmt = _response_format(body.get("response_format"))
+    if fmt is not None:
+        if constraint is not None:
+            raise bad("'response_format' and a forced tool call ('tool_choice' required or a named function) "
+                      "exclude each other: the reply is either the calls or the JSON", "response_format")
+        if tools:
+            raise bad("'response_format' JSON with 'tools' the model may call is not supported: send "
+                      "\"tool_choice\": \"none\" (a JSON reply) or \"required\" (a call)", "response_format")
+        constraint = fmt
+    return ChatRequest(common, messages, tools, top_logprobs=(top or 0) if logprobs else None,
+                       constraint=constraint)
+
+
+def _tool_choice(choice: Any, tools: list[dict[str, Any]], parallel: bool) -> Constraint | None:
+    """The constraint ``tool_choice`` asks for: None for auto / none."""
+    if choice in (None, "auto", "none"):
+        return None
+    if choice == "required":
+        name = None
+    elif (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
+          and isinstance(choice["function"].get("name"), str) and set(choice) == {"type", "function"}):
+        name = choice["function"]["name"]
+    else:
+        raise bad("'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", "
+                  "\"function\": {\"name\": NAME}}", "tool_choice")
+    if not tools:
+        raise bad("'tool_choice' forces a tool call but the request has no 'tools'", "tool_choice")
+    names = [t["function"]["name"] for t in tools]
+    if name is not None and name not in names:
+        raise bad(f"'tool_choice' names the function {name!r}, which is not among the tools ({', '.join(names)})",
+                  "tool_choice")
+    return Constraint("tool_calls", tool=name, parallel=parallel)
+
+
+def _response_format(fmt: Any) -> Constraint | None:
+    """The constraint ``response_format`` asks for: None for text."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    allowed = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}.get(kind)
+    if allowed is None or set(fmt) - allowed:
+        raise bad("'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                  "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}",
                   "response_format")
-    return ChatRequest(common, messages, tools, top_logprobs=(top or 0) if logprobs else None)
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint("json_object")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        raise bad("'response_format.json_schema' must be an object with a 'schema' (a JSON Schema object)",
+                  "response_format")
+    extra = set(spec) - {"name", "schema", "strict", "description"}
+    if extra:
+        raise bad(f"'response_format.json_schema' has unknown fields: {', '.join(sorted(extra))}", "response_format")
+    schema = spec.get("schema")
+    return Constraint("json_object") if not schema else Constraint("json_schema", schema=schema)
