@@ -20,12 +20,13 @@ xgrammar, then the cost of the mask through a real model.
    the same either way; the whole-step difference is within the forward's noise for GPT-2, so the
    mask's own time, fill + apply + accept, is the overhead figure); sampled is what the engine does,
    where ``sample_rows`` sorts each row and a mostly -inf row sorts faster than the mask costs.
-3. ``--validity CHECKPOINT``: the tool-call validity of a tool-calling model on lmforge's generated
-   tool-calling test rows that expect a call, greedy, without and with the ``tool_calls`` grammar
-   (``tool_call_validity``).
+3. **Tool-call validity**: the test suite's tiny tool-calling model (``make_tool_sft_checkpoint``: a
+   2 x 64 llama, 200 sft steps on lmforge's generated tool-calling rows), trained with each of
+   ``--validity-seeds``, served by a real ``lmforge serve`` and asked the test rows that expect a call,
+   greedy, with ``tool_choice`` "auto" (unconstrained) and "required" (the tools grammar).
 
     OMP_NUM_THREADS=1 python benchmarks/constrained_decoding.py [--vocabs 4096,50257] [--rounds 3]
-        [--steps 16] [--no-model] [--validity CKPT --rows 100] [--json out.json]
+        [--steps 16] [--no-model] [--validity-seeds 0,1,2 --rows 100] [--json out.json]
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ from pathlib import Path
 import torch
 from common import cpu_name
 
-from lmforge.chat import parse_tool_calls
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
 from lmforge.errors import LMForgeError
 from lmforge.infer.constrain import GrammarCompiler, apply_bitmask, fill_bitmask, new_bitmask
 from lmforge.infer.generate import sample_rows
@@ -424,51 +426,40 @@ def decode_figures(model: GPT, tokenizer: Tokenizer, batch: int, steps: int, rou
 
 # ---- tool-call validity (item 2: with and without constraints) -------------------------------------------------
 @torch.inference_mode()
-def tool_call_validity(model, tokenizer: Tokenizer, rows: list[dict], constrained: bool,
-                       max_new_tokens: int = 96) -> dict:
-    """Greedy replies of ``model`` to ``rows`` (lmforge.posttrain.toolcalls rows whose last message is a
-    call), prompted with the row's tools; ``constrained``: under the ``tool_calls`` grammar of those
-    tools (``tool_choice: "required"``). A reply is valid when it holds at least one call and every
-    call names one of the tools with arguments that validate against its parameters; ``right_tool``:
-    its first call names the reference tool."""
+def tool_call_validity(checkpoint: Path, rows: list[dict], tool_choice: str) -> dict:
+    """Greedy replies of ``checkpoint`` served by a real ``lmforge serve`` (the official ``openai``
+    client) to ``rows`` (lmforge.posttrain.toolcalls rows whose last message is a call), with the row's
+    tools and ``tool_choice`` ("auto": the model decides, unconstrained; "required": the tools grammar).
+    A reply is valid when it holds at least one call and every call names one of the tools with
+    arguments that validate against its parameters; ``right_tool``: its first call names the
+    reference tool; ``cut``: the reply ran into the context's end (a string the model never closes)."""
     import jsonschema
+    import openai
+    from serve_helpers import Server
 
-    device = next(model.parameters()).device
-    compiler = GrammarCompiler(tokenizer, model.config.vocab_size) if constrained else None
-    bitmask = new_bitmask(1, model.config.vocab_size)
-    valid = right = ended = 0
-    for row in rows:
-        prompt = tokenizer.encode(tokenizer.apply_chat_template(row["messages"][:-1], tools=row["tools"]))
-        matcher = compiler.tool_calls(row["tools"]).matcher() if compiler else None
-        cache = model.new_kv_cache(1)
-        logits = model.logits(torch.tensor([prompt], device=device), kv_cache=cache, last_only=True)[:, -1]
-        out: list[int] = []
-        for _ in range(max_new_tokens):
-            if matcher is not None:
-                matcher.fill(bitmask, 0)
-                apply_bitmask(logits, bitmask, [0])
-            token = int(logits.argmax(-1))
-            if matcher is not None and not matcher.accept(token):
-                break
-            if token == tokenizer.eos_id:
-                ended += 1
-                break
-            out.append(token)
-            logits = model.logits(torch.tensor([[token]], device=device), kv_cache=cache)[:, -1]
-        _, calls = parse_tool_calls(tokenizer.decode(out))
-        params = {(t.get("function") or t)["name"]: (t.get("function") or t).get("parameters") or {"type": "object"}
-                  for t in row["tools"]}
-        ok = bool(calls)
-        for call in calls:
-            try:
-                jsonschema.validate(json.loads(call.arguments), params[call.name])
-            except (KeyError, jsonschema.ValidationError):
-                ok = False
-        valid += ok
-        reference = row["messages"][-1]["tool_calls"][0]["function"]["name"]
-        right += bool(calls) and calls[0].name == reference
-    n = len(rows)
-    return {"rows": n, "valid": valid / n, "right_tool": right / n, "ended": ended / n}
+    server = Server(checkpoint, "--max-batch-size", "16")
+    valid = right = cut = 0
+    try:
+        client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=600)
+        for row in rows:
+            reply = client.chat.completions.create(model="tiny", messages=row["messages"][:-1], tools=row["tools"],
+                                                   tool_choice=tool_choice, temperature=0)  # up to the context
+            calls = reply.choices[0].message.tool_calls or []
+            cut += reply.choices[0].finish_reason == "length"
+            params = {(t.get("function") or t)["name"]: (t.get("function") or t).get("parameters")
+                      or {"type": "object"} for t in row["tools"]}
+            ok = bool(calls)
+            for call in calls:
+                try:
+                    jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
+                except (KeyError, ValueError, jsonschema.ValidationError):
+                    ok = False
+            valid += ok
+            reference = row["messages"][-1]["tool_calls"][0]["function"]["name"]
+            right += bool(calls) and calls[0].function.name == reference
+    finally:
+        server.stop()
+    return {"rows": len(rows), "valid": valid / len(rows), "right_tool": right / len(rows), "cut": cut / len(rows)}
 
 
 def validity_rows(n: int, seed: int = 0) -> list[dict]:
@@ -486,7 +477,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=16, help="decode steps per timed model run")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-model", action="store_true", help="skip the decode loop through the models")
-    p.add_argument("--validity", default=None, help="a tool-calling checkpoint: its validity with/without constraints")
+    p.add_argument("--validity-seeds", default="0,1,2", help="train the tests' tool-calling model with each seed "
+                   "and measure its tool-call validity through lmforge serve, unconstrained and forced ('' = skip)")
     p.add_argument("--rows", type=int, default=100)
     p.add_argument("--work", default=None, help="where the tokenizers are kept (default: a temporary folder)")
     p.add_argument("--json", default=None)
@@ -551,17 +543,20 @@ def main() -> None:
                           f"{fig['overhead_ms']:+.2f} ({fig['overhead_pct']:+.1f}%) | {fig['mask_ms']:.2f} | "
                           f"{fig['mask_ms'] / fig['free_ms']:.1%} |", flush=True)
 
-    if args.validity:
-        from lmforge.infer.loading import load_for_inference
+    if args.validity_seeds:
+        from posttrain_helpers import make_tool_sft_checkpoint
 
-        model, tokenizer, _ = load_for_inference(args.validity, device="cpu")
         rows = validity_rows(args.rows)
-        results["validity"] = {mode: tool_call_validity(model, tokenizer, rows, mode == "constrained")
-                               for mode in ("free", "constrained")}
-        print(f"\n## tool-call validity of {args.validity} on {len(rows)} rows expecting a call (greedy)")
-        for mode, fig in results["validity"].items():
-            print(f"| {mode} | valid {fig['valid']:.1%} | right tool {fig['right_tool']:.1%} | "
-                  f"ended {fig['ended']:.1%} |")
+        results["validity"] = {}
+        print(f"\n## tool-call validity through lmforge serve, {len(rows)} test rows expecting a call, greedy; "
+              "the tests' tiny tool-calling model (2 x 64 llama, 200 sft steps), one per seed")
+        print("| seed | tool_choice | valid calls | right tool | cut by the context |\n| --- | --- | --- | --- | --- |")
+        for seed in map(int, args.validity_seeds.split(",")):
+            checkpoint = make_tool_sft_checkpoint(work / f"tool_sft_{seed}", seed=seed).checkpoint
+            for choice in ("auto", "required"):
+                fig = results["validity"][f"seed {seed} {choice}"] = tool_call_validity(checkpoint, rows, choice)
+                print(f"| {seed} | {choice} | {fig['valid']:.1%} | {fig['right_tool']:.1%} | {fig['cut']:.1%} |",
+                      flush=True)
 
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
