@@ -11,6 +11,7 @@ from lmforge.cli_common import (
     add_baseline_args,
     add_device_args,
     add_precision_arg,
+    add_quantize_arg,
     add_sampling_args,
     formatter,
 )
@@ -163,18 +164,72 @@ def _add_eval(sub) -> None:
                        formatter_class=formatter, allow_abbrev=False,
                        description="Evaluate a checkpoint (a step directory, best/, or a run directory). What is "
                                    "scored depends on the training kind of its model; options under a kind's "
-                                   f"heading apply to that kind only. {_kinds_text('eval')}")
+                                   f"heading apply to that kind only. {_kinds_text('eval')} With --tasks, "
+                                   "language models (gpt family) run lm-evaluation-harness tasks instead "
+                                   "(docs/eval.md).")
     p.add_argument("checkpoint", help="checkpoint directory or run directory")
     p.add_argument("--data", default=None, help="held-out data: a prepared directory of the checkpoint's kind, or "
                    "raw sources (language models) / a Sudoku CSV (puzzle models)")
     p.add_argument("--split", default=None, help="split of the data directory (default: val for language models, "
                    "test otherwise)")
     p.add_argument("--limit", type=int, default=0, help="score only the first N items: tokens (language models), "
-                   "puzzles, functions (0 = all)")
+                   "puzzles, functions, examples of each task (--tasks) (0 = all)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
+    harness = p.add_argument_group("lm-evaluation-harness (language models; pip install 'lmforge[eval]')")
+    harness.add_argument("--tasks", default=None, metavar="NAME[,NAME]",
+                         help="run these lm-evaluation-harness tasks, groups or tags (hellaswag, arc_easy, piqa, "
+                              "lambada_openai ...; `lm-eval ls tasks` lists them) in this process, and print "
+                              "their table; the results JSON goes to RUN_DIR/eval/. Also takes --limit, "
+                              "--batch-size (rows of the model's context per forward; default 8 on CPUs, 32 "
+                              "on GPUs), --device and --json")
+    harness.add_argument("--num-fewshot", type=int, default=None, metavar="N",
+                         help="few-shot examples in each context (default: each task's own, else 0)")
+    harness.add_argument("--include-path", action="append", default=[], metavar="DIR",
+                         help="a directory of task YAML files of your own (repeatable)")
+    harness.add_argument("--no-cache", action="store_true",
+                         help="do not reuse or store model answers (RUN_DIR/eval/lm_eval_cache/)")
+    harness.add_argument("--log-samples", action="store_true",
+                         help="keep every sample's prompt, answers and scores in the results JSON")
+    harness.add_argument("--confirm-run-unsafe-code", action="store_true",
+                         help="allow tasks that execute the model's code (HumanEval, MBPP)")
     _add_kind_options(p, "eval")
-    p.set_defaults(func=_run_for_kind)
+    p.set_defaults(func=_cmd_eval)
+
+
+HARNESS_OPTIONS = ("--num-fewshot", "--include-path", "--no-cache", "--log-samples", "--confirm-run-unsafe-code")
+
+
+def _cmd_eval(args) -> int:
+    """`lmforge eval`: the checkpoint kind's own evaluation, or lm-evaluation-harness tasks (--tasks)."""
+    given = {token.split("=", 1)[0] for token in args.argv if token.startswith("--")}
+    if args.tasks is None:
+        stray = [o for o in HARNESS_OPTIONS if o in given]
+        if stray:
+            raise LMForgeError(f"{', '.join(stray)} go with --tasks (lm-evaluation-harness tasks)")
+        return _run_for_kind(args)
+    other = sorted(o for o in given if o in ("--data", "--split")
+                   or (o in args.kind_options and o != "--batch-size"))
+    if other:
+        raise LMForgeError(f"{', '.join(other)} cannot be combined with --tasks: --tasks runs lm-evaluation-harness "
+                           "tasks on their own data (see `lmforge eval --help`)")
+    if args.limit < 0 or (args.num_fewshot is not None and args.num_fewshot < 0):
+        raise LMForgeError("--limit and --num-fewshot must be >= 0")
+    from lmforge.eval.harness import run_tasks
+
+    out = run_tasks(args.checkpoint, args.tasks, limit=args.limit or None, device=args.device,
+                    batch_size=args.batch_size, num_fewshot=args.num_fewshot, include_path=args.include_path,
+                    use_cache=not args.no_cache, log_samples=args.log_samples,
+                    confirm_run_unsafe_code=args.confirm_run_unsafe_code)
+    if args.json:
+        print(json.dumps({k: v for k, v in out.results.items() if k != "samples"}, indent=2))
+    else:
+        print(out.table)
+        computed = ", ".join(f"{n} {kind}" for kind, n in out.results["lmforge"]["computed_requests"].items() if n)
+        cache = out.results["lmforge"]["cache"]
+        print(f"results: {out.path}\nmodel answers computed: {computed or 'none'}"
+              + (f" (the others from the cache {cache})" if cache else ""))
+    return 0
 
 
 def _add_generate(sub) -> None:
@@ -285,7 +340,12 @@ def _add_serve(sub) -> None:
     p.add_argument("--model-name", default=None,
                    help="model id clients use (default RUN-CHECKPOINT, e.g. go_coder_tiny-best)")
     p.add_argument("--max-batch-size", type=int, default=16, help="sequences decoded together; more wait in a queue")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens prefilled per step between decode "
+                   "steps: a long prompt delays running replies by one chunk's forward")
+    p.add_argument("--prefix-cache", type=int, default=4, help="prompts whose keys and values are kept for prompts "
+                   "that start the same way (0 = off)")
     add_device_args(p)
+    add_quantize_arg(p)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (info logs each request)")
     p.set_defaults(func=_cmd_serve)
@@ -298,7 +358,8 @@ def _cmd_serve(args) -> int:
 
     serve(args.checkpoint, host=args.host, port=args.port, api_key=args.api_key or os.environ.get("LMFORGE_API_KEY"),
           model_id=args.model_name, max_batch_size=args.max_batch_size, device=args.device, precision=args.precision,
-          log_level=args.log_level)
+          log_level=args.log_level, quantize=args.quantize, prefill_chunk=args.prefill_chunk,
+          prefix_cache=args.prefix_cache)
     return 0
 
 
@@ -312,6 +373,7 @@ def _add_chat(sub) -> None:
     add_sampling_args(p, max_new_tokens=512)
     p.add_argument("--max-tokens", type=int, dest="max_new_tokens", help=argparse.SUPPRESS)  # lmforge 0.1
     add_device_args(p)
+    add_quantize_arg(p)
     p.set_defaults(func=_cmd_chat)
 
 
@@ -319,7 +381,8 @@ def _cmd_chat(args) -> int:
     from lmforge.infer.terminal_chat import chat
 
     chat(args.checkpoint, system=args.system, max_tokens=args.max_new_tokens, temperature=args.temperature,
-         top_p=args.top_p, top_k=args.top_k, seed=args.seed, device=args.device, precision=args.precision)
+         top_p=args.top_p, top_k=args.top_k, seed=args.seed, device=args.device, precision=args.precision,
+         quantize=args.quantize)
     return 0
 
 

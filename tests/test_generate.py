@@ -9,7 +9,6 @@ import torch
 
 from lmforge.errors import LMForgeError
 from lmforge.infer import StreamingDecoder, generate_text, generate_tokens, sample_next
-from lmforge.infer.generate import sample_rows
 from lmforge.models.gpt import GPT, GPTConfig
 
 VOCAB = 260  # ByteTokenizer: 4 special ids + 256 bytes
@@ -56,23 +55,6 @@ def test_sample_next_greedy_top_k_and_top_p():
     assert set(sample_next(logits, 1.0, top_p=0.5, generator=gen).tolist()) == {1, 3}
     assert set(sample_next(logits, 1.0, top_p=0.4, generator=gen).tolist()) == {1}
     assert set(sample_next(logits, 1.0, generator=gen).tolist()) == {0, 1, 2, 3}
-
-
-def test_sampling_without_top_k_or_top_p_skips_the_sort_and_keeps_the_distribution():
-    """Without top-k / top-p the inverse CDF is taken in vocabulary order (no sort): both ways draw
-    each token with its softmax probability at the temperature (counted over 20,000 draws)."""
-    probs = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15])
-    logits = torch.log(probs).repeat(20_000, 1)
-    uniform = torch.rand(20_000, generator=torch.Generator().manual_seed(0))
-    want = torch.softmax(torch.log(probs) / 0.7, -1)
-    for truncated in (True, False):
-        tokens = sample_rows(logits, torch.full((20_000,), 0.7), torch.zeros(20_000, dtype=torch.long),
-                             torch.ones(20_000), uniform, truncated=truncated)
-        freq = torch.bincount(tokens, minlength=5).float() / 20_000
-        assert torch.allclose(freq, want, atol=0.015), (truncated, freq, want)
-    greedy_row = sample_rows(logits[:2], torch.tensor([0.0, 1.0]), torch.zeros(2, dtype=torch.long), torch.ones(2),
-                             torch.tensor([0.99, 0.99]), truncated=False)
-    assert greedy_row.tolist() == [1, 4]  # greedy stays greedy; u = 0.99 is the vocabulary's last token
 
 
 def test_sample_next_is_vectorised_per_row():

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lmforge.infer.loading import load_for_inference
+from lmforge.serve.logprobs import token_string
 
 from .serve_helpers import GREETING, HELLO, Server, train_chat_model
 
@@ -68,7 +69,12 @@ def test_echo_with_logprobs_scores_the_prompt_and_the_reply_like_a_direct_forwar
     got = choice.logprobs
     generated = len(got.tokens) - len(prompt)
     assert generated == r.usage.completion_tokens >= 1
-    ids = [*prompt, *tok.encode(choice.text[len(tok.decode(prompt)):])]
+    # The sampled tokens' ids, from their strings (re-encoding the text could merge them differently).
+    by_string = {}
+    for i in range(tok.vocab_size):
+        by_string.setdefault(token_string(tok, i), []).append(i)
+    assert all(len(by_string[t]) == 1 for t in got.tokens[len(prompt):])
+    ids = [*prompt, *(by_string[t][0] for t in got.tokens[len(prompt):])]
     # Reported at temperature 1 whatever the request sampled at.
     check_scores(logprobs(ids), ids, got.token_logprobs, got.top_logprobs, 3)
     assert choice.text.startswith(tok.decode(prompt))

@@ -389,8 +389,7 @@ class Engine:
         else:
             uniform = torch.tensor([float(torch.rand((), generator=r._generator)) for r in requests])
             tokens = sample_rows(logits, temperature, torch.tensor([p.top_k for p in params], device=dev),
-                                 torch.tensor([p.top_p for p in params], device=dev), uniform.to(dev),
-                                 truncated=any(p.top_k > 0 or p.top_p < 1 for p in params))
+                                 torch.tensor([p.top_p for p in params], device=dev), uniform.to(dev))
         logprobs = None
         if any(p.logprobs for p in params):
             scaled = logits.float() / torch.where(temperature > 0, temperature, 1.0)[:, None]

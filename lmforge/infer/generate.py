@@ -29,16 +29,13 @@ def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
 
 
 def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                uniform: torch.Tensor, truncated: bool = True) -> torch.Tensor:
+                uniform: torch.Tensor) -> torch.Tensor:
     """Pick one token per row of ``[B, V]`` logits, each row with its own settings (``[B]`` tensors).
 
     ``temperature`` 0 = greedy; ``top_k`` 0 = off; ``top_p`` 1 = off (nucleus: keep the most likely
     tokens until their probability reaches ``top_p``). ``uniform`` holds one draw in [0, 1) per row,
     turned into a token by the inverse CDF: the caller owns the randomness, so a request with its
-    own seed samples the same tokens whatever else is in the batch. ``truncated`` False (the caller
-    knows no row uses top-k or top-p) skips sorting the vocabulary: the inverse CDF is taken in
-    vocabulary order, the same distribution without the sort (most of a step's sampling time at a
-    50k vocabulary).
+    own seed samples the same tokens whatever else is in the batch.
     """
     logits = logits.float()
     greedy = temperature <= 0
@@ -46,10 +43,6 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     if bool(greedy.all()):
         return best
     scaled = logits / torch.where(greedy, 1.0, temperature.float())[:, None]
-    if not truncated:
-        cdf = scaled.softmax(dim=-1).cumsum(dim=-1)
-        index = (cdf < uniform[:, None] * cdf[:, -1:]).sum(dim=-1).clamp_max(logits.size(-1) - 1)
-        return torch.where(greedy, best, index)
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     ranks = torch.arange(logits.size(-1), device=logits.device)
     outside_k = (top_k[:, None] > 0) & (ranks >= top_k[:, None])
@@ -72,7 +65,7 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, 
     uniform = torch.rand(n, generator=generator, device=generator.device if generator else "cpu").to(device)
     return sample_rows(logits, torch.full((n,), float(temperature), device=device),
                        torch.full((n,), top_k, device=device), torch.full((n,), float(top_p), device=device),
-                       uniform, truncated=top_k > 0 or top_p < 1)
+                       uniform)
 
 
 def generate_tokens(model: Any, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.8,

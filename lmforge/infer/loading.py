@@ -41,18 +41,21 @@ def inference_dtype(precision: str, device) -> torch.dtype:
 
 
 def load_for_inference(checkpoint: str | Path, device: str = "auto", precision: str = "fp32",
-                       model_class: type | None = None):
+                       model_class: type | None = None, quantize: str = "none"):
     """Returns ``(model, tokenizer, device)`` with the model in eval mode, its weights in ``precision``
     (``inference_dtype``; the default fp32 is what evaluation needs). ``model_class``: the class the
-    checkpoint must hold; by default a text generator (a model with a KV cache)."""
+    checkpoint must hold; by default a text generator (a model with a KV cache). ``quantize="int8"``:
+    int8 weights for CPU decoding (``lmforge.infer.quantize``; device auto is then the CPU), with
+    ``precision`` the activations' (auto: bf16 on CPUs with bf16 units, else fp32)."""
+    from lmforge.infer.quantize import check_quantize, quantize_int8
     from lmforge.tokenizer import Tokenizer
 
     model_dir = resolve_model_dir(checkpoint)
-    dev = pick_device(device)
+    dev = pick_device(check_quantize(quantize, device, precision))
     dtype = inference_dtype(precision, dev)
     model = load_model(model_dir, map_location=dev)
     model.eval()
-    if dtype != torch.float32:
+    if dtype != torch.float32 and quantize == "none":
         model.to(dtype)
     if model_class is not None and not isinstance(model, model_class):
         raise LMForgeError(f"{model_dir} holds a {model.family!r} model, not a {model_class.family!r} model")
@@ -61,6 +64,8 @@ def load_for_inference(checkpoint: str | Path, device: str = "auto", precision: 
         what = f"`lmforge generate CKPT ...` runs it ({kind.generate.help})" if kind.generate else "it has no generate"
         raise LMForgeError(f"{model_dir} holds a {model.family!r} model (kind {kind.name}), which does not generate "
                            f"text, so this command cannot take it; {what}, and `lmforge eval` scores it")
+    if quantize != "none":
+        quantize_int8(model, dtype)  # from the checkpoint's fp32 weights
     tokenizer = Tokenizer.load(find_tokenizer(model_dir))
     vocab = getattr(model.config, "vocab_size", None)
     if vocab is not None and tokenizer.vocab_size > vocab:

@@ -19,12 +19,12 @@ HELP = "commands: /reset forgets the conversation, /exit quits (or Ctrl-D); Ctrl
 
 def chat(checkpoint: str, system: str | None = None, max_tokens: int = 512, temperature: float = 0.8,
          top_p: float = 0.95, top_k: int = 0, seed: int | None = None, device: str = "auto", precision: str = "auto",
-         stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> None:
+         stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout, quantize: str = "none") -> None:
     from lmforge.infer.loading import load_for_inference
     from lmforge.checkpoint import resolve_model_dir
 
     SamplingParams(max_tokens, temperature, top_p, top_k, seed)  # check the settings before loading
-    model, tokenizer, _ = load_for_inference(checkpoint, device, precision)
+    model, tokenizer, _ = load_for_inference(checkpoint, device, precision, quantize=quantize)
     model_dir, n_ctx = resolve_model_dir(checkpoint), model.config.n_positions
     interactive = stdin.isatty()
     base = [{"role": "system", "content": system}] if system else []

@@ -11,14 +11,15 @@ from lmforge.errors import LMForgeError
 
 
 def load_engine(checkpoint: str | Path, device: str = "auto", max_batch_size: int = 16, precision: str = "auto",
-                background: bool = True):
-    """``(engine, tokenizer, model_dir)`` for a gpt-family checkpoint."""
+                background: bool = True, quantize: str = "none", prefill_chunk: int = 512, prefix_cache: int = 4):
+    """``(engine, tokenizer, model_dir)`` for a gpt-family checkpoint (``quantize``: ``load_for_inference``)."""
     from lmforge.infer.engine import Engine
     from lmforge.infer.loading import load_for_inference
     from lmforge.checkpoint import resolve_model_dir
 
-    model, tokenizer, _ = load_for_inference(checkpoint, device, precision)
-    engine = Engine(model, eos_id=tokenizer.eos_id, max_batch_size=max_batch_size, background=background)
+    model, tokenizer, _ = load_for_inference(checkpoint, device, precision, quantize=quantize)
+    engine = Engine(model, eos_id=tokenizer.eos_id, max_batch_size=max_batch_size, background=background,
+                    prefill_chunk=prefill_chunk, prefix_cache=prefix_cache)
     return engine, tokenizer, resolve_model_dir(checkpoint)
 
 
@@ -39,7 +40,7 @@ def is_loopback(host: str) -> bool:
 
 def serve(checkpoint: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           model_id: str | None = None, max_batch_size: int = 16, device: str = "auto", precision: str = "auto",
-          log_level: str = "info") -> None:
+          log_level: str = "info", quantize: str = "none", prefill_chunk: int = 512, prefix_cache: int = 4) -> None:
     import uvicorn
 
     from lmforge.serve.app import create_app
@@ -48,12 +49,16 @@ def serve(checkpoint: str | Path, host: str = "127.0.0.1", port: int = 8000, api
         raise LMForgeError(f"--port must be in 0..65535, got {port}")
     if max_batch_size < 1:
         raise LMForgeError(f"--max-batch-size must be >= 1, got {max_batch_size}")
-    engine, tokenizer, model_dir = load_engine(checkpoint, device, max_batch_size, precision, background=False)
+    engine, tokenizer, model_dir = load_engine(checkpoint, device, max_batch_size, precision, background=False,
+                                               quantize=quantize, prefill_chunk=prefill_chunk,
+                                               prefix_cache=prefix_cache)
     model_id = model_id or default_model_id(model_dir)
     if not is_loopback(host) and not api_key:
         print(f"lmforge serve: warning: listening on {host} without --api-key: anyone who can reach this "
               "machine can use the model", file=sys.stderr)
     dtype = str(next(engine.model.parameters()).dtype).replace("torch.", "")
+    if getattr(engine.model, "quantization", None):
+        dtype = f"{engine.model.quantization} weights, {dtype} activations,"
     print(f"lmforge serve: model {model_id!r} ({model_dir}), {dtype} on {engine.device}, context {engine.n_ctx} "
           f"tokens, up to {max_batch_size} sequences per batch", file=sys.stderr)
     print(f"lmforge serve: OpenAI API at http://{host}:{port}/v1" + (" (API key required)" if api_key else ""),

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from lmforge.cli_common import require_data
+from lmforge.cli_common import add_quantize_arg, require_data
 from lmforge.errors import LMForgeError
 
 
@@ -40,6 +40,7 @@ def add_generate_args(group) -> None:
                        "become a newline and a tab. Use --prompt-file for prompts to be taken literally")
     group.add_argument("--prompt-file", default=None, help="read the prompt from this file")
     group.add_argument("--no-stop-at-eos", action="store_true", help="keep going past the end-of-document token")
+    add_quantize_arg(group)
 
 
 def run_generate(args) -> int:
@@ -52,7 +53,7 @@ def run_generate(args) -> int:
             prompt = Path(args.prompt_file).read_text()
         except (OSError, UnicodeDecodeError) as e:
             raise LMForgeError(f"cannot read --prompt-file {args.prompt_file}: {e}") from e
-    model, tokenizer, _ = load_for_inference(args.checkpoint, args.device, args.precision)
+    model, tokenizer, _ = load_for_inference(args.checkpoint, args.device, args.precision, quantize=args.quantize)
     sys.stdout.write(prompt)
     sys.stdout.flush()
 
