@@ -126,6 +126,10 @@ def test_constrained_and_free_requests_share_a_batch(client):
         return client.chat.completions.create(model="tiny", messages=GREETING, temperature=1.0, seed=8,
                                               response_format=schema_format(SCHEMA), max_tokens=150).choices[0]
 
+    # One after the other, the free request reuses the constrained one's prompt (the prefix cache):
+    # the kept logits must be the model's, not the masked ones.
+    constrained()
+    assert free().message.content == HELLO
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         frees = [pool.submit(free) for _ in range(3)]
         masked = [pool.submit(constrained) for _ in range(3)]

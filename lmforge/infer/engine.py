@@ -377,8 +377,9 @@ class Engine:
         raw = logits
         constrained = [row for row, r in enumerate(requests) if r._matcher is not None]
         if constrained:
-            if wanted:
-                raw = logits.clone()  # what is reported is the model's own distribution, before the mask
+            # Masked on a copy: the caller's logits may be a kept prompt's (the prefix cache), and what
+            # is reported is the model's own distribution, before the mask.
+            logits = logits.clone()
             if self._bitmask is None:
                 self._bitmask = new_bitmask(self.max_batch_size, logits.size(-1))
             fill_bitmask([(requests[row]._matcher, row) for row in constrained], self._bitmask)
