@@ -344,6 +344,8 @@ def _add_serve(sub) -> None:
                    "steps: a long prompt delays running replies by one chunk's forward")
     p.add_argument("--prefix-cache", type=int, default=4, help="prompts whose keys and values are kept for prompts "
                    "that start the same way (0 = off)")
+    p.add_argument("--trace-steps", default=None, metavar="FILE", help="write one JSON line per engine step (its "
+                   "prefill and decode seconds, prompt tokens, rows) to FILE, to find where latency goes")
     add_device_args(p)
     add_quantize_arg(p)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -359,7 +361,7 @@ def _cmd_serve(args) -> int:
     serve(args.checkpoint, host=args.host, port=args.port, api_key=args.api_key or os.environ.get("LMFORGE_API_KEY"),
           model_id=args.model_name, max_batch_size=args.max_batch_size, device=args.device, precision=args.precision,
           log_level=args.log_level, quantize=args.quantize, prefill_chunk=args.prefill_chunk,
-          prefix_cache=args.prefix_cache)
+          prefix_cache=args.prefix_cache, trace_steps=args.trace_steps)
     return 0
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import queue
 import warnings
 
@@ -251,6 +253,42 @@ def test_prompt_logprobs_score_every_prompt_token_and_max_tokens_0_generates_not
     assert engine.prefills == 2
 
 
+@pytest.mark.parametrize("flavor", ["gpt2", "llama"])
+def test_prompts_starting_together_share_one_packed_forward_and_score_as_alone(flavor):
+    """Six different prompts queued before the engine starts are prefilled in one forward (each
+    attending to its own tokens, at its own positions); their prompt log-probabilities equal a
+    direct forward and their greedy replies one-at-a-time generation."""
+    model = make_model(flavor)
+    prompts = [[5, 6, 7], [9] * 10, [11, 12], [13, 14, 15, 16, 17, 18, 19], [21], [40, 41, 42, 43]]
+    engine = Engine(model, eos_id=-1, max_batch_size=8, background=False)
+    got = {i: {"token": [], "prompt_logprobs": None} for i in range(len(prompts))}
+    left = [len(prompts)]
+
+    def on_event(i):
+        def f(event):
+            kind, value = event
+            if kind in ("token", "prompt_logprobs"):
+                got[i][kind] = got[i][kind] + [value] if kind == "token" else value
+            elif kind == "done":
+                left[0] -= 1
+                if not left[0]:
+                    engine.close()
+        return f
+
+    for i, prompt in enumerate(prompts):
+        engine.submit(prompt, SamplingParams(6, temperature=0, prompt_logprobs=2), on_event(i))
+    engine.run()
+    assert engine.prefill_forwards == 1 and engine.prefilled_tokens == sum(map(len, prompts))
+    for i, prompt in enumerate(prompts):
+        assert got[i]["token"] == list(generate_tokens(model, prompt, 6, temperature=0, stop_at_eos=False))
+        want = direct_logprobs(model, prompt)
+        first, *rest = got[i]["prompt_logprobs"]
+        assert first is None and [r.token for r in rest] == prompt[1:]
+        for pos, r in enumerate(rest):
+            assert r.logprob == pytest.approx(float(want[pos, prompt[pos + 1]]), abs=1e-4)
+            assert [t for t, _ in r.top] == want[pos].topk(2).indices.tolist()
+
+
 def test_scoring_settings_are_checked():
     with pytest.raises(LMForgeError, match="max_tokens must be >= 1"):
         SamplingParams(0, top_logprobs=2)
@@ -264,7 +302,9 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_decode_steps_of_runnin
     """While a 56-token prompt is prefilled 8 tokens a step, the running request keeps getting a token
     every step (counted in events, not timed); both replies equal one-at-a-time generation."""
     model = make_model("gpt2")
-    engine = Engine(model, eos_id=-1, max_batch_size=2, prefill_chunk=8, background=False)
+    steps, ticks = [], itertools.count()
+    engine = Engine(model, eos_id=-1, max_batch_size=2, prefill_chunk=8, background=False, on_step=steps.append,
+                    clock=lambda: float(next(ticks)))
     order = []
 
     def on_event(name):
@@ -284,6 +324,13 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_decode_steps_of_runnin
     # the long request's first token comes before that step's decode: 1 + 7 short tokens before it.
     assert before_long == 8
     assert engine.prefilled_tokens == 3 + 56
+    # The step trace says the same: 8 prompt tokens a step at most, the short row decoded in every step.
+    assert [s.prefilled for s in steps[:8]] == [8, 8, 8, 8, 8, 8, 8, 3]
+    assert all(s.prefilled == 0 for s in steps[8:]) and sum(s.prefilled for s in steps) == 59
+    assert [s.decoded for s in steps[:8]] == [1] * 7 + [2]
+    # The injected clock is read before the step, after its prefill and after its decode (one tick each).
+    assert all(s.prefill_seconds == (1.0 if s.prefilled else 0.0) and s.decode_seconds == 1.0 for s in steps)
+    assert [s.start for s in steps[:3]] == [0.0, 3.0, 6.0]
 
 
 def test_prompts_sharing_a_beginning_compute_it_once_and_score_as_alone():

@@ -9,6 +9,7 @@ import torch
 
 from lmforge.errors import LMForgeError
 from lmforge.infer import StreamingDecoder, generate_text, generate_tokens, sample_next
+from lmforge.infer.generate import sample_rows
 from lmforge.models.gpt import GPT, GPTConfig
 
 VOCAB = 260  # ByteTokenizer: 4 special ids + 256 bytes
@@ -55,6 +56,27 @@ def test_sample_next_greedy_top_k_and_top_p():
     assert set(sample_next(logits, 1.0, top_p=0.5, generator=gen).tolist()) == {1, 3}
     assert set(sample_next(logits, 1.0, top_p=0.4, generator=gen).tolist()) == {1}
     assert set(sample_next(logits, 1.0, generator=gen).tolist()) == {0, 1, 2, 3}
+
+
+def test_sampling_without_top_k_or_top_p_skips_the_sort_and_keeps_the_distribution():
+    """Without top-k / top-p the inverse CDF is taken in vocabulary order (no sort); top_k = the whole
+    vocabulary takes the sorted path and cuts nothing: both draw each token with its softmax
+    probability at the temperature (counted over 20,000 draws)."""
+    probs = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15])
+    n = 20_000
+    logits = torch.log(probs).repeat(n, 1)
+    uniform = torch.rand(n, generator=torch.Generator().manual_seed(0))
+    want = torch.softmax(torch.log(probs) / 0.7, -1)
+    draws = {}
+    for top_k in (0, 5):
+        tokens = sample_rows(logits, torch.full((n,), 0.7), torch.full((n,), top_k), torch.ones(n), uniform)
+        freq = torch.bincount(tokens, minlength=5).float() / n
+        assert torch.allclose(freq, want, atol=0.015), (top_k, freq, want)
+        draws[top_k] = tokens
+    assert not torch.equal(draws[0], draws[5])  # the two paths map a draw to tokens differently
+    rows = sample_rows(logits[:3], torch.tensor([0.0, 1.0, 1.0]), torch.zeros(3, dtype=torch.long), torch.ones(3),
+                       torch.tensor([0.99, 0.99, 0.0]))
+    assert rows.tolist() == [1, 4, 0]  # greedy stays greedy; u = 0.99 is the last token, u = 0 the first
 
 
 def test_sample_next_is_vectorised_per_row():

@@ -120,11 +120,16 @@ def test_checkpoints_are_gpt_models_with_the_value_model_beside_and_resume_is_ex
 
 
 def test_ppo_raises_the_held_out_reward_of_the_tool_calling_model(tmp_path, tool_sft):
-    """The tool-calling model's greedy replies to held-out prompts (never trained on) score higher with
-    the `tool_call` reward after a short ppo run, and end with eos more often."""
+    """The tool-calling model's replies to held-out prompts (never trained on) score higher with the
+    `tool_call` reward after a short ppo run, and end with eos at least as often.
+
+    Measured as ppo optimises it: the mean reward of 4 replies per prompt sampled at the rollouts'
+    temperature (fixed seeds), not one greedy reply, whose mean over 60 prompts swung with the
+    training seed (benchmarks/RESULTS.md: over seeds 1-6 this run took the sampled reward from 0.12
+    to 0.21-0.25; greedy replies of one seed fell)."""
     cfg = ppo_config(tmp_path, tool_sft, "learn", prompts_per_rollout=32, ppo_epochs=2, temperature=0.7,
-                     kl_coef=0.02, training={"max_steps": 32, "micro_batch_size": 16, "lr": 3e-4,
-                                             "eval_interval": 32})
+                     kl_coef=0.02, training={"max_steps": 64, "micro_batch_size": 16, "lr": 1e-4,
+                                             "eval_interval": 64})
     result = train(cfg)
     rows = [json.loads(line) for line in (tmp_path / "runs" / "learn" / "metrics.jsonl").read_text().splitlines()]
     train_rows = [r for r in rows if "train/kl" in r]
@@ -137,17 +142,20 @@ def test_ppo_raises_the_held_out_reward_of_the_tool_calling_model(tmp_path, tool
     rows = read_prompt_rows(tool_sft.data / "test.jsonl")
     prompts, _ = encode_prompts(tool_sft.tokenizer, rows, 512 - 40)
     rewards = load_rewards(["tool_call"])
+    k = 4
 
     def held_out(model_dir):
-        done = sample(load_model(model_dir).eval(), prompts.ids, tool_sft.tokenizer.eos_id, 40, temperature=0)
+        done = sample(load_model(model_dir).eval(), prompts.ids * k, tool_sft.tokenizer.eos_id, 40, temperature=0.7,
+                      seeds=list(range(k * len(prompts.ids))))
         texts = [tool_sft.tokenizer.decode(c.tokens) for c in done]
-        return float(rewards.total(rewards.score(prompts.rows, texts)).mean()), sum(c.ended for c in done) / len(done)
+        return (float(rewards.total(rewards.score(prompts.rows * k, texts)).mean()),
+                sum(c.ended for c in done) / len(done))
 
     before, ended_before = held_out(tool_sft.checkpoint)
     after, ended_after = held_out(result.last_checkpoint)
     assert prompt_messages(rows[0])  # the rows are prompts + references, as `lmforge data tool-calls` writes them
     print("held-out tool_call reward", before, "->", after, "eos", ended_before, "->", ended_after)
-    assert after > before + 0.03, (before, after)
+    assert after > before + 0.05, (before, after)
     assert ended_after >= ended_before
 
 

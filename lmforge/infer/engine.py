@@ -22,6 +22,11 @@ With ``SamplingParams.logprobs`` the request also keeps each sampled token's log
 (``Request.logprobs``, the closing eos's included), of the distribution it was drawn from: the
 logits divided by the temperature (1 when greedy), in fp32, before top-k / top-p narrowed it.
 
+Each step can be reported to ``on_step`` (``Step``: when it started, how long its prefill and its
+decode took, how many prompt tokens and rows each handled), read from ``clock`` (injectable, for
+tests); ``lmforge serve --trace-steps FILE`` writes them as JSON lines, to tell the engine's own
+stalls from the HTTP path's.
+
 What the HTTP API reports is the model's own distribution instead (``lmforge.infer.logprobs``):
 with ``SamplingParams.top_logprobs`` = n, each ``("token", id)`` event is preceded by
 ``("logprob", TokenLogprob)`` (its log-probability and the n most likely tokens); with
@@ -35,6 +40,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +57,9 @@ Event = tuple[str, Any]
 
 def _shared_length(a: list[int], b: list[int]) -> int:
     """How many tokens ``a`` and ``b`` start with in common."""
+    m = min(len(a), len(b))
+    if a[:m] == b[:m]:
+        return m
     n = 0
     for x, y in zip(a, b):
         if x != y:
@@ -90,6 +99,17 @@ class SamplingParams:
 
 
 @dataclass
+class Step:
+    """One turn of the engine loop, as ``on_step`` gets it (times in seconds of the engine's clock)."""
+    start: float
+    prefill_seconds: float  # 0 when no prompt was being prefilled
+    decode_seconds: float  # 0 when no row was decoding
+    prefilled: int  # prompt positions computed (copied ones from the prefix cache not counted)
+    decoded: int  # rows that got a token in the decode forward
+    waiting: int  # requests queued after the step's admissions
+
+
+@dataclass
 class _Prefix:
     """A prefilled prompt, kept for the prompts that start like it."""
     ids: list[int]
@@ -103,7 +123,8 @@ class _Prefix:
 class _Filling:
     """A request whose prompt is being prefilled, chunk by chunk."""
     request: Any
-    cache: Any = None  # its KVCache of one row, once started
+    started: bool = False  # the prefix cache was looked up
+    cache: Any = None  # its KVCache of one row, once some of it is computed or copied
     done: int = 0  # prompt positions in the cache
     prompt: list[TokenLogprob | None] | None = None  # the log-probabilities of prompt tokens 0 .. done
     logits: torch.Tensor | None = None  # at the last prompt position, once done
@@ -129,7 +150,8 @@ class Engine:
     """Continuous-batching generation over ``model`` (a ``GPT``) in a background thread."""
 
     def __init__(self, model: Any, eos_id: int, max_batch_size: int = 16, max_queue: int = 1024,
-                 background: bool = True, prefill_chunk: int = 512, prefix_cache: int = 4):
+                 background: bool = True, prefill_chunk: int = 512, prefix_cache: int = 4,
+                 on_step: Callable[[Step], Any] | None = None, clock: Callable[[], float] = time.perf_counter):
         if max_batch_size < 1:
             raise LMForgeError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if prefill_chunk < 1 or prefix_cache < 0:
@@ -151,6 +173,8 @@ class Engine:
         self._prefix_cache = prefix_cache
         self.prefills = 0  # prompts prefilled (wholly reused ones are not counted)
         self.prefilled_tokens = 0  # prompt positions computed (those copied from a shared prefix are not)
+        self.prefill_forwards = 0  # forwards that computed them (prompts starting together share one)
+        self.on_step, self.clock = on_step, clock
         self._closed = False
         self._lock = threading.Lock()  # orders submit() against close(): no request slips past the final drain
         self._thread = None
@@ -220,8 +244,12 @@ class Engine:
         while not self._closed:
             if not self._admit():
                 break
+            start = prefilled = self.clock()
+            before = self.prefilled_tokens
             if self._filling:
                 self._prefill_step()
+                prefilled = self.clock()
+            tokens, rows = self.prefilled_tokens - before, len(self._rows)
             if self._rows:
                 try:
                     self._decode_step()
@@ -230,7 +258,17 @@ class Engine:
                         self._emit(request, ("error", f"generation failed: {e}"))
                     self._rows, self._last, self._prefixes = [], [], []
                     self._cache = self.model.new_batched_kv_cache(self.max_batch_size)
+            if self.on_step is not None:
+                end = self.clock()
+                self._report(Step(start, prefilled - start, end - prefilled if rows else 0.0, tokens, rows,
+                                  self._queue.qsize()))
         self.cancel_all()
+
+    def _report(self, step: Step) -> None:
+        try:
+            self.on_step(step)
+        except Exception:  # a failing observer (a full disk) must not stop the engine: stop observing
+            self.on_step = None
 
     def _admit(self) -> bool:
         """Take waiting requests while there are free rows (blocking while there is nothing to do).
@@ -256,34 +294,81 @@ class Engine:
 
     def _prefill_step(self) -> None:
         """Prefill up to ``prefill_chunk`` prompt positions, oldest request first; a request whose
-        prompt is done gets its first token and joins the batch."""
+        prompt is done gets its first token and joins the batch. The prompts that start in this step
+        (nothing of them computed or copied yet) share one packed forward."""
         budget = self.prefill_chunk
-        while self._filling and budget > 0:
-            filling = self._filling[0]
+        fresh: list[tuple[_Filling, int]] = []
+        for filling in list(self._filling):
+            if budget <= 0:
+                break
             if filling.request.cancelled:
-                self._filling.pop(0)
+                self._filling.remove(filling)
                 self._emit(filling.request, ("done", "cancelled"))
                 continue
+            ids = filling.request.prompt_ids
+            if not filling.started and self._prefix_cache and any(
+                    2 * _shared_length(f.request.prompt_ids, ids) >= len(ids) for f, _ in fresh):
+                continue  # wait a step and copy the half or more it shares with a prompt computed now
             try:
-                budget -= self._prefill_chunk(filling, budget)
-                if filling.logits is not None:
-                    self._filling.pop(0)
-                    self._join(filling)
+                if not filling.started:
+                    filling.started = True
+                    if self._reuse(filling):
+                        continue  # the very same prompt was kept: nothing to compute
+                n = min(budget, len(ids) - filling.done)
+                budget -= n
+                if filling.cache is None:
+                    fresh.append((filling, n))
+                else:
+                    self._prefill_chunk(filling, n)
             except Exception as e:
-                if self._filling and self._filling[0] is filling:
-                    self._filling.pop(0)
-                self._emit(filling.request, ("error", f"generation failed: {e}"))
+                self._fail(filling, e)
+        if len(fresh) == 1:
+            filling, n = fresh[0]
+            filling.cache = self.model.new_kv_cache(1, max_len=len(filling.request.prompt_ids))
+            try:
+                self._prefill_chunk(filling, n)
+            except Exception as e:
+                self._fail(filling, e)
+        elif fresh:
+            try:
+                self._prefill_packed(fresh)
+            except Exception as e:
+                for filling, _ in fresh:
+                    self._fail(filling, e)
+        for filling in [f for f in self._filling if f.logits is not None]:
+            self._filling.remove(filling)
+            self._join(filling)
+
+    def _fail(self, filling: _Filling, e: Exception) -> None:
+        if filling in self._filling:
+            self._filling.remove(filling)
+        self._emit(filling.request, ("error", f"generation failed: {e}"))
 
     @torch.inference_mode()
-    def _prefill_chunk(self, filling: _Filling, budget: int) -> int:
-        """Compute the next (at most ``budget``) positions of ``filling``'s prompt; returns how many."""
-        ids, scored = filling.request.prompt_ids, filling.request.params.prompt_logprobs
-        if filling.cache is None and self._reuse(filling):
-            return 0
-        n = min(budget, len(ids) - filling.done)
-        start = filling.done
+    def _prefill_chunk(self, filling: _Filling, n: int) -> None:
+        """Compute the next ``n`` positions of ``filling``'s prompt in its own forward."""
+        ids, start = filling.request.prompt_ids, filling.done
         hidden = self.model.hidden_states(torch.tensor([ids[start:start + n]], device=self.device),
                                           kv_cache=filling.cache)[0]
+        self.prefill_forwards += 1
+        self._prefilled(filling, hidden, n)
+
+    @torch.inference_mode()
+    def _prefill_packed(self, fresh: list[tuple[_Filling, int]]) -> None:
+        """Compute the first positions of several prompts in one packed forward (``PackedPrefill``)."""
+        lengths = [n for _, n in fresh]
+        packed = self.model.new_packed_prefill(lengths)
+        ids = [t for filling, n in fresh for t in filling.request.prompt_ids[:n]]
+        hidden = self.model.hidden_states(torch.tensor([ids], device=self.device), kv_cache=packed)[0]
+        self.prefill_forwards += 1
+        caches = packed.split([len(filling.request.prompt_ids) for filling, _ in fresh])
+        for (filling, n), cache, part in zip(fresh, caches, hidden.split(lengths)):
+            filling.cache = cache
+            self._prefilled(filling, part, n)
+
+    def _prefilled(self, filling: _Filling, hidden: torch.Tensor, n: int) -> None:
+        """``hidden``: the final-norm outputs of ``filling``'s next ``n`` prompt positions, now cached."""
+        ids, scored, start = filling.request.prompt_ids, filling.request.params.prompt_logprobs, filling.done
         if scored is not None:
             filling.prompt.extend(prompt_logprobs(self.model, hidden, ids[start + 1:start + n + 1], scored))
         filling.done += n
@@ -292,11 +377,11 @@ class Engine:
             filling.logits = self.model.lm_head(hidden[-1:])[None]
             self.prefills += 1
             self._remember(filling)
-        return n
 
     def _reuse(self, filling: _Filling) -> bool:
         """Start ``filling`` from the kept prompt sharing the longest beginning with it; returns True
-        when that prompt is the very same (its logits are reused: nothing to compute)."""
+        when that prompt is the very same (its logits are reused: nothing to compute). Leaves
+        ``filling.cache`` None when nothing is shared."""
         ids, scored = filling.request.prompt_ids, filling.request.params.prompt_logprobs
         best, shared = None, 0
         for prefix in self._prefixes:
@@ -305,7 +390,7 @@ class Engine:
             n = _shared_length(prefix.ids, ids)
             if n > shared:
                 best, shared = prefix, n
-        filling.cache, filling.prompt = self.model.new_kv_cache(1), [None]
+        filling.prompt = [None]
         if best is None:
             return False
         if shared == len(ids) == len(best.ids):
@@ -319,6 +404,7 @@ class Engine:
         keep = min(shared, len(ids) - 1) - (scored is not None and shared <= len(ids) - 1)
         if keep <= 0:
             return False
+        filling.cache = self.model.new_kv_cache(1, max_len=len(ids))
         for layer in range(len(best.cache.k)):
             filling.cache.k[layer][:, :, :keep] = best.cache.k[layer][:, :, :keep]
             filling.cache.v[layer][:, :, :keep] = best.cache.v[layer][:, :, :keep]

@@ -289,6 +289,49 @@ class KVCache:
         self.pos += T
 
 
+class PackedPrefill:
+    """Several prompts prefilled in one forward: their tokens packed in one row ``[1, sum(lengths)]``,
+    each attending causally to its own tokens only (``PackedDocuments``), so the weights are read once
+    for all of them instead of once per prompt (a burst of short prompts, a batch of scored ones).
+    After the forward, ``split`` gives each prompt its own ``KVCache`` to continue from."""
+
+    def __init__(self, lengths: list[int], n_layer: int, device: torch.device | str):
+        self.lengths = list(lengths)
+        document_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
+        self.docs = PackedDocuments.from_ids(document_ids.to(device))
+        self.k: list[torch.Tensor | None] = [None] * n_layer
+        self.v: list[torch.Tensor | None] = [None] * n_layer
+
+    def positions(self, T: int, device: torch.device) -> torch.Tensor:
+        return torch.cat([torch.arange(n, device=device) for n in self.lengths])
+
+    def length_after(self, T: int) -> int:
+        return max(self.lengths)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        self.k[layer], self.v[layer] = k, v
+        return k, v, self.docs.mask
+
+    def advance(self, T: int) -> None:
+        pass
+
+    def split(self, max_lens: list[int]) -> list[KVCache]:
+        """One single-row ``KVCache`` per prompt (room for ``max_lens[i]`` positions), holding its keys
+        and values."""
+        k0 = self.k[0]
+        caches, start = [], 0
+        for n, max_len in zip(self.lengths, max_lens):
+            cache = KVCache(len(self.k), 1, k0.size(1), max_len, k0.size(3), device=k0.device, dtype=k0.dtype)
+            for layer in range(len(self.k)):
+                cache.k[layer][:, :, :n] = self.k[layer][:, :, start:start + n]
+                cache.v[layer][:, :, :n] = self.v[layer][:, :, start:start + n]
+            cache.pos = n
+            caches.append(cache)
+            start += n
+        return caches
+
+
 class BatchedKVCache:
     """A cache whose rows are independent sequences, each at its own length: continuous batching.
 
@@ -678,6 +721,8 @@ class GPT(LMForgeModel):
             if kv_cache is not None:
                 raise LMForgeError("document_ids (packed training rows) cannot be combined with a KV cache")
             docs = PackedDocuments.from_ids(document_ids, prefix_ids)
+        elif isinstance(kv_cache, PackedPrefill):
+            docs = kv_cache.docs
         trimmed = None  # the last block's form when it computes the kept positions only
         if keep is not None and docs is not None and docs.lengths is not None and not c.mhc_enabled:
             trimmed = docs.with_tails(keep)
@@ -731,12 +776,17 @@ class GPT(LMForgeModel):
         return cos, sin
 
     def new_kv_cache(self, batch_size: int, device: torch.device | str | None = None,
-                     dtype: torch.dtype | None = None) -> KVCache:
-        """An empty cache for ``logits(..., kv_cache=)``; device/dtype default to the model's."""
+                     dtype: torch.dtype | None = None, max_len: int | None = None) -> KVCache:
+        """An empty cache for ``logits(..., kv_cache=)`` of up to ``max_len`` positions (default: the
+        context); device/dtype default to the model's."""
         c = self.config
         p = self.tok_embed.weight
-        return KVCache(c.n_layer, batch_size, c.kv_heads, c.n_positions, c.head_dim,
+        return KVCache(c.n_layer, batch_size, c.kv_heads, min(max_len or c.n_positions, c.n_positions), c.head_dim,
                        device=device or p.device, dtype=dtype or p.dtype)
+
+    def new_packed_prefill(self, lengths: list[int]) -> PackedPrefill:
+        """A cache for prefilling prompts of ``lengths`` packed in one row (``PackedPrefill``)."""
+        return PackedPrefill(lengths, self.config.n_layer, self.tok_embed.weight.device)
 
     def new_batched_kv_cache(self, capacity: int) -> BatchedKVCache:
         """An empty cache for up to ``capacity`` sequences decoded together (``lmforge.infer.engine``)."""

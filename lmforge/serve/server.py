@@ -11,15 +11,17 @@ from lmforge.errors import LMForgeError
 
 
 def load_engine(checkpoint: str | Path, device: str = "auto", max_batch_size: int = 16, precision: str = "auto",
-                background: bool = True, quantize: str = "none", prefill_chunk: int = 512, prefix_cache: int = 4):
-    """``(engine, tokenizer, model_dir)`` for a gpt-family checkpoint (``quantize``: ``load_for_inference``)."""
+                background: bool = True, quantize: str = "none", prefill_chunk: int = 512, prefix_cache: int = 4,
+                on_step=None):
+    """``(engine, tokenizer, model_dir)`` for a gpt-family checkpoint (``quantize``: ``load_for_inference``;
+    ``on_step``: the engine's step observer)."""
     from lmforge.infer.engine import Engine
     from lmforge.infer.loading import load_for_inference
     from lmforge.checkpoint import resolve_model_dir
 
     model, tokenizer, _ = load_for_inference(checkpoint, device, precision, quantize=quantize)
     engine = Engine(model, eos_id=tokenizer.eos_id, max_batch_size=max_batch_size, background=background,
-                    prefill_chunk=prefill_chunk, prefix_cache=prefix_cache)
+                    prefill_chunk=prefill_chunk, prefix_cache=prefix_cache, on_step=on_step)
     return engine, tokenizer, resolve_model_dir(checkpoint)
 
 
@@ -40,18 +42,52 @@ def is_loopback(host: str) -> bool:
 
 def serve(checkpoint: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           model_id: str | None = None, max_batch_size: int = 16, device: str = "auto", precision: str = "auto",
-          log_level: str = "info", quantize: str = "none", prefill_chunk: int = 512, prefix_cache: int = 4) -> None:
-    import uvicorn
-
-    from lmforge.serve.app import create_app
-
+          log_level: str = "info", quantize: str = "none", prefill_chunk: int = 512, prefix_cache: int = 4,
+          trace_steps: str | Path | None = None) -> None:
+    """Run the API until interrupted. ``trace_steps``: a file that gets one JSON line per engine step
+    (``lmforge.infer.engine.Step``; it is replaced)."""
     if not 0 <= port < 65536:
         raise LMForgeError(f"--port must be in 0..65535, got {port}")
     if max_batch_size < 1:
         raise LMForgeError(f"--max-batch-size must be >= 1, got {max_batch_size}")
-    engine, tokenizer, model_dir = load_engine(checkpoint, device, max_batch_size, precision, background=False,
-                                               quantize=quantize, prefill_chunk=prefill_chunk,
-                                               prefix_cache=prefix_cache)
+    trace = open_trace(trace_steps) if trace_steps else None
+    try:
+        engine, tokenizer, model_dir = load_engine(checkpoint, device, max_batch_size, precision, background=False,
+                                                   quantize=quantize, prefill_chunk=prefill_chunk,
+                                                   prefix_cache=prefix_cache,
+                                                   on_step=None if trace is None else trace_writer(trace))
+        _run(engine, tokenizer, model_dir, host, port, api_key, model_id, max_batch_size, log_level)
+    finally:
+        if trace is not None:
+            trace.close()
+
+
+def open_trace(path: str | Path):
+    path = Path(path)
+    if path.is_dir():
+        raise LMForgeError(f"--trace-steps {path} is a directory; give a file name, e.g. {path / 'steps.jsonl'}")
+    try:
+        return path.open("w", buffering=1)  # line-buffered: a trace read while serving is whole lines
+    except OSError as e:
+        raise LMForgeError(f"cannot write --trace-steps {path}: {e.strerror}") from None
+
+
+def trace_writer(file):
+    """An ``on_step`` that appends each step to ``file`` as a JSON line."""
+    import dataclasses
+    import json
+
+    def write(step) -> None:
+        file.write(json.dumps(dataclasses.asdict(step)) + "\n")
+    return write
+
+
+def _run(engine, tokenizer, model_dir: Path, host: str, port: int, api_key: str | None, model_id: str | None,
+         max_batch_size: int, log_level: str) -> None:
+    import uvicorn
+
+    from lmforge.serve.app import create_app
+
     model_id = model_id or default_model_id(model_dir)
     if not is_loopback(host) and not api_key:
         print(f"lmforge serve: warning: listening on {host} without --api-key: anyone who can reach this "
