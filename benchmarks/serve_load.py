@@ -90,9 +90,19 @@ def long_context_checkpoint(tmp: Path, layers: int, width: int) -> Path:
     texts = [Path(__file__).read_text()] * 5
     tokenizer = Tokenizer.load(train_tokenizer(texts, 300, tmp / "tok", show_progress=False))
     torch.manual_seed(0)
-    # The tokenizer's vocabulary: every sampled token is text, so every step streams a chunk to time.
     model = GPT(GPTConfig(flavor="gpt2", vocab_size=tokenizer.vocab_size, n_positions=2304, n_embd=width,
                           n_layer=layers, n_head=width // 64))
+    # Every sampled token must be whole text, so that every step streams a chunk to time: a token that
+    # is part of a UTF-8 character is held back until the character completes, and a random model's
+    # run of them showed as a "gap" of seconds. The final norm's output is made ~ all ones (gain 0.01,
+    # bias 1), so the (tied) head's rows of non-ASCII and special tokens, set to -1, score ~ -width.
+    with torch.no_grad():
+        model.norm_f.weight.fill_(0.01)
+        model.norm_f.bias.fill_(1.0)
+        for token in range(tokenizer.vocab_size):
+            data = tokenizer.token_bytes(token)
+            if not data or max(data) >= 0x80 or not tokenizer.decode([token], skip_special_tokens=True):
+                model.tok_embed.weight[token] = -1.0
     ckpt = model.save_pretrained(tmp / "ckpt")
     tokenizer.save(ckpt)
     return ckpt
