@@ -21,11 +21,13 @@ prompts whose ``--greedy-tokens`` greedy tokens are identical in int8 and bf16. 
 
     python benchmarks/generation_speed.py [--sizes tiny,small] [--flavors gpt2,llama] [--rounds 3]
         [--precisions fp32,bf16,int8] [--no-quality] [--train-seconds tiny=120,small=600]
+    python benchmarks/generation_speed.py --batch 32 --no-quality [--sizes small] [--flavors gpt2]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import tempfile
 import time
@@ -53,22 +55,28 @@ def time_lmforge(model, prompt, n):
     return time.perf_counter() - start, out
 
 
-def time_engine(model, prompt, n):
-    """One request through a fresh ``Engine`` run on this thread, as ``lmforge serve`` runs it."""
-    out = []
+def time_engine(model, prompt, n, batch=1):
+    """``batch`` requests (the prompt with its last token varied) decoded together by a fresh ``Engine``
+    run on this thread, as ``lmforge serve`` runs it; returns the seconds and the first one's tokens."""
+    out = [[] for _ in range(batch)]
+    left = [batch]
 
-    def on_event(event):
+    def on_event(i, event):
         if event[0] == "token":
-            out.append(event[1])
+            out[i].append(event[1])
         else:
-            engine.close()  # run() returns
+            left[0] -= 1
+            if not left[0]:
+                engine.close()  # run() returns
 
-    engine = Engine(model, eos_id=-1, max_batch_size=1, background=False)
+    engine = Engine(model, eos_id=-1, max_batch_size=batch, background=False)
     start = time.perf_counter()
-    engine.submit(prompt, SamplingParams(n, temperature=0), on_event)
+    for i in range(batch):
+        engine.submit(prompt[:-1] + [prompt[-1] + i], SamplingParams(n, temperature=0),
+                      lambda e, i=i: on_event(i, e))
     engine.run()
-    assert len(out) == n, len(out)
-    return time.perf_counter() - start, out
+    assert all(len(o) == n for o in out), [len(o) for o in out]
+    return time.perf_counter() - start, out[0]
 
 
 def time_transformers(hf, prompt, n):
@@ -95,7 +103,7 @@ def as_precision(model, precision: str):
     return model.to({"fp32": torch.float32, "bf16": torch.bfloat16}[precision])
 
 
-def worker(system: str, model_dir: str, precision: str, prompt_tokens: int, new_tokens: int) -> None:
+def worker(system: str, model_dir: str, precision: str, prompt_tokens: int, new_tokens: int, batch: int = 1) -> None:
     """One timed run in this process: prints tokens/s and the generated ids as JSON."""
     import json
 
@@ -112,9 +120,11 @@ def worker(system: str, model_dir: str, precision: str, prompt_tokens: int, new_
         fn = time_engine if system == "engine" else time_lmforge
     vocab = model.config.vocab_size
     prompt = torch.randint(10, vocab, (prompt_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    if batch > 1:
+        fn = functools.partial(time_engine, batch=batch)
     fn(model, prompt, 8)  # warm-up
     seconds, out = fn(model, prompt, new_tokens)
-    print(json.dumps({"tok_s": new_tokens / seconds, "tokens": out}))
+    print(json.dumps({"tok_s": batch * new_tokens / seconds, "tokens": out}))
 
 
 def main() -> None:
@@ -133,10 +143,12 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=20, help="held-out prompts for the greedy agreement")
     parser.add_argument("--greedy-tokens", type=int, default=32)
     parser.add_argument("--eval-tokens", default="tiny=200000,small=30000", help="held-out tokens scored per size")
+    parser.add_argument("--batch", type=int, default=1, help="above 1: only the engine's tokens/s with this many "
+                        "requests decoding together (greedy), per precision")
     parser.add_argument("--worker", nargs=3, metavar=("SYSTEM", "MODEL_DIR", "PRECISION"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(*args.worker, args.prompt_tokens, args.new_tokens)
+        worker(*args.worker, args.prompt_tokens, args.new_tokens, args.batch)
         return
     from common import cpu_name
 
@@ -145,9 +157,50 @@ def main() -> None:
     print(f"{cpu_name()}; torch {torch.__version__}, {torch.get_num_threads()} threads; int8 computes in "
           f"{str(auto_dtype()).replace('torch.', '')}")
     if not args.no_speed:
-        speed_tables(args, precisions)
+        (batch_table if args.batch > 1 else speed_tables)(args, precisions)
     if not args.no_quality:
         quality_table(args)
+
+
+def batch_table(args, precisions: list[str]) -> None:
+    """The engine's tokens/s with ``--batch`` requests decoding together, per precision, rounds alternating."""
+    import json
+    import subprocess
+    import sys
+
+    print(f"\nengine, batch {args.batch}, {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens each, "
+          f"median of {args.rounds} rounds, tokens/s over all rows")
+    print("| model | flavor | " + " | ".join(precisions) + " | int8 vs " + ("bf16" if "bf16" in precisions else "fp32")
+          + " |")
+    print("| --- | --- | " + " | ".join("---" for _ in precisions) + " | --- |")
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        train_tokenizer(["package main\n\nfunc main() {}\n"] * 50, 300, tmp / "tok", show_progress=False)
+        from lmforge.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.load(tmp / "tok")
+        for size in args.sizes.split(","):
+            layers, width, heads, ctx, vocab = SIZES[size]
+            for flavor in args.flavors.split(","):
+                torch.manual_seed(0)
+                model = GPT(GPTConfig(flavor=flavor, vocab_size=vocab, n_positions=ctx, n_embd=width,
+                                      n_layer=layers, n_head=heads)).eval()
+                params = sum(p.numel() for p in model.parameters()) / 1e6
+                ckpt = model.save_pretrained(tmp / f"{size}-{flavor}")
+                tokenizer.save(ckpt)
+                runs = {p: [] for p in precisions}
+                for _ in range(args.rounds):
+                    for precision in precisions:
+                        cmd = [sys.executable, __file__, "--worker", "engine", str(ckpt), precision, "--batch",
+                               str(args.batch), "--prompt-tokens", str(args.prompt_tokens), "--new-tokens",
+                               str(args.new_tokens)]
+                        line = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip()
+                        runs[precision].append(json.loads(line.splitlines()[-1])["tok_s"])
+                speed = {p: statistics.median(v) for p, v in runs.items()}
+                base = "bf16" if "bf16" in speed else "fp32"
+                ratio = f"{speed['int8'] / speed[base]:.2f}x" if "int8" in speed and base in speed else "—"
+                print(f"| {size} ({params:.0f}M) | {flavor} | " + " | ".join(f"{speed[p]:,.1f}" for p in precisions)
+                      + f" | {ratio} |", flush=True)
 
 
 def speed_tables(args, precisions: list[str]) -> None:

@@ -143,6 +143,22 @@ def test_int8_linear_kernel_and_fallback_shapes(kernel_calls, rows, k, n, kernel
         assert relative_error(out, reference(x, q, scale, bias)) < 0.02
 
 
+@pytest.mark.parametrize("tile_rows", [1, 3, 10, 64])
+def test_the_fallback_dequantizes_tile_by_tile_and_equals_the_whole_matmul(monkeypatch, tile_rows):
+    """Above KERNEL_ROWS rows the weight is dequantized a tile of output channels at a time: one row,
+    three (the last tile partial), exactly N, and more than N (one tile) all give the same result."""
+    torch.manual_seed(0)
+    q, scale = quantize_rows(torch.randn(10, 32))
+    bias = torch.randn(10)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(qz.KERNEL_ROWS + 3, 32).to(dtype)
+        monkeypatch.setattr(qz, "TILE_BYTES", tile_rows * 32 * x.element_size())
+        out = int8_linear(x, q, scale, bias.to(dtype))
+        assert out.shape == (qz.KERNEL_ROWS + 3, 10) and out.is_contiguous() and out.dtype == dtype
+        want = reference(x, q, scale, bias)
+        assert relative_error(out, want) < (1e-5 if dtype == torch.float32 else 0.02), (dtype, tile_rows)
+
+
 def test_misaligned_and_strided_inputs_are_copied_not_crashed(kernel_calls):
     torch.manual_seed(0)
     q, scale = quantize_rows(torch.randn(6, 16))

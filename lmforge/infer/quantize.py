@@ -21,7 +21,11 @@ it (bf16 contiguous input, K % 16 == 0, 64-byte aligned data, at most ``KERNEL_R
 else takes ``F.linear`` over the dequantized weight in the activations' dtype, exact and slower. Its
 fp32 form is scalar code, so fp32 activations are rounded to bf16 for the kernel only (the error that
 adds is below the int8 weights' own). The kernel re-reads the weights for every 4 input rows, so above
-``KERNEL_ROWS`` rows (prefills, large decode batches) the dequantized ``F.linear`` is faster.
+``KERNEL_ROWS`` rows (prefills, large decode batches) a dequantized matmul is faster: tile by tile
+(``dequantized_linear``), ``TILE_BYTES`` of dequantized weight at a time, so each tile is used while
+it is still in cache and the weights cross memory once, as int8. Dequantizing the whole matrix first
+(the first fallback) wrote and re-read the full-precision weights every step and made batch 32 slower
+than plain bf16 / fp32; tiled, it is faster than both (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from torch import nn
 from lmforge.errors import LMForgeError
 
 QUANTIZE = ("none", "int8")
-KERNEL_ROWS = 16  # input rows (tokens x sequences) up to which the kernel is used: the measured crossover
+KERNEL_ROWS = 8  # input rows (tokens x sequences) up to which the kernel is used: the measured crossover
+TILE_BYTES = 2 << 20  # dequantized weight per tile of the fallback: a few tiles fit the cache (measured 2-4 MB)
 KERNEL_K = 16  # the kernel's step along K (AVX512: 16 bf16 per 32-byte load; AVX2: 8)
 ALIGN = 64  # bytes; the kernel's loads need 32 (AVX512) or 16 (AVX2); PyTorch's CPU allocator gives 64
 _KERNEL = getattr(torch.ops.aten, "_weight_int8pack_mm", None)
@@ -75,10 +80,25 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
             if y.dtype != x.dtype:
                 y = y.to(x.dtype)
     if y is None:
-        y = F.linear(flat, qweight.to(x.dtype)) * scale.to(x.dtype)  # |q| <= 127: exact in bf16 and fp32
+        y = dequantized_linear(flat, qweight, scale)
     if bias is not None:
         y += bias  # y is this call's own
     return y.view(*shape[:-1], qweight.shape[0])
+
+
+def dequantized_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x @ (q * scale[:, None]).T`` for ``x`` ``[M, K]``, in ``x``'s dtype, a tile of output channels
+    at a time (``q`` -> dtype is exact: ``|q| <= 127``); the result is ``[M, N]`` and contiguous."""
+    N, K = qweight.shape
+    dtype = x.dtype
+    rows = max(1, TILE_BYTES // (K * x.element_size()))
+    if rows >= N:
+        return F.linear(x, qweight.to(dtype)) * scale.to(dtype)
+    out = torch.empty(N, x.shape[0], dtype=dtype, device=x.device)  # transposed: each tile's rows contiguous
+    xt = x.t()
+    for start in range(0, N, rows):
+        torch.mm(qweight[start:start + rows].to(dtype), xt, out=out[start:start + rows])
+    return out.mul_(scale.to(dtype)[:, None]).t().contiguous()
 
 
 class Int8Linear(nn.Module):
