@@ -57,7 +57,10 @@ class TrainingConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global gradient norm; 0 = off
     precision: str = "auto"  # auto | fp32 | bf16 | fp16 (fp16 uses a grad scaler)
-    compile: bool = False  # torch.compile the model (slow start; helps on GPUs)
+    compile: bool = False  # torch.compile the model (slow start; helps on GPUs); per block under fsdp
+    parallel: str = "ddp"  # ddp | fsdp | hsdp (under torchrun): replicate, or shard weights, gradients and optimizer
+    #                        state across processes (hsdp: shard within a machine, replicate across machines)
+    fsdp_offload: bool = False  # fsdp/hsdp: keep the shards (and the optimizer step) in CPU memory
     activation_checkpointing: bool = False
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
     eval_interval: int = 200  # steps between evaluations; 0 = only at the end
@@ -399,6 +402,7 @@ def validate_run_config(cfg: RunConfig) -> None:
         (t.global_batch_size >= 0, "training.global_batch_size must be >= 0 (0 = micro_batch_size x processes)"),
         (t.max_time_minutes >= 0, "training.max_time_minutes must be >= 0 (0 = no limit)"),
         (t.schedule_over in ("steps", "time"), "training.schedule_over must be steps or time"),
+        (t.parallel in ("ddp", "fsdp", "hsdp"), f"training.parallel must be ddp, fsdp or hsdp, got {t.parallel!r}"),
         (t.schedule_over == "steps" or t.max_time_minutes > 0,
          "training.schedule_over=time lays the schedule over the time budget: set training.max_time_minutes too"),
         (t.log_interval >= 1, "training.log_interval must be >= 1"),

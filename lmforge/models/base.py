@@ -105,8 +105,9 @@ class LMForgeModel(nn.Module):
         return total
 
     # ---- on-disk format -----------------------------------------------------------------
-    def save_pretrained(self, directory: str | os.PathLike) -> Path:
-        """Write ``config.yaml`` and ``model.safetensors`` into ``directory`` (created if needed)."""
+    def save_pretrained(self, directory: str | os.PathLike, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+        """Write ``config.yaml`` and ``model.safetensors`` into ``directory`` (created if needed);
+        ``state_dict``: the weights to write instead of the model's own (gathered from FSDP's shards)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         config = {"family": self.family, **dataclasses.asdict(self.config)}
@@ -114,7 +115,8 @@ class LMForgeModel(nn.Module):
             yaml.safe_dump(config, f, sort_keys=False)
         # safetensors refuses tensors that share storage (tied weights): store each once. Dedupe
         # before .cpu(), which copies each tensor of a GPU model separately and hides the sharing.
-        state = {k: v.detach().contiguous().cpu() for k, v in _dedupe_shared(self.state_dict()).items()}
+        state = {k: v.detach().contiguous().cpu()
+                 for k, v in _dedupe_shared(self.state_dict() if state_dict is None else state_dict).items()}
         save_file(state, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
         return directory
 

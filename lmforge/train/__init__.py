@@ -21,6 +21,7 @@ from lmforge.models import build_model
 from lmforge.recipes import TrainData
 from lmforge.tokenizer import CONFIG_FILE, SPECIAL_MAP_FILE, TOKENIZER_FILE
 from lmforge.train.distributed import DistInfo, barrier, init_distributed, shutdown
+from lmforge.train.fsdp import check_parallel
 from lmforge.train.loop import Trainer, TrainResult
 
 TOKENIZER_FILES = (TOKENIZER_FILE, CONFIG_FILE, SPECIAL_MAP_FILE)
@@ -71,6 +72,7 @@ def _train(cfg: RunConfig, resume: bool | str, distinfo: DistInfo, clock: Callab
 
     seed_everything(cfg.seed)  # same initial weights on every rank
     model = build_model(cfg.model)
+    check_parallel(cfg.training.parallel, distinfo.world_size, model, spec.name)
     if load_init:
         _load_initial_weights(model, cfg.training.init_from, distinfo)
     if cfg.training.activation_checkpointing:

@@ -30,6 +30,7 @@ from lmforge.errors import LMForgeError
 from lmforge.models.base import LMForgeModel
 from lmforge.recipes import TrainData
 from lmforge.safe_state import save_state
+from lmforge.train import fsdp
 from lmforge.train.distributed import DistInfo
 from lmforge.train.loggers import MetricsLogger
 from lmforge.train.schedule import lr_multiplier, lr_multiplier_at
@@ -135,29 +136,51 @@ class Trainer:
 
         if self.spec.prepare_model is not None:
             self.spec.prepare_model(model, cfg)
+        # FSDP's modules (root last) with training.parallel fsdp / hsdp on several processes; else None.
+        self.sharded: list[torch.nn.Module] | None = None
+        sharding = distinfo.enabled and self.t.parallel != "ddp"
+        # What each micro-batch runs: the kind's loss on the (compiled) model, as one module's forward,
+        # so DDP sees every parameter the loss touches however the kind calls the model (and FSDP's
+        # root gathers the weights outside the blocks).
+        compiled = torch.compile(model) if self.t.compile and not sharding else model
+        self.fwd_model: torch.nn.Module = _Objective(compiled, self.spec.loss)
+        if sharding:
+            if devinfo.precision == "fp16":
+                raise LMForgeError(f"training.parallel={self.t.parallel} with fp16 is not supported (its loss "
+                                   "scaler does not shard): use training.precision=bf16 or fp32")
+            param_dtype = torch.bfloat16 if devinfo.precision == "bf16" else None
+            self.sharded = fsdp.shard(self.fwd_model, model, self.t.parallel, devinfo.device, distinfo.world_size,
+                                      param_dtype, self.t.fsdp_offload, self.t.compile)
+        # After sharding: FSDP's parameters are this process's shards, and the optimizer keeps state for those.
         self.optimizer = (self.spec.make_optimizer or default_optimizer)(model, cfg, devinfo.device)
         for g in self.optimizer.param_groups:
             g["base_lr"] = g["lr"]  # the schedule scales each group's own lr
         self.scaler = torch.amp.GradScaler(devinfo.device.type, enabled=devinfo.precision == "fp16")
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self._window = _Window()
+        self._state_mb: float | None = None  # this process's weights + optimizer state, logged once
 
-        # What each micro-batch runs: the kind's loss on the (compiled) model, as one module's forward,
-        # so DDP sees every parameter the loss touches however the kind calls the model.
-        self.fwd_model: torch.nn.Module = _Objective(torch.compile(model) if self.t.compile else model, self.spec.loss)
         if data.bind_model is not None:
             data.bind_model(model, devinfo)
-        if distinfo.enabled:
+        if distinfo.enabled and not sharding:
             ids = [devinfo.device.index] if devinfo.device.type == "cuda" else None
             self.fwd_model = torch.nn.parallel.DistributedDataParallel(
                 self.fwd_model, device_ids=ids,
                 find_unused_parameters=self.spec.ddp_find_unused_parameters)
 
+    def full_weights(self) -> contextlib.AbstractContextManager:
+        """Context in which ``self.model`` holds its full weights on this process (a no-op unless
+        sharded): evaluation, probes and generation call the plain model inside it."""
+        return fsdp.gathered(self.sharded) if self.sharded else contextlib.nullcontext()
+
     # ---- resume ---------------------------------------------------------------------------
     def load_checkpoint(self, path: Path) -> None:
         """Restore model, optimizer, scaler, schedule position, data position and RNG exactly."""
         state = ckpt.read_trainer_state(path)
-        self.model.load_checkpoint_weights(path, self.dev.device)
+        if self.sharded:
+            fsdp.load_model_state(self.model, path)
+        else:
+            self.model.load_checkpoint_weights(path, self.dev.device)
         opt_state = ckpt.load_training_file(path, ckpt.OPTIMIZER_FILE, "optimizer state")
         rng = ckpt.load_training_file(path, ckpt.RNG_FILE, "random-number state")
         # The files parse; what they hold is still checked before use: a damaged or crafted state stops
@@ -183,7 +206,10 @@ class Trainer:
                                      f"{tuple(params[idx].shape)}")
         # The learning rates come from this run's config, so that `training.lr=...` on a resume takes effect.
         base_lrs = [g["base_lr"] for g in self.optimizer.param_groups]
-        self.optimizer.load_state_dict(saved)
+        if self.sharded:
+            fsdp.load_optimizer_state(self.model, self.optimizer, saved)
+        else:
+            self.optimizer.load_state_dict(saved)
         for g, base_lr in zip(self.optimizer.param_groups, base_lrs, strict=True):
             g["base_lr"] = base_lr
         if opt_state["scaler"] and self.scaler.is_enabled():
@@ -204,11 +230,22 @@ class Trainer:
         self.best_score = math.inf if best is None else float(best)
 
     # ---- saving ---------------------------------------------------------------------------
-    def _write_model_dir(self, directory: Path) -> None:
+    def _write_model_dir(self, directory: Path, state: dict[str, torch.Tensor] | None = None) -> None:
+        """The model's files (``state``: its full weights, gathered from the shards; None: its own)."""
         with self.model.averaged_weights():
-            self.model.save_pretrained(directory)
+            if state is None:
+                self.model.save_pretrained(directory)
+            else:
+                self.model.save_pretrained(directory, state_dict=state)
         if self.extra_files is not None:
             self.extra_files(directory)
+
+    def _gather_for_saving(self) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any]]:
+        """The weights (None: the model's own) and the optimizer state to write; sharded, they are
+        gathered on process 0 (every process must call this)."""
+        if self.sharded:
+            return fsdp.full_model_state(self.model), fsdp.full_optimizer_state(self.model, self.optimizer)
+        return None, self.optimizer.state_dict()
 
     def save_checkpoint(self) -> Path | None:
         self._count_window()  # tokens_seen is complete in the state written (the log window is kept)
@@ -222,10 +259,12 @@ class Trainer:
             gathered = [rng]
             data_states = [self.data.train.state_dict()]
 
+        weights, optimizer_state = self._gather_for_saving()
+
         def write(tmp: Path) -> None:
-            self._write_model_dir(tmp)
+            self._write_model_dir(tmp, weights)
             save_state(tmp / ckpt.OPTIMIZER_FILE, {
-                "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
+                "optimizer": optimizer_state, "scaler": self.scaler.state_dict(),
                 "model_state": self.model.training_state()})
             save_state(tmp / ckpt.RNG_FILE, {"per_rank": gathered})
             self.cfg.save(tmp / "run_config.yaml")
@@ -269,7 +308,7 @@ class Trainer:
         self.model.eval()
         sums = {"loss": 0.0}
         weight = 0.0
-        with self.model.averaged_weights():
+        with self.full_weights(), self.model.averaged_weights():
             for batch in self.data.val.iter_eval_batches(self.t.eval_batches or None):
                 batch = _to_device(batch, self.dev.device)
                 with self.dev.autocast():
@@ -320,8 +359,11 @@ class Trainer:
             window.examples += counts.examples
             window.flops += counts.flops
             batch = _to_device(batch, self.dev.device)
-            sync = (self.fwd_model.no_sync() if self.dist.enabled and micro < accum - 1
-                    else contextlib.nullcontext())
+            sync = contextlib.nullcontext()
+            if self.sharded:  # reduce-scatter the gradients after the last micro-batch only
+                self.sharded[-1].set_requires_gradient_sync(micro == accum - 1)
+            elif self.dist.enabled and micro < accum - 1:
+                sync = self.fwd_model.no_sync()
             with sync:
                 with self.dev.autocast():
                     loss, metrics = self.fwd_model(batch)
@@ -332,6 +374,8 @@ class Trainer:
         self.scaler.unscale_(self.optimizer)  # a no-op without fp16 loss scaling
         # The norm is computed even without clipping: it is logged and checked for NaN/Inf.
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.t.grad_clip if self.t.grad_clip > 0 else math.inf)
+        if hasattr(grad_norm, "full_tensor"):  # sharded gradients: a DTensor norm, the same on every process
+            grad_norm = grad_norm.full_tensor()
         return loss_sum / accum, grad_norm, {k: v / accum for k, v in metric_sums.items()}
 
     def apply_update(self) -> None:
@@ -413,9 +457,11 @@ class Trainer:
                         window.tokens, window.examples, window.flops = 0, 0, 0.0
                         tok_s = tokens / seconds
                         train_loss = _mean_across_ranks(sum(losses) / len(losses), self.dist, self.dev.device)
+                        if self._state_mb is None:  # after the first update: the optimizer's state exists
+                            self._state_mb = fsdp.local_bytes(self.model, self.optimizer) / 2**20
                         row = {"train/loss": train_loss, "train/lr": lr, "train/grad_norm": float(grad_norm),
-                               "train/tokens_per_s": tok_s, "train/examples_per_s": examples / seconds,
-                               "train/tokens": self.tokens_seen}
+                               "train/state_mb": self._state_mb, "train/tokens_per_s": tok_s,
+                               "train/examples_per_s": examples / seconds, "train/tokens": self.tokens_seen}
                         mfu = model_flops_utilization(tok_s, flops / max(tokens, 1), self.dev.peak_flops,
                                                       self.dist.world_size) if mfu_trusted else None
                         if mfu is not None:
@@ -476,7 +522,9 @@ class Trainer:
         score = math.inf if value is None else (-value if self.spec.best_higher_is_better else value)
         if score <= self.best_score:  # on a tie the newer weights win (plateaus of exact accuracy)
             self.best_score = score
-            self._main_writes(lambda: ckpt.write_best(self.ckpt_root, self._write_model_dir) if self.dist.is_main
+            weights = fsdp.full_model_state(self.model) if self.sharded else None
+            self._main_writes(lambda: ckpt.write_best(self.ckpt_root, lambda d: self._write_model_dir(d, weights))
+                              if self.dist.is_main
                               else None)
         return metrics
 
@@ -499,7 +547,7 @@ class Trainer:
         metrics logged are the means across processes."""
         self.model.eval()
         try:
-            with self.model.averaged_weights(), self.dev.autocast():
+            with self.full_weights(), self.model.averaged_weights(), self.dev.autocast():
                 metrics = self.data.probe.run(self.model, self.step)
         finally:
             self.model.train()

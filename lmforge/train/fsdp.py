@@ -1,0 +1,219 @@
+"""Fully sharded data parallelism (``training.parallel: fsdp | hsdp``) with PyTorch's FSDP2.
+
+DDP keeps a full copy of the weights, gradients and optimizer state on every process. FSDP2
+(``torch.distributed.fsdp.fully_shard``) splits each of them into ``world_size`` shards, one per
+process, so that with Adam, whose state is twice the weights, a process holds about
+``1 / world_size`` of the model's training memory. It gathers a block's weights just before the
+block runs and frees them after it. ``hsdp`` shards within a machine and replicates across machines
+(``torchrun --nnodes``): the weight gathers stay on the fast links inside a machine, and only the
+gradients cross between machines.
+
+Layout: one ``fully_shard`` per transformer block, and one for the root. The root is the loop's
+objective module, whose forward is what each micro-batch calls, so it holds the rest (embeddings,
+final norm, head). Weights are stored in fp32. With ``precision: bf16`` the blocks compute in bf16
+and gradients are reduced in fp32 (``MixedPrecisionPolicy``). ``training.fsdp_offload`` keeps the
+shards of weights, gradients and optimizer state in CPU memory, for GPUs that cannot hold even those.
+
+Everything that is not a training step works on full weights. This covers evaluation, a kind's
+probe (generation), and the weights a checkpoint writes:
+
+- ``gathered`` puts the full weights (in the compute dtype) on every process. Code inside it calls
+  the plain model, a different number of times on each process if it likes, with no collective.
+- ``full_model_state`` / ``full_optimizer_state`` gather the fp32 weights and the optimizer state on
+  process 0. They come in exactly the form a single-process run saves: a checkpoint is the ordinary
+  ``model.safetensors`` + ``optimizer.safetensors`` directory, which every other verb reads. It
+  resumes on any number of processes, under ``ddp`` or ``fsdp``.
+
+Why not sharded ``torch.distributed.checkpoint`` files: their metadata is a pickle, and nothing
+lmforge reads may run code. A gathered checkpoint needs process 0 to hold the full state in CPU
+memory for the moment it is written. That is fine for models up to a few billion parameters; a safe
+sharded format is the step after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lmforge.errors import LMForgeError
+
+PARALLEL = ("ddp", "fsdp", "hsdp")
+
+
+def check_parallel(parallel: str, world_size: int, model: nn.Module, kind: str) -> None:
+    """Errors of ``training.parallel`` that need no process group, the same on every rank."""
+    if parallel not in PARALLEL:
+        raise LMForgeError(f"training.parallel must be one of {', '.join(PARALLEL)}, got {parallel!r}")
+    if parallel == "ddp":
+        return
+    if world_size <= 1 and "WORLD_SIZE" not in os.environ:
+        raise LMForgeError(f"training.parallel={parallel} shards the model across processes: launch with torchrun, "
+                           f"e.g. `torchrun --nproc_per_node 2 -m lmforge train ...` (on one process use "
+                           "training.parallel=ddp, the default)")
+    blocks = getattr(model, "blocks", None)
+    from lmforge.models.base import LMForgeModel
+
+    plain = (isinstance(blocks, nn.ModuleList) and len(blocks) > 0
+             and type(model).save_pretrained is LMForgeModel.save_pretrained
+             and type(model).load_checkpoint_weights is LMForgeModel.load_checkpoint_weights
+             and type(model).averaged_weights is LMForgeModel.averaged_weights)
+    if not plain:
+        raise LMForgeError(f"training.parallel={parallel} supports models made of a list of blocks that save one "
+                           f"weights file (the gpt family: lm, sft, dpo, reward and mhc kinds); the {kind!r} kind's "
+                           f"{type(model).__name__} is not one: use training.parallel=ddp")
+
+
+def _mesh(parallel: str, device_type: str, world_size: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if parallel == "fsdp":
+        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if world_size % per_node:
+        raise LMForgeError(f"training.parallel=hsdp needs the same number of processes on every machine: "
+                           f"{world_size} processes, {per_node} on this one")
+    return init_device_mesh(device_type, (world_size // per_node, per_node), mesh_dim_names=("replicate", "shard"))
+
+
+def shard(root: nn.Module, model: nn.Module, parallel: str, device: torch.device, world_size: int,
+          param_dtype: torch.dtype | None, offload: bool, compile_blocks: bool) -> list[nn.Module]:
+    """Apply ``fully_shard`` to each of ``model.blocks`` and to ``root`` (which holds ``model``);
+    returns the sharded modules, root last. ``param_dtype``: the blocks' compute dtype (None: as
+    stored); gradients are reduced in fp32."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mesh = _mesh(parallel, device.type, world_size)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    kwargs = {"mesh": mesh, "mp_policy": policy, "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy()}
+    modules = []
+    for block in model.blocks:
+        if compile_blocks:
+            block.compile()  # one compiled graph per block: the gathers and frees stay outside it
+        modules.append(fully_shard(block, **kwargs))
+    modules.append(fully_shard(root, **kwargs))
+    return modules
+
+
+@contextlib.contextmanager
+def gathered(modules: list[nn.Module]) -> Iterator[None]:
+    """Full weights (in the compute dtype) on every process while inside; no collective runs inside,
+    so each process may call the model as often as it likes. Enter it only after a training step
+    (the first forward sets FSDP up)."""
+    for m in modules:
+        m.set_reshard_after_forward(False)
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.reshard()
+            m.set_reshard_after_forward(True)
+
+
+def _options(full: bool = True, **kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=full, cpu_offload=True, **kw)
+
+
+def _shared_names(model: nn.Module) -> dict[str, str]:
+    """Each name of a tied parameter -> the first name of that tensor (GPT-2's head is its embedding)."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out[name] = first.setdefault(id(p), name)
+    return out
+
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The fp32 weights on process 0 (empty elsewhere), keyed as ``model.state_dict()``, tied weights
+    one tensor again; every process must call it."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    state = get_model_state_dict(model, options=_options())
+    if state:
+        for name, first in _shared_names(model).items():
+            if name != first and name in state:
+                state[name] = state[first]
+    return state
+
+
+def _names_in_order(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+
+
+def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's full state on process 0 (empty elsewhere) in ``optimizer.state_dict()``'s own
+    form (parameters numbered in the order of its groups), as a single process would save it; every
+    process must call it."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    state = get_optimizer_state_dict(model, optimizer, options=_options())
+    if not state or not state.get("state"):
+        return {}
+    index = {name: i for i, name in enumerate(_names_in_order(model, optimizer))}
+    groups = []
+    for g in state["param_groups"]:
+        groups.append({**g, "params": [index[n] for n in g["params"]]})
+    return {"state": {index[n]: v for n, v in state["state"].items()}, "param_groups": groups}
+
+
+def load_model_state(model: nn.Module, directory: Path) -> None:
+    """Load a checkpoint's full weights (every process reads the file) into the sharded model."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    from lmforge.models.base import WEIGHTS_FILE
+
+    path = Path(directory) / WEIGHTS_FILE
+    try:
+        state = load_file(str(path))
+    except Exception as e:
+        raise LMForgeError(f"cannot read {path}: {e}. The checkpoint is corrupt; resume from an earlier one in "
+                           f"{Path(directory).parent}") from e
+    missing, unexpected = set_model_state_dict(model, state, options=_options(strict=False))
+    tied = {n for n, first in _shared_names(model).items() if n != first}
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise LMForgeError(f"the checkpoint's weights do not fit this model (missing {missing[:5]}, unexpected "
+                           f"{list(unexpected)[:5]}): resume with the config it was written with")
+
+
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Load a full optimizer state in ``optimizer.state_dict()``'s form (every process read it) into
+    the sharded optimizer."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    names = _names_in_order(model, optimizer)
+    if len(state.get("param_groups", [])) != len(optimizer.param_groups):
+        raise LMForgeError(f"the checkpoint's optimizer has {len(state.get('param_groups', []))} parameter groups, "
+                           f"this run's {len(optimizer.param_groups)}: resume with the config it was written with")
+    by_name = {"state": {names[int(i)]: v for i, v in state["state"].items()},
+               "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in state["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, by_name, options=_options())
+
+
+def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of this process's share of the weights and the optimizer state (its shards under FSDP)."""
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            t = local(p.data if not hasattr(p, "to_local") else p)
+            total += t.numel() * t.element_size()
+    for entries in optimizer.state.values():
+        for v in entries.values():
+            if torch.is_tensor(v) and v.dim() > 0:
+                t = local(v)
+                total += t.numel() * t.element_size()
+    return total

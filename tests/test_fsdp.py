@@ -1,0 +1,126 @@
+"""training.parallel: fsdp / hsdp (FSDP2 on CPU with gloo, under torchrun): the same losses as one
+process at the same global batch, about half the weights + optimizer state per process, ordinary
+checkpoints that resume on one process and on two, and clear errors for what it cannot run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lmforge.config import load_config
+from lmforge.errors import LMForgeError
+from lmforge.train import train
+
+from .train_helpers import REPO, lmforge_cmd, run, torchrun, write_recipe
+
+NO_DROPOUT = {"embd_pdrop": 0.0, "resid_pdrop": 0.0, "attn_pdrop": 0.0}
+
+
+@pytest.fixture(scope="module")
+def data_dir(go_data):
+    return go_data
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["train/loss"] for r in rows(run_dir) if "train/loss" in r}
+
+
+def recipe(tmp_path: Path, data_dir: Path, name: str, **training) -> Path:
+    return write_recipe(tmp_path / f"{name}.yaml", data_dir, tmp_path / "runs", name=name,
+                        model={**NO_DROPOUT, "n_layer": 3}, training={"max_steps": 6, "save_interval": 3,
+                                                                      "eval_interval": 3, **training})
+
+
+@pytest.mark.parametrize("parallel", ["fsdp", "hsdp"])
+def test_two_sharded_processes_match_one_and_hold_half_the_state(tmp_path, data_dir, parallel):
+    one = recipe(tmp_path, data_dir, "one", micro_batch_size=4)
+    # fsdp: 2 micro-batches of 1 per process, gradients reduced after the second only
+    split = {"micro_batch_size": 1, "grad_accum_steps": 2} if parallel == "fsdp" else {"micro_batch_size": 2}
+    two = recipe(tmp_path, data_dir, "two", parallel=parallel, **split)
+    r1 = run(lmforge_cmd("train", str(one)), cwd=REPO)
+    assert r1.returncode == 0, r1.stderr
+    r2 = torchrun(["train", str(two)], tmp_path / "runs" / "two")
+    assert r2.returncode == 0, r2.stderr + r2.stdout
+    a, b = losses(tmp_path / "runs" / "one"), losses(tmp_path / "runs" / "two")
+    assert sorted(a) == sorted(b) == list(range(1, 7))
+    for s in a:
+        assert a[s] == pytest.approx(b[s], rel=1e-5, abs=1e-6), s
+    # The checkpoints are the ordinary files, with the same weights (tied head and embedding stored once).
+    for step in ("step-000003", "step-000006"):
+        wa = load_file(str(tmp_path / "runs" / "one" / "checkpoints" / step / "model.safetensors"))
+        wb = load_file(str(tmp_path / "runs" / "two" / "checkpoints" / step / "model.safetensors"))
+        assert wa.keys() == wb.keys()
+        for k in wa:
+            torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
+    state_one = rows(tmp_path / "runs" / "one")[0]["train/state_mb"]
+    state_two = rows(tmp_path / "runs" / "two")[0]["train/state_mb"]
+    if parallel == "fsdp":  # process 0's shards: half, plus the padding of rows that do not split evenly
+        assert 0.45 < state_two / state_one < 0.56, (state_one, state_two)
+    else:  # one machine: hsdp shards within it as fsdp does
+        assert state_two < 0.56 * state_one
+
+
+def test_a_two_process_checkpoint_resumes_on_two_and_on_one_exactly(tmp_path, data_dir):
+    """Stopped at step 3, a sharded run resumed on two processes, and on one (fsdp is a no-op there),
+    reaches the same step-6 weights as the run that went straight through."""
+    full = recipe(tmp_path, data_dir, "full", micro_batch_size=2, parallel="fsdp")
+    assert torchrun(["train", str(full)], tmp_path / "runs" / "full").returncode == 0
+    want = load_file(str(tmp_path / "runs" / "full" / "checkpoints" / "step-000006" / "model.safetensors"))
+    cut = recipe(tmp_path, data_dir, "cut", micro_batch_size=2, parallel="fsdp", max_steps=3)
+    r = torchrun(["train", str(cut)], tmp_path / "runs" / "cut")
+    assert r.returncode == 0, r.stderr
+    import shutil
+
+    shutil.copytree(tmp_path / "runs" / "cut", tmp_path / "runs" / "cut1")
+    on_two = torchrun(["train", str(cut), "training.max_steps=6", "--resume"], tmp_path / "runs" / "cut")
+    assert on_two.returncode == 0, on_two.stderr + on_two.stdout
+    got = load_file(str(tmp_path / "runs" / "cut" / "checkpoints" / "step-000006" / "model.safetensors"))
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-6, msg=k)
+    assert losses(tmp_path / "runs" / "cut") == pytest.approx(losses(tmp_path / "runs" / "full"), rel=1e-6)
+    # On one process the global batch is one process's: micro_batch 4 keeps it at 4.
+    on_one = run(lmforge_cmd("train", str(cut), "name=cut1", "training.max_steps=6", "training.micro_batch_size=4",
+                             "training.parallel=ddp", "--resume"), cwd=REPO)
+    assert on_one.returncode == 0 and "written by 2 process(es), resuming on 1" in on_one.stdout, on_one.stderr
+    one = load_file(str(tmp_path / "runs" / "cut1" / "checkpoints" / "step-000006" / "model.safetensors"))
+    for k in want:
+        torch.testing.assert_close(one[k], want[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_bad_parallel_settings_are_refused(tmp_path, data_dir):
+    with pytest.raises(LMForgeError, match="training.parallel must be ddp, fsdp or hsdp"):
+        train(load_config(str(recipe(tmp_path, data_dir, "bad", parallel="zero3"))))
+    with pytest.raises(LMForgeError, match="launch with torchrun"):
+        train(load_config(str(recipe(tmp_path, data_dir, "alone", parallel="fsdp"))))
+    assert not (tmp_path / "runs" / "alone" / "checkpoints").exists()
+
+
+def test_a_global_batch_two_processes_cannot_split_stops_every_rank(tmp_path, data_dir):
+    bad = recipe(tmp_path, data_dir, "odd", parallel="fsdp", global_batch_size=5)
+    r = torchrun(["train", str(bad)], tmp_path / "runs" / "odd", timeout=300)
+    assert r.returncode != 0
+    # every rank says why (and torchrun returned: no rank was left waiting for the other)
+    assert r.stderr.count("global_batch_size=5 is not divisible by 2 process(es)") == 2, r.stderr
+
+
+def test_models_fsdp_cannot_shard_are_refused_with_the_way_out(monkeypatch):
+    from lmforge.models.gpt import GPT, GPTConfig
+    from lmforge.recipes.ppo.model import ActorCritic, actor_critic_config
+    from lmforge.train.fsdp import check_parallel
+
+    config = GPTConfig(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    check_parallel("fsdp", 2, GPT(config), "lm")  # accepted
+    with pytest.raises(LMForgeError, match="'ppo' kind's ActorCritic is not one: use training.parallel=ddp"):
+        check_parallel("fsdp", 2, ActorCritic(actor_critic_config(config, None)), "ppo")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(LMForgeError, match="torchrun --nproc_per_node 2 -m lmforge train"):
+        check_parallel("hsdp", 1, GPT(config), "lm")
+    check_parallel("ddp", 1, GPT(config), "lm")
