@@ -43,7 +43,9 @@ def recipe(tmp_path: Path, data_dir: Path, name: str, **training) -> Path:
 def test_two_sharded_processes_match_one_and_hold_half_the_state(tmp_path, data_dir, parallel):
     one = recipe(tmp_path, data_dir, "one", micro_batch_size=4)
     # fsdp: 2 micro-batches of 1 per process, gradients reduced after the second only
-    split = {"micro_batch_size": 1, "grad_accum_steps": 2} if parallel == "fsdp" else {"micro_batch_size": 2}
+    # hsdp: activation checkpointing composed with the sharding (recomputed blocks gather their weights again)
+    split = ({"micro_batch_size": 1, "grad_accum_steps": 2} if parallel == "fsdp"
+             else {"micro_batch_size": 2, "activation_checkpointing": True})
     two = recipe(tmp_path, data_dir, "two", parallel=parallel, **split)
     r1 = run(lmforge_cmd("train", str(one)), cwd=REPO)
     assert r1.returncode == 0, r1.stderr
@@ -95,12 +97,29 @@ def test_a_two_process_checkpoint_resumes_on_two_and_on_one_exactly(tmp_path, da
         torch.testing.assert_close(one[k], want[k], rtol=1e-4, atol=1e-5, msg=k)
 
 
+def test_bf16_shards_compute_in_bf16_and_keep_fp32_weights(tmp_path, data_dir):
+    """With precision bf16 the blocks compute on bf16 copies of the weights (the losses differ from the
+    fp32 run's by rounding, not more) while the stored weights, and so the checkpoint, stay fp32."""
+    fp32 = recipe(tmp_path, data_dir, "fp32", micro_batch_size=2, parallel="fsdp", max_steps=3)
+    bf16 = recipe(tmp_path, data_dir, "bf16", micro_batch_size=2, parallel="fsdp", max_steps=3, precision="bf16")
+    for r in (fp32, bf16):
+        done = torchrun(["train", str(r)], tmp_path / "runs" / r.stem)
+        assert done.returncode == 0, done.stderr
+    a, b = losses(tmp_path / "runs" / "fp32"), losses(tmp_path / "runs" / "bf16")
+    assert all(a[s] != b[s] and b[s] == pytest.approx(a[s], rel=0.02) for s in a)
+    weights = load_file(str(tmp_path / "runs" / "bf16" / "checkpoints" / "step-000003" / "model.safetensors"))
+    assert {t.dtype for t in weights.values()} == {torch.float32}
+
+
 def test_bad_parallel_settings_are_refused(tmp_path, data_dir):
     with pytest.raises(LMForgeError, match="training.parallel must be ddp, fsdp or hsdp"):
         train(load_config(str(recipe(tmp_path, data_dir, "bad", parallel="zero3"))))
     with pytest.raises(LMForgeError, match="launch with torchrun"):
         train(load_config(str(recipe(tmp_path, data_dir, "alone", parallel="fsdp"))))
     assert not (tmp_path / "runs" / "alone" / "checkpoints").exists()
+    offload = recipe(tmp_path, data_dir, "offload", parallel="fsdp", fsdp_offload=True)
+    r = torchrun(["train", str(offload)], tmp_path / "runs" / "offload", timeout=300)
+    assert r.returncode != 0 and r.stderr.count("this run is on the CPU already: drop training.fsdp_offload") == 2
 
 
 def test_a_global_batch_two_processes_cannot_split_stops_every_rank(tmp_path, data_dir):

@@ -148,6 +148,9 @@ class Trainer:
             if devinfo.precision == "fp16":
                 raise LMForgeError(f"training.parallel={self.t.parallel} with fp16 is not supported (its loss "
                                    "scaler does not shard): use training.precision=bf16 or fp32")
+            if self.t.fsdp_offload and devinfo.device.type == "cpu":
+                raise LMForgeError("training.fsdp_offload moves the shards from accelerator memory to CPU memory; "
+                                   "this run is on the CPU already: drop training.fsdp_offload")
             param_dtype = torch.bfloat16 if devinfo.precision == "bf16" else None
             self.sharded = fsdp.shard(self.fwd_model, model, self.t.parallel, devinfo.device, distinfo.world_size,
                                       param_dtype, self.t.fsdp_offload, self.t.compile)
