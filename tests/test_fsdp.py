@@ -88,6 +88,9 @@ def test_a_two_process_checkpoint_resumes_on_two_and_on_one_exactly(tmp_path, da
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-6, msg=k)
     assert losses(tmp_path / "runs" / "cut") == pytest.approx(losses(tmp_path / "runs" / "full"), rel=1e-6)
+    wider = torchrun(["train", str(cut), "name=cut1", "model.n_embd=64", "training.max_steps=6", "--resume"],
+                     tmp_path / "unused")  # a GLOO_ABORT retry must not delete cut1
+    assert wider.returncode != 0 and wider.stderr.count("does not fit this model") == 2, wider.stderr
     # On one process the global batch is one process's: micro_batch 4 keeps it at 4.
     on_one = run(lmforge_cmd("train", str(cut), "name=cut1", "training.max_steps=6", "training.micro_batch_size=4",
                              "training.parallel=ddp", "--resume"), cwd=REPO)
@@ -98,10 +101,11 @@ def test_a_two_process_checkpoint_resumes_on_two_and_on_one_exactly(tmp_path, da
 
 
 def test_bf16_shards_compute_in_bf16_and_keep_fp32_weights(tmp_path, data_dir):
-    """With precision bf16 the blocks compute on bf16 copies of the weights (the losses differ from the
-    fp32 run's by rounding, not more) while the stored weights, and so the checkpoint, stay fp32."""
+    """With precision bf16 the (compiled) blocks compute on bf16 copies of the weights (the losses differ
+    from the fp32 run's by rounding, not more) while the stored weights, and so the checkpoint, stay fp32."""
     fp32 = recipe(tmp_path, data_dir, "fp32", micro_batch_size=2, parallel="fsdp", max_steps=3)
-    bf16 = recipe(tmp_path, data_dir, "bf16", micro_batch_size=2, parallel="fsdp", max_steps=3, precision="bf16")
+    bf16 = recipe(tmp_path, data_dir, "bf16", micro_batch_size=2, parallel="fsdp", max_steps=3, precision="bf16",
+                  compile=True)  # and each block compiled
     for r in (fp32, bf16):
         done = torchrun(["train", str(r)], tmp_path / "runs" / r.stem)
         assert done.returncode == 0, done.stderr

@@ -178,7 +178,11 @@ def load_model_state(model: nn.Module, directory: Path) -> None:
     except Exception as e:
         raise LMForgeError(f"cannot read {path}: {e}. The checkpoint is corrupt; resume from an earlier one in "
                            f"{Path(directory).parent}") from e
-    missing, unexpected = set_model_state_dict(model, state, options=_options(strict=False))
+    try:
+        missing, unexpected = set_model_state_dict(model, state, options=_options(strict=False))
+    except (RuntimeError, ValueError) as e:  # a tensor of another shape
+        raise LMForgeError(f"{path} does not fit this model ({e}): resume with the config it was written with (see "
+                           "its run_config.yaml)") from e
     tied = {n for n, first in _shared_names(model).items() if n != first}
     missing = [k for k in missing if k not in tied]
     if missing or unexpected:
