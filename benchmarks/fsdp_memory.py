@@ -11,6 +11,11 @@ micro-batch 1:
   bf16, no attention recompute);
 - the fp32 logits of the sequence.
 
+FSDP's figure is the larger of a training step and an evaluation. lmforge evaluates (and runs a kind's
+probe) on the whole model gathered in bf16: 2 bytes per parameter on top of the shards. Not counted
+here: resuming reads the full checkpoint into each process's CPU memory (about 12 bytes per
+parameter, per process).
+
 A 10% margin is kept for the allocator and CUDA's own context. The parameter counts come from
 lmforge's models built on the meta device. Usage:
 
@@ -38,7 +43,10 @@ def footprint(preset: str, seq: int, vocab: int, gpus: int) -> tuple[int, float,
     width, heads, layers = cfg.n_embd, cfg.n_head, cfg.n_layer
     activations = (layers * seq * width * 2 + seq * width * (34 + 5 * heads * seq / width) + seq * vocab * 4)
     ddp = 16 * params + activations
-    fsdp = 16 * params / gpus + 2 * block * (2 + 4) + activations
+    training = 16 * params / gpus + 2 * block * (2 + 4) + activations
+    # Evaluation and probes run on the whole model gathered in bf16 (lmforge.train.fsdp.gathered).
+    evaluation = 16 * params / gpus + 2 * params + seq * vocab * 4
+    fsdp = max(training, evaluation)
     return params, ddp / 0.9, fsdp / 0.9
 
 

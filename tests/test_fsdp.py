@@ -55,8 +55,14 @@ def test_two_sharded_processes_match_one_and_hold_half_the_state(tmp_path, data_
     assert sorted(a) == sorted(b) == list(range(1, 7))
     for s in a:
         assert a[s] == pytest.approx(b[s], rel=1e-5, abs=1e-6), s
+    # Evaluation runs on the gathered weights: the held-out losses of DDP on two processes (each process
+    # scores its own share of the validation rows, as here) at steps 3 and 6.
+    ddp = recipe(tmp_path, data_dir, "ddp", **split)
+    assert torchrun(["train", str(ddp)], tmp_path / "runs" / "ddp").returncode == 0
+    evals = [{r["step"]: r["eval/loss"] for r in rows(tmp_path / "runs" / n) if "eval/loss" in r} for n in ("ddp", "two")]
+    assert sorted(evals[0]) == [3, 6] and evals[1] == pytest.approx(evals[0], rel=1e-5)
     # The checkpoints are the ordinary files, with the same weights (tied head and embedding stored once).
-    for step in ("step-000003", "step-000006"):
+    for step in ("step-000003", "step-000006", "best"):
         wa = load_file(str(tmp_path / "runs" / "one" / "checkpoints" / step / "model.safetensors"))
         wb = load_file(str(tmp_path / "runs" / "two" / "checkpoints" / step / "model.safetensors"))
         assert wa.keys() == wb.keys()
@@ -139,11 +145,16 @@ def test_models_fsdp_cannot_shard_are_refused_with_the_way_out(monkeypatch):
     from lmforge.recipes.ppo.model import ActorCritic, actor_critic_config
     from lmforge.train.fsdp import check_parallel
 
+    from lmforge.recipes import get_kind
+
     config = GPTConfig(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2)
-    check_parallel("fsdp", 2, GPT(config), "lm")  # accepted
-    with pytest.raises(LMForgeError, match="'ppo' kind's ActorCritic is not one: use training.parallel=ddp"):
-        check_parallel("fsdp", 2, ActorCritic(actor_critic_config(config, None)), "ppo")
+    check_parallel("fsdp", 2, GPT(config), get_kind("lm"))  # accepted
+    with pytest.raises(LMForgeError, match=r"built for the kinds: lm; the 'ppo' kind \(ActorCritic\) is not"):
+        check_parallel("fsdp", 2, ActorCritic(actor_critic_config(config, None)), get_kind("ppo"))
+    # a gpt model, but grpo's data samples with the model between steps: not sharded yet
+    with pytest.raises(LMForgeError, match="the 'grpo' kind .* use training.parallel=ddp"):
+        check_parallel("fsdp", 2, GPT(config), get_kind("grpo"))
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(LMForgeError, match="torchrun --nproc_per_node 2 -m lmforge train"):
-        check_parallel("hsdp", 1, GPT(config), "lm")
-    check_parallel("ddp", 1, GPT(config), "lm")
+        check_parallel("hsdp", 1, GPT(config), get_kind("lm"))
+    check_parallel("ddp", 1, GPT(config), get_kind("ppo"))

@@ -129,6 +129,9 @@ class RecipeSpec:
     # model in and wraps in DDP, so it may call the model (or its methods) as often as it needs.
     loss: Callable[[Any, dict[str, Any]], tuple[Any, dict[str, Any]]] = _call_model
     ddp_find_unused_parameters: bool = False  # some parameters get no gradient in some steps
+    # training.parallel fsdp/hsdp (lmforge.train.fsdp) is tested with this kind: its data never calls the
+    # model, and its model is a list of blocks with one weights file
+    supports_fsdp: bool = False
     # --- evaluation -------------------------------------------------------------------------------
     best_metric: str = "eval/loss"  # the metric that picks checkpoints/best
     best_higher_is_better: bool = False

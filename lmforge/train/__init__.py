@@ -72,7 +72,7 @@ def _train(cfg: RunConfig, resume: bool | str, distinfo: DistInfo, clock: Callab
 
     seed_everything(cfg.seed)  # same initial weights on every rank
     model = build_model(cfg.model)
-    check_parallel(cfg.training.parallel, distinfo.world_size, model, spec.name)
+    check_parallel(cfg.training.parallel, distinfo.world_size, model, spec)
     if load_init:
         _load_initial_weights(model, cfg.training.init_from, distinfo)
     if cfg.training.activation_checkpointing:

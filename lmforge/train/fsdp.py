@@ -46,7 +46,7 @@ from lmforge.errors import LMForgeError
 PARALLEL = ("ddp", "fsdp", "hsdp")
 
 
-def check_parallel(parallel: str, world_size: int, model: nn.Module, kind: str) -> None:
+def check_parallel(parallel: str, world_size: int, model: nn.Module, spec: Any) -> None:
     """Errors of ``training.parallel`` that need no process group, the same on every rank."""
     if parallel not in PARALLEL:
         raise LMForgeError(f"training.parallel must be one of {', '.join(PARALLEL)}, got {parallel!r}")
@@ -56,17 +56,12 @@ def check_parallel(parallel: str, world_size: int, model: nn.Module, kind: str) 
         raise LMForgeError(f"training.parallel={parallel} shards the model across processes: launch with torchrun, "
                            f"e.g. `torchrun --nproc_per_node 2 -m lmforge train ...` (on one process use "
                            "training.parallel=ddp, the default)")
-    blocks = getattr(model, "blocks", None)
-    from lmforge.models.base import LMForgeModel
+    if not spec.supports_fsdp or not isinstance(getattr(model, "blocks", None), nn.ModuleList):
+        from lmforge.recipes import kinds
 
-    plain = (isinstance(blocks, nn.ModuleList) and len(blocks) > 0
-             and type(model).save_pretrained is LMForgeModel.save_pretrained
-             and type(model).load_checkpoint_weights is LMForgeModel.load_checkpoint_weights
-             and type(model).averaged_weights is LMForgeModel.averaged_weights)
-    if not plain:
-        raise LMForgeError(f"training.parallel={parallel} supports models made of a list of blocks that save one "
-                           f"weights file (the gpt family: lm, sft, dpo, reward and mhc kinds); the {kind!r} kind's "
-                           f"{type(model).__name__} is not one: use training.parallel=ddp")
+        supported = ", ".join(k.name for k in kinds() if k.supports_fsdp)
+        raise LMForgeError(f"training.parallel={parallel} is built for the kinds: {supported}; the {spec.name!r} kind "
+                           f"({type(model).__name__}) is not one of them yet: use training.parallel=ddp")
 
 
 def _mesh(parallel: str, device_type: str, world_size: int):
@@ -89,7 +84,9 @@ def shard(root: nn.Module, model: nn.Module, parallel: str, device: torch.device
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mesh = _mesh(parallel, device.type, world_size)
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    # The batch is not cast: float inputs (a reference model's log-probabilities) keep their precision,
+    # and autocast sets the compute dtype inside as it does under DDP.
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     kwargs = {"mesh": mesh, "mp_policy": policy, "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy()}
     modules = []
     for block in model.blocks:
@@ -106,14 +103,29 @@ def gathered(modules: list[nn.Module]) -> Iterator[None]:
     so each process may call the model as often as it likes. Enter it only after a training step
     (the first forward sets FSDP up)."""
     for m in modules:
-        m.set_reshard_after_forward(False)
+        m.set_reshard_after_forward(False, recurse=False)
         m.unshard()
     try:
         yield
     finally:
         for m in modules:
             m.reshard()
-            m.set_reshard_after_forward(True)
+        for m in modules[:-1]:
+            m.set_reshard_after_forward(True, recurse=False)  # the blocks free their weights after forward;
+        # the root keeps its own until the backward (FSDP's default for a root module)
+        _forget_forwards(modules)
+
+
+def _forget_forwards(modules: list[nn.Module]) -> None:
+    """Drop FSDP's record of the forwards run inside ``gathered``: the next backward prefetches the
+    weights of the module that ran before in its record, and calls made there (a different number
+    on each process, for a probe) must not steer the training step's gathers. (FSDP clears the
+    record itself only at the end of a backward.)"""
+    for m in modules:
+        group = getattr(m._get_fsdp_state(), "_fsdp_param_group", None)
+        if group is not None:
+            group._post_forward_indices.clear()
+            group.comm_ctx.post_forward_order.clear()
 
 
 def _options(full: bool = True, **kw):
@@ -156,13 +168,13 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     state = get_optimizer_state_dict(model, optimizer, options=_options())
-    if not state or not state.get("state"):
-        return {}
+    if not state:
+        return {}  # not process 0
     index = {name: i for i, name in enumerate(_names_in_order(model, optimizer))}
     groups = []
     for g in state["param_groups"]:
         groups.append({**g, "params": [index[n] for n in g["params"]]})
-    return {"state": {index[n]: v for n, v in state["state"].items()}, "param_groups": groups}
+    return {"state": {index[n]: v for n, v in state.get("state", {}).items()}, "param_groups": groups}
 
 
 def load_model_state(model: nn.Module, directory: Path) -> None:

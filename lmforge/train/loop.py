@@ -162,6 +162,7 @@ class Trainer:
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self._window = _Window()
         self._state_mb: float | None = None  # this process's weights + optimizer state, logged once
+        self._forwarded = False  # a training forward ran in this process
 
         if data.bind_model is not None:
             data.bind_model(model, devinfo)
@@ -174,7 +175,11 @@ class Trainer:
     def full_weights(self) -> contextlib.AbstractContextManager:
         """Context in which ``self.model`` holds its full weights on this process (a no-op unless
         sharded): evaluation, probes and generation call the plain model inside it."""
-        return fsdp.gathered(self.sharded) if self.sharded else contextlib.nullcontext()
+        if not self.sharded:
+            return contextlib.nullcontext()
+        if not self._forwarded:  # FSDP sets itself up in the first training forward
+            raise LMForgeError("under training.parallel=fsdp the model can be evaluated only after a training step")
+        return fsdp.gathered(self.sharded)
 
     # ---- resume ---------------------------------------------------------------------------
     def load_checkpoint(self, path: Path) -> None:
@@ -362,14 +367,14 @@ class Trainer:
             window.examples += counts.examples
             window.flops += counts.flops
             batch = _to_device(batch, self.dev.device)
-            sync = contextlib.nullcontext()
-            if self.sharded:  # reduce-scatter the gradients after the last micro-batch only
-                self.sharded[-1].set_requires_gradient_sync(micro == accum - 1)
-            elif self.dist.enabled and micro < accum - 1:
-                sync = self.fwd_model.no_sync()
+            # Under FSDP the gradients are reduce-scattered after every micro-batch: skipping that would
+            # keep them unsharded (4 bytes per parameter) between micro-batches, the memory FSDP saves.
+            sync = (self.fwd_model.no_sync() if self.dist.enabled and not self.sharded and micro < accum - 1
+                    else contextlib.nullcontext())
             with sync:
                 with self.dev.autocast():
                     loss, metrics = self.fwd_model(batch)
+                self._forwarded = True
                 self.scaler.scale(loss / accum).backward()
             loss_sum += loss.detach().float()
             for k, v in metrics.items():

@@ -56,4 +56,5 @@ SPEC = register(RecipeSpec(
     generate=CLIOptions(run=cli.run_generate, add=cli.add_generate_args, uses=("sampling", "precision"),
                         help="continue a prompt, streaming tokens"),
     bench_data=bench_data,
+    supports_fsdp=True,
 ))
