@@ -10,7 +10,9 @@ one and no step computes padding.
 
 Prefill is chunked: each step prefills at most ``prefill_chunk`` prompt tokens (several short
 prompts, or one chunk of a long one) before it decodes, so a long prompt arriving delays the running
-sequences' next tokens by one chunk's forward, not by its whole prompt's. And prompts share work: the
+sequences' next tokens by one chunk's forward, not by its whole prompt's. Prompts that start in the
+same step (a burst of requests, a batch of scored ones) are prefilled in one packed forward
+(``PackedPrefill``), which reads the weights once for all of them. And prompts share work: the
 keys and values of the last ``prefix_cache`` prefilled prompts are kept, and a new prompt starting
 with the same tokens (a long system prompt or tool list, a question scored with each of its answers,
 the samples of one prompt that GRPO draws) copies them and computes only the rest.
