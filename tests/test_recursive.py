@@ -116,6 +116,23 @@ def test_hrm_one_step_gradient():
     assert not model._carry.z_h.requires_grad and not model._carry.z_l.requires_grad
 
 
+def test_hrm_mlp_t_mixes_tokens_with_an_mlp_in_both_modules():
+    """HRM's mlp_t (TRM's token-mixing variant, what its CPU recipe uses): no attention anywhere, and
+    the one-step gradient still reaches both modules' token mixers."""
+    from lmforge.recipes.puzzles.layers import Attention, TokenMixer
+
+    model = hrm(mlp_t=True, pos_encodings="none", halt_max_steps=1)
+    for level in (model.H_level, model.L_level):
+        assert all(isinstance(b.mixer, TokenMixer) for b in level.blocks)
+    assert not any(isinstance(m, Attention) for m in model.modules())
+    model.train()
+    loss, _ = model(random_batch())
+    loss.backward()
+    for level in (model.H_level, model.L_level):
+        grads = [p.grad for b in level.blocks for p in b.mixer.parameters()]
+        assert all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
 def test_trm_full_backprop_through_last_cycle_only():
     model = trm(H_cycles=3, L_cycles=2)
     calls = []

@@ -19,7 +19,7 @@ import torch
 
 from lmforge.errors import LMForgeError
 from lmforge.recipes.puzzles.model import PuzzleModel, PuzzleModelConfig
-from lmforge.recipes.puzzles.layers import Attention, PostNormBlock, ReasoningModule
+from lmforge.recipes.puzzles.layers import Attention, PostNormBlock, ReasoningModule, TokenMixer
 
 
 @dataclass
@@ -28,6 +28,7 @@ class HRMConfig(PuzzleModelConfig):
     L_layers: int = 4
     H_cycles: int = 2
     L_cycles: int = 2
+    mlp_t: bool = False  # token-mixing MLP instead of attention in both modules (TRM's variant; Sudoku)
 
     def validate(self) -> None:
         super().validate()
@@ -40,14 +41,23 @@ def attention_blocks(c: PuzzleModelConfig, n: int, rotary) -> list[PostNormBlock
                           c.rms_norm_eps) for _ in range(n)]
 
 
+def mixing_blocks(c: PuzzleModelConfig, n: int, rotary, seq_len: int) -> list[PostNormBlock]:
+    """``n`` blocks that mix tokens by attention, or with ``c.mlp_t`` by a SwiGLU across the ``seq_len``
+    positions (fixed-size grids: cheaper on a CPU, and what made TRM learn Sudoku fast there)."""
+    if getattr(c, "mlp_t", False):
+        return [PostNormBlock(TokenMixer(seq_len, c.expansion), c.hidden_size, c.expansion, c.rms_norm_eps)
+                for _ in range(n)]
+    return attention_blocks(c, n, rotary)
+
+
 class HRM(PuzzleModel):
     family = "hrm"
     config_class = HRMConfig
 
     def __init__(self, config: HRMConfig):
         super().__init__(config)
-        self.H_level = ReasoningModule(attention_blocks(config, config.H_layers, self.rotary))
-        self.L_level = ReasoningModule(attention_blocks(config, config.L_layers, self.rotary))
+        self.H_level = ReasoningModule(mixing_blocks(config, config.H_layers, self.rotary, self.total_len))
+        self.L_level = ReasoningModule(mixing_blocks(config, config.L_layers, self.rotary, self.total_len))
 
     def segment(self, z_h: torch.Tensor, z_l: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config

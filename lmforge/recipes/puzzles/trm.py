@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from lmforge.errors import LMForgeError
-from lmforge.recipes.puzzles.hrm import attention_blocks
+from lmforge.recipes.puzzles.hrm import mixing_blocks
 from lmforge.recipes.puzzles.model import PuzzleModel, PuzzleModelConfig
-from lmforge.recipes.puzzles.layers import PostNormBlock, ReasoningModule, TokenMixer
+from lmforge.recipes.puzzles.layers import ReasoningModule
 
 
 @dataclass
@@ -47,12 +47,7 @@ class TRM(PuzzleModel):
     def __init__(self, config: TRMConfig):
         super().__init__(config)
         c = config
-        if c.mlp_t:
-            blocks = [PostNormBlock(TokenMixer(self.total_len, c.expansion), c.hidden_size, c.expansion,
-                                    c.rms_norm_eps) for _ in range(c.L_layers)]
-        else:
-            blocks = attention_blocks(c, c.L_layers, self.rotary)
-        self.net = ReasoningModule(blocks)
+        self.net = ReasoningModule(mixing_blocks(c, c.L_layers, self.rotary, self.total_len))
 
     def segment(self, z_h: torch.Tensor, z_l: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
