@@ -162,6 +162,25 @@ def main() -> None:
         quality_table(args)
 
 
+def random_checkpoints(args, tmp: Path):
+    """A seeded random checkpoint (with a small tokenizer) per ``--sizes`` x ``--flavors``, written under
+    ``tmp``: yields ``(size, flavor, label, checkpoint)``."""
+    from lmforge.tokenizer import Tokenizer
+
+    train_tokenizer(["package main\n\nfunc main() {}\n"] * 50, 300, tmp / "tok", show_progress=False)
+    tokenizer = Tokenizer.load(tmp / "tok")
+    for size in args.sizes.split(","):
+        layers, width, heads, ctx, vocab = SIZES[size]
+        for flavor in args.flavors.split(","):
+            torch.manual_seed(0)
+            model = GPT(GPTConfig(flavor=flavor, vocab_size=vocab, n_positions=ctx, n_embd=width,
+                                  n_layer=layers, n_head=heads)).eval()
+            params = sum(p.numel() for p in model.parameters()) / 1e6
+            ckpt = model.save_pretrained(tmp / f"{size}-{flavor}")
+            tokenizer.save(ckpt)
+            yield size, flavor, f"{size} ({params:.0f}M)", ckpt
+
+
 def batch_table(args, precisions: list[str]) -> None:
     """The engine's tokens/s with ``--batch`` requests decoding together, per precision, rounds alternating."""
     import json
@@ -174,33 +193,20 @@ def batch_table(args, precisions: list[str]) -> None:
           + " |")
     print("| --- | --- | " + " | ".join("---" for _ in precisions) + " | --- |")
     with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        train_tokenizer(["package main\n\nfunc main() {}\n"] * 50, 300, tmp / "tok", show_progress=False)
-        from lmforge.tokenizer import Tokenizer
-
-        tokenizer = Tokenizer.load(tmp / "tok")
-        for size in args.sizes.split(","):
-            layers, width, heads, ctx, vocab = SIZES[size]
-            for flavor in args.flavors.split(","):
-                torch.manual_seed(0)
-                model = GPT(GPTConfig(flavor=flavor, vocab_size=vocab, n_positions=ctx, n_embd=width,
-                                      n_layer=layers, n_head=heads)).eval()
-                params = sum(p.numel() for p in model.parameters()) / 1e6
-                ckpt = model.save_pretrained(tmp / f"{size}-{flavor}")
-                tokenizer.save(ckpt)
-                runs = {p: [] for p in precisions}
-                for _ in range(args.rounds):
-                    for precision in precisions:
-                        cmd = [sys.executable, __file__, "--worker", "engine", str(ckpt), precision, "--batch",
-                               str(args.batch), "--prompt-tokens", str(args.prompt_tokens), "--new-tokens",
-                               str(args.new_tokens)]
-                        line = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip()
-                        runs[precision].append(json.loads(line.splitlines()[-1])["tok_s"])
-                speed = {p: statistics.median(v) for p, v in runs.items()}
-                base = "bf16" if "bf16" in speed else "fp32"
-                ratio = f"{speed['int8'] / speed[base]:.2f}x" if "int8" in speed and base in speed else "—"
-                print(f"| {size} ({params:.0f}M) | {flavor} | " + " | ".join(f"{speed[p]:,.1f}" for p in precisions)
-                      + f" | {ratio} |", flush=True)
+        for _size, flavor, label, ckpt in random_checkpoints(args, Path(tmp)):
+            runs = {p: [] for p in precisions}
+            for _ in range(args.rounds):
+                for precision in precisions:
+                    cmd = [sys.executable, __file__, "--worker", "engine", str(ckpt), precision, "--batch",
+                           str(args.batch), "--prompt-tokens", str(args.prompt_tokens), "--new-tokens",
+                           str(args.new_tokens)]
+                    line = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip()
+                    runs[precision].append(json.loads(line.splitlines()[-1])["tok_s"])
+            speed = {p: statistics.median(v) for p, v in runs.items()}
+            base = "bf16" if "bf16" in speed else "fp32"
+            ratio = f"{speed['int8'] / speed[base]:.2f}x" if "int8" in speed and base in speed else "—"
+            print(f"| {label} | {flavor} | " + " | ".join(f"{speed[p]:,.1f}" for p in precisions)
+                  + f" | {ratio} |", flush=True)
 
 
 def speed_tables(args, precisions: list[str]) -> None:
@@ -214,41 +220,27 @@ def speed_tables(args, precisions: list[str]) -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     side = {}  # (size label, flavor) -> {precision: speeds}
     with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        train_tokenizer(["package main\n\nfunc main() {}\n"] * 50, 300, tmp / "tok", show_progress=False)
-        from lmforge.tokenizer import Tokenizer
-
-        tokenizer = Tokenizer.load(tmp / "tok")
-        for size in args.sizes.split(","):
-            layers, width, heads, ctx, vocab = SIZES[size]
-            for flavor in args.flavors.split(","):
-                torch.manual_seed(0)
-                model = GPT(GPTConfig(flavor=flavor, vocab_size=vocab, n_positions=ctx, n_embd=width,
-                                      n_layer=layers, n_head=heads)).eval()
-                params = sum(p.numel() for p in model.parameters()) / 1e6
-                label = f"{size} ({params:.0f}M)"
-                ckpt = model.save_pretrained(tmp / f"{size}-{flavor}")
-                tokenizer.save(ckpt)
-                export_hf(ckpt, tmp / f"{size}-{flavor}-hf")
-                for precision in precisions:
-                    systems = ["lmforge", "engine"] + (["transformers"] if precision != "int8" else [])
-                    runs = {system: [] for system in systems}
-                    outputs = {}
-                    for _ in range(args.rounds):
-                        for system in runs:
-                            cmd = [sys.executable, __file__, "--worker", system, str(ckpt), precision,
-                                   "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens)]
-                            line = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip()
-                            result = json.loads(line.splitlines()[-1])
-                            runs[system].append(result["tok_s"])
-                            outputs[system] = result["tokens"]
-                    speed = {k: statistics.median(v) for k, v in runs.items()}
-                    side.setdefault((label, flavor), {})[precision] = speed
-                    same = all(out == outputs["lmforge"] for out in outputs.values())
-                    hf = speed.get("transformers")
-                    print(f"| {label} | {flavor} | {precision} | {speed['lmforge']:,.1f} | {speed['engine']:,.1f} | "
-                          + (f"{hf:,.1f} | {speed['lmforge'] / hf:.2f}x | {speed['engine'] / hf:.2f}x"
-                             if hf else "— | — | —") + f" | {'yes' if same else 'no'} |", flush=True)
+        for size, flavor, label, ckpt in random_checkpoints(args, Path(tmp)):
+            export_hf(ckpt, Path(tmp) / f"{size}-{flavor}-hf")
+            for precision in precisions:
+                systems = ["lmforge", "engine"] + (["transformers"] if precision != "int8" else [])
+                runs = {system: [] for system in systems}
+                outputs = {}
+                for _ in range(args.rounds):
+                    for system in runs:
+                        cmd = [sys.executable, __file__, "--worker", system, str(ckpt), precision,
+                               "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens)]
+                        line = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip()
+                        result = json.loads(line.splitlines()[-1])
+                        runs[system].append(result["tok_s"])
+                        outputs[system] = result["tokens"]
+                speed = {k: statistics.median(v) for k, v in runs.items()}
+                side.setdefault((label, flavor), {})[precision] = speed
+                same = all(out == outputs["lmforge"] for out in outputs.values())
+                hf = speed.get("transformers")
+                print(f"| {label} | {flavor} | {precision} | {speed['lmforge']:,.1f} | {speed['engine']:,.1f} | "
+                      + (f"{hf:,.1f} | {speed['lmforge'] / hf:.2f}x | {speed['engine'] / hf:.2f}x"
+                         if hf else "— | — | —") + f" | {'yes' if same else 'no'} |", flush=True)
     print("\nlmforge tokens/s side by side (generate / engine); int8 vs bf16 (vs fp32 where there is no bf16):")
     heads = [p for p in ("fp32", "bf16", "int8") if p in precisions]
     base = "bf16" if "bf16" in precisions else "fp32"

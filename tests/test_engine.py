@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 
 import queue
 import warnings
@@ -302,9 +301,14 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_decode_steps_of_runnin
     """While a 56-token prompt is prefilled 8 tokens a step, the running request keeps getting a token
     every step (counted in events, not timed); both replies equal one-at-a-time generation."""
     model = make_model("gpt2")
-    steps, ticks = [], itertools.count()
+    steps, reads = [], []
+
+    def counting_clock() -> float:  # no time at all: each read returns how many reads came before it
+        reads.append(len(reads))
+        return float(reads[-1])
+
     engine = Engine(model, eos_id=-1, max_batch_size=2, prefill_chunk=8, background=False, on_step=steps.append,
-                    clock=lambda: float(next(ticks)))
+                    clock=counting_clock)
     order = []
 
     def on_event(name):
@@ -328,9 +332,11 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_decode_steps_of_runnin
     assert [s.prefilled for s in steps[:8]] == [8, 8, 8, 8, 8, 8, 8, 3]
     assert all(s.prefilled == 0 for s in steps[8:]) and sum(s.prefilled for s in steps) == 59
     assert [s.decoded for s in steps[:8]] == [1] * 7 + [2]
-    # The injected clock is read before the step, after its prefill and after its decode (one tick each).
-    assert all(s.prefill_seconds == (1.0 if s.prefilled else 0.0) and s.decode_seconds == 1.0 for s in steps)
-    assert [s.start for s in steps[:3]] == [0.0, 3.0, 6.0]
+    # The clock is read before each step, after its prefill (only when it prefilled) and after its
+    # decode: the step's parts are the differences of those reads.
+    assert len(reads) == sum(3 if s.prefilled else 2 for s in steps)
+    assert [s.start for s in steps[:3]] == [0, 3, 6]
+    assert [(s.prefill_seconds, s.decode_seconds) for s in steps] == [(1, 1) if s.prefilled else (0, 1) for s in steps]
 
 
 def test_prompts_sharing_a_beginning_compute_it_once_and_score_as_alone():
