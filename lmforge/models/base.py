@@ -37,6 +37,9 @@ class LMForgeModel(nn.Module):
     def __init__(self, config: Any):
         super().__init__()
         self.config = config
+        # Whether training forwards compute the model's diagnostic metrics (its ``metric_sections``,
+        # e.g. mHC's Amax gains): the loop sets it for the steps whose metrics are logged only.
+        self.step_metrics = True
 
     # ---- training interface -------------------------------------------------------------
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
