@@ -15,7 +15,7 @@ from lmforge.config import load_config
 from lmforge.errors import LMForgeError
 from lmforge.models import build_model
 from lmforge.train import seed_everything
-from lmforge.device import (DeviceInfo, _sync, keep_freed_memory_for_reuse, model_flops_utilization,
+from lmforge.device import (DeviceInfo, _sync, adamw_kernels, keep_freed_memory_for_reuse, model_flops_utilization,
                                    setup_device)
 from lmforge.train.distributed import DistInfo
 from lmforge.recipes import TrainData
@@ -86,9 +86,8 @@ def _transformers_stepper(cfg, devinfo: DeviceInfo):
     model.train()
     t = cfg.training
     # The same AdamW implementation lmforge uses on this device, so only the model and loop differ.
-    fast = {"fused": True} if devinfo.device.type == "cuda" else {"foreach": True}
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
-                            weight_decay=t.weight_decay, **fast)
+                            weight_decay=t.weight_decay, **adamw_kernels(devinfo.device))
     data = cfg.spec.bench_data(cfg)  # the same seeded batches lmforge times
     scaler = torch.amp.GradScaler(devinfo.device.type, enabled=devinfo.precision == "fp16")
 

@@ -356,6 +356,98 @@ def test_non_finite_gradient_with_a_finite_loss_stops_before_the_update(tmp_path
     assert all(torch.isfinite(w).all() for w in weights.values())
 
 
+def test_a_non_finite_step_between_checks_is_skipped_on_the_device_and_stops_at_the_next_check(
+        tmp_path, data_dir, monkeypatch):
+    """The host reads the NaN flag only at check steps (here every 4th): the bad 5th update, and the
+    finite 6th and 7th after it, are skipped by the fused optimizer on the device; step 8 stops with
+    the weights of step 4, bit for bit."""
+    import lmforge.train as train_module
+
+    build = train_module.build_model
+    built, calls = {}, {"n": 0}
+
+    def build_with_poisoned_backward(cfg):
+        model = built["model"] = build(cfg)
+
+        def poison_fifth_backward(grad):
+            calls["n"] += 1
+            return grad * float("nan") if calls["n"] == 5 else grad
+
+        model.blocks[0].mlp.fc.bias.register_hook(poison_fifth_backward)
+        return model
+
+    monkeypatch.setattr(train_module, "build_model", build_with_poisoned_backward)
+    recipe = write_recipe(tmp_path / "r.yaml", data_dir, tmp_path / "runs",
+                          training={"max_steps": 12, "save_interval": 4, "log_interval": 4, "eval_interval": 0,
+                                    "keep_last": 5})
+    with pytest.raises(LMForgeError, match=r"gradient norm is nan at step 5: training stopped before applying that "
+                                           r"update \(found at step 8: the updates of steps 5-7 were skipped on the "
+                                           r"device\).*step-000004"):
+        train(load_config(str(recipe)))
+    assert calls["n"] == 8  # steps 6 and 7 ran with finite gradients: the flag is sticky
+    run_dir = tmp_path / "runs" / "t"
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == ["step-000004"]
+    saved = load_file(str(run_dir / "checkpoints" / "step-000004" / "model.safetensors"))
+    now = built["model"].state_dict()
+    assert saved and all(torch.equal(now[k], v) for k, v in saved.items())
+
+
+# Reads of a tensor's value on the host: on an accelerator each waits for the device's queue.
+_HOST_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__,
+               torch.Tensor.__int__, torch.Tensor.__index__, torch.Tensor.numpy, torch.Tensor.cpu}
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Counts host reads of tensors, leaving out the loss's CPU-only removal of unlabelled tokens
+    (``_drop_unlabelled_on_cpu``: never called for tensors on an accelerator)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _HOST_READS:
+            import traceback
+
+            self.count += all(f.name != "_drop_unlabelled_on_cpu" for f in traceback.extract_stack())
+        return func(*args, **(kwargs or {}))
+
+
+def test_training_steps_read_nothing_from_the_device_between_check_steps(tmp_path, data_dir):
+    """Loss, gradient norm, NaN flag and metrics stay on the device until a check step: 16 steps read
+    exactly as often as 8 when both log (and evaluate and save) only at their end."""
+    reads = {}
+    for steps in (8, 16):
+        recipe = write_recipe(tmp_path / f"r{steps}.yaml", data_dir, tmp_path / f"runs{steps}",
+                              training={"max_steps": steps, "log_interval": steps, "eval_interval": 0,
+                                        "save_interval": 0})
+        cfg = load_config(str(recipe))
+        with _HostReads() as mode:
+            assert train(cfg).step == steps
+        reads[steps] = mode.count
+    assert reads[8] > 0  # the end's log line, evaluation and checkpoint do read
+    assert reads[16] == reads[8]
+
+
+def test_diagnostic_metrics_are_asked_for_on_logged_steps_only(tmp_path, data_dir, monkeypatch):
+    import lmforge.train as train_module
+
+    build = train_module.build_model
+    asked = []
+
+    def build_and_watch(cfg):
+        model = build(cfg)
+        model.register_forward_pre_hook(lambda m, args: asked.append(m.step_metrics) if m.training else None)
+        return model
+
+    monkeypatch.setattr(train_module, "build_model", build_and_watch)
+    recipe = write_recipe(tmp_path / "r.yaml", data_dir, tmp_path / "runs",
+                          training={"max_steps": 10, "log_interval": 4, "eval_interval": 0, "save_interval": 0})
+    train(load_config(str(recipe)))
+    assert [i + 1 for i, wanted in enumerate(asked) if wanted] == [4, 8, 10]
+    assert len(asked) == 10
+
+
 def test_logged_tokens_per_second_excludes_evaluation_time(tmp_path, data_dir, monkeypatch):
     """A fake clock: each training step takes 0.25 s, each evaluation 100 s and each checkpoint 50 s.
     Tokens/s counts the steps only, whatever this machine's speed."""

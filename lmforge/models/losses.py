@@ -100,12 +100,17 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1)
     if hidden.device.type == "cpu" and not torch.compiler.is_compiling():
-        # Tokens without a label (SFT prompts: ~90% of a tool-calling row) need no logits at all; on
-        # CPUs they are dropped before the head. On accelerators finding them would make the host wait
-        # for the device every step, so there their chunks run and are masked.
-        keep = labels != IGNORE_INDEX
-        if not bool(keep.all()):
-            hidden, labels = hidden[keep], labels[keep]
+        hidden, labels = _drop_unlabelled_on_cpu(hidden, labels)
     if rows is None:
         rows = chunk_rows(hidden.shape[0], weight.shape[0], hidden.device)
     return _LinearCrossEntropy.apply(hidden, weight, labels, rows)
+
+
+def _drop_unlabelled_on_cpu(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens without a label (SFT prompts: ~90% of a tool-calling row) need no logits at all; on CPUs
+    they are dropped before the head. On accelerators finding them would make the host wait for the
+    device every step, so there their chunks run and are masked (this is never called)."""
+    keep = labels != IGNORE_INDEX
+    if bool(keep.all()):
+        return hidden, labels
+    return hidden[keep], labels[keep]

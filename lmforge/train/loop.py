@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from lmforge import checkpoint as ckpt
 from lmforge.config import RunConfig
-from lmforge.device import DeviceInfo, model_flops_utilization
+from lmforge.device import DeviceInfo, adamw_kernels, model_flops_utilization
 from lmforge.errors import LMForgeError
 from lmforge.models.base import LMForgeModel
 from lmforge.recipes import TrainData
@@ -37,12 +37,11 @@ from lmforge.train.schedule import lr_multiplier, lr_multiplier_at
 
 
 def default_optimizer(model: LMForgeModel, cfg: RunConfig, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW over the model's parameter groups (fused on CUDA, foreach elsewhere): the optimizer of every
-    kind that does not name its own (``RecipeSpec.make_optimizer``)."""
+    """AdamW over the model's parameter groups (the fused kernel where the device has one): the
+    optimizer of every kind that does not name its own (``RecipeSpec.make_optimizer``)."""
     t = cfg.training
-    fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
     return torch.optim.AdamW(model.param_groups(t.weight_decay, t.lr), lr=t.lr, betas=(t.beta1, t.beta2),
-                             eps=t.eps, **fast)
+                             eps=t.eps, **adamw_kernels(device))
 
 
 @dataclass
@@ -53,8 +52,60 @@ class _Window:
     tokens: int = 0
     examples: int = 0
     flops: float = 0.0
-    losses: list[float] = field(default_factory=list)
+    steps: int = 0
+    loss_sum: torch.Tensor | float = 0.0  # on the device: read at the log line
     unseen: int = 0  # tokens not yet in Trainer.tokens_seen (added at log lines and checkpoints)
+
+
+class _NonFinite:
+    """Catches a non-finite loss or gradient norm before its update lands on the weights.
+
+    On the device, where the optimizer takes ``found_inf`` (fused AdamW, lmforge's default): each step
+    folds its finiteness into a sticky flag that the optimizer kernel reads, so the bad update and every
+    one after it are skipped on the device; the host reads the flag only at the loop's check steps
+    (log lines, evaluations, probes, checkpoints, the last step) and stops there, naming the first bad
+    step. The weights then are those from before it, as if the loop had stopped at once.
+    On the host otherwise (fp16 loss scaling, whose scaler checks every step anyway, or an optimizer
+    without ``found_inf``): the loss and norm are read after every step.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, scaled: bool):
+        self.on_device = not scaled and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and all(
+            g.get("fused") for g in optimizer.param_groups)
+        self.grad_checked = not scaled  # with fp16 loss scaling Inf gradients are expected: the scaler skips them
+        self.device = device
+        self.first: tuple[int, float, float] | None = None  # step, loss, grad norm of the first bad step (host)
+        if self.on_device:
+            self.flag = torch.zeros((), device=device)  # 1.0 from the first bad step on
+            self.record = torch.zeros(3, device=device)  # step, loss, grad norm of that step
+            optimizer.found_inf = self.flag  # read by the fused kernel at every step
+
+    def observe(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        if self.on_device:
+            norm = grad_norm.float()
+            bad = ~torch.isfinite(loss) | ~torch.isfinite(norm)
+            newly = bad & (self.flag == 0)
+            step_t = torch.full((), float(step), device=self.device)
+            self.record = torch.where(newly, torch.stack([step_t, loss.float(), norm]), self.record)
+            self.flag.copy_(torch.maximum(self.flag, bad.float()))  # in place: the optimizer holds this tensor
+        elif self.first is None:
+            loss_value, norm_value = float(loss), float(grad_norm)
+            if not math.isfinite(loss_value) or (self.grad_checked and not math.isfinite(norm_value)):
+                self.first = (step, loss_value, norm_value)
+
+    def bad_step(self, info: DistInfo) -> tuple[int, float, float] | None:
+        """The first bad step's (step, loss, grad norm) if any process had one, else None (all
+        processes call this at the same step; a host read of one flag on the device)."""
+        if self.on_device and self.first is None:
+            record = [float(self.flag)] + self.record.tolist()
+            if record[0] > 0:
+                self.first = (int(record[1]), record[2], record[3])
+        if info.enabled:
+            anywhere = torch.tensor([float(self.first is not None)], device=self.device)
+            dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)
+            if anywhere.item() > 0 and self.first is None:  # another process's loss: this one's is fine
+                return (-1, float("nan"), float("nan"))
+        return self.first
 
 
 @dataclass
@@ -185,11 +236,14 @@ class Trainer:
     def load_checkpoint(self, path: Path) -> None:
         """Restore model, optimizer, scaler, schedule position, data position and RNG exactly."""
         state = ckpt.read_trainer_state(path)
-        if self.sharded:
-            fsdp.load_model_state(self.model, path)
-        else:
-            self.model.load_checkpoint_weights(path, self.dev.device)
-        opt_state = ckpt.load_training_file(path, ckpt.OPTIMIZER_FILE, "optimizer state")
+        if self.sharded and ckpt.is_sharded(path):  # each process reads its own shards
+            opt_state = fsdp.load_sharded(self.model, self.optimizer, path)
+        else:  # full tensors (a sharded checkpoint's put together) on every process
+            if self.sharded:
+                fsdp.load_model_state(self.model, path)
+            else:
+                self.model.load_checkpoint_weights(path, self.dev.device)
+            opt_state = ckpt.load_training_file(path, ckpt.OPTIMIZER_FILE, "optimizer state")
         rng = ckpt.load_training_file(path, ckpt.RNG_FILE, "random-number state")
         # The files parse; what they hold is still checked before use: a damaged or crafted state stops
         # here with a message instead of failing later inside the optimizer or the RNG.
@@ -239,12 +293,15 @@ class Trainer:
 
     # ---- saving ---------------------------------------------------------------------------
     def _write_model_dir(self, directory: Path, state: dict[str, torch.Tensor] | None = None) -> None:
-        """The model's files (``state``: its full weights, gathered from the shards; None: its own)."""
+        """The model's files (``state``: its full weights, gathered from the shards; None: its own; {}: none,
+        the config only, for a sharded checkpoint whose shards hold the weights)."""
         with self.model.averaged_weights():
             if state is None:
                 self.model.save_pretrained(directory)
             else:
                 self.model.save_pretrained(directory, state_dict=state)
+        if state is not None and not state:
+            (directory / ckpt.WEIGHTS_FILE).unlink()
         if self.extra_files is not None:
             self.extra_files(directory)
 
@@ -267,13 +324,15 @@ class Trainer:
             gathered = [rng]
             data_states = [self.data.train.state_dict()]
 
-        weights, optimizer_state = self._gather_for_saving()
+        # Sharded: every process writes its own shards; nothing is gathered.
+        sharded = self.sharded is not None and self.t.fsdp_checkpoint == "sharded"
+        weights, optimizer_state = ({}, None) if sharded else self._gather_for_saving()
+        rest = {"scaler": self.scaler.state_dict(), "model_state": self.model.training_state()}
 
         def write(tmp: Path) -> None:
             self._write_model_dir(tmp, weights)
-            save_state(tmp / ckpt.OPTIMIZER_FILE, {
-                "optimizer": optimizer_state, "scaler": self.scaler.state_dict(),
-                "model_state": self.model.training_state()})
+            if not sharded:
+                save_state(tmp / ckpt.OPTIMIZER_FILE, {"optimizer": optimizer_state, **rest})
             save_state(tmp / ckpt.RNG_FILE, {"per_rank": gathered})
             self.cfg.save(tmp / "run_config.yaml")
             ckpt.save_json(tmp / ckpt.STATE_FILE, {
@@ -285,8 +344,25 @@ class Trainer:
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
             })
 
-        path = self._main_writes(lambda: ckpt.write_checkpoint(self.ckpt_root, self.step, write, self.t.keep_last)
-                                 if self.dist.is_main else None)
+        if not sharded:
+            path = self._main_writes(lambda: ckpt.write_checkpoint(self.ckpt_root, self.step, write, self.t.keep_last)
+                                     if self.dist.is_main else None)
+        else:  # all processes write into one temporary directory, which process 0 publishes once all are done
+            staging = ckpt.staging_dir(self.ckpt_root, self.step)
+            self._main_writes(lambda: ckpt.start_staging(staging) if self.dist.is_main else None)
+
+            def publish() -> Path | None:
+                try:
+                    fsdp.save_sharded(self.model, self.optimizer, staging, rest, self.dist.world_size,
+                                      self.dist.is_main)
+                except BaseException:
+                    if self.dist.is_main:
+                        ckpt.discard(staging)
+                    raise
+                return (ckpt.write_checkpoint(self.ckpt_root, self.step, write, self.t.keep_last, staged=staging)
+                        if self.dist.is_main else None)
+
+            path = self._main_writes(publish)
         self.last_checkpoint = path or self.ckpt_root / ckpt.step_dir_name(self.step)
         return path
 
@@ -314,27 +390,30 @@ class Trainer:
         if self.data.val is None:
             return {}
         self.model.eval()
-        sums = {"loss": 0.0}
+        sums: dict[str, torch.Tensor | float] = {}
         weight = 0.0
         with self.full_weights(), self.model.averaged_weights():
             for batch in self.data.val.iter_eval_batches(self.t.eval_batches or None):
+                w = float(self.spec.eval_weight(batch))  # on the CPU batch
                 batch = _to_device(batch, self.dev.device)
                 with self.dev.autocast():
                     loss, metrics = self.spec.loss(self.model, batch)
-                w = float(self.spec.eval_weight(batch))
-                sums["loss"] += float(loss) * w
-                for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + float(v) * w
+                # Summed where they are (device tensors on the device): one read after the last batch.
+                for k, v in {"loss": loss, **metrics}.items():
+                    v = v.detach().to(_reduce_dtype(self.dev.device)) if torch.is_tensor(v) else float(v)
+                    sums[k] = sums.get(k, 0.0) + v * w
                 weight += w
         self.model.train()
         keys = sorted(sums)
-        totals = torch.tensor([sums[k] for k in keys] + [weight], dtype=_reduce_dtype(self.dev.device),
-                              device=self.dev.device)
+        totals = torch.stack([torch.as_tensor(sums[k], dtype=_reduce_dtype(self.dev.device)).to(self.dev.device)
+                              for k in keys] + [torch.tensor(weight, dtype=_reduce_dtype(self.dev.device),
+                                                             device=self.dev.device)])
         if self.dist.enabled:
             dist.all_reduce(totals)
-        if totals[-1] <= 0:
+        *values, total = totals.tolist()
+        if total <= 0:
             return {}
-        means = {k: (totals[i] / totals[-1]).item() for i, k in enumerate(keys)}
+        means = {k: v / total for k, v in zip(keys, values, strict=True)}
         return {f"eval/{k}": v for k, v in self.data.derive_eval_metrics(means).items()}
 
     # ---- training -------------------------------------------------------------------------
@@ -352,7 +431,7 @@ class Trainer:
             g["lr"] = g["base_lr"] * mult
         return self.t.lr * mult
 
-    def _train_step(self) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    def _train_step(self) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor | float]]:
         accum = self.t.grad_accum_steps
         loss_sum = torch.zeros((), device=self.dev.device)
         metric_sums: dict[str, torch.Tensor] = {}
@@ -377,8 +456,8 @@ class Trainer:
                 self._forwarded = True
                 self.scaler.scale(loss / accum).backward()
             loss_sum += loss.detach().float()
-            for k, v in metrics.items():
-                metric_sums[k] = metric_sums.get(k, 0.0) + torch.as_tensor(v, dtype=torch.float32).detach()
+            for k, v in metrics.items():  # device tensors stay on the device (no copy to the host per step)
+                metric_sums[k] = metric_sums.get(k, 0.0) + (v.detach().float() if torch.is_tensor(v) else float(v))
         self.scaler.unscale_(self.optimizer)  # a no-op without fp16 loss scaling
         # The norm is computed even without clipping: it is logged and checked for NaN/Inf.
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.t.grad_clip if self.t.grad_clip > 0 else math.inf)
@@ -392,13 +471,14 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.model.on_optimizer_step()
 
-    def step_once(self) -> float:
-        """One optimizer step without logging or checks (used by `lmforge bench`)."""
+    def step_once(self) -> torch.Tensor:
+        """One optimizer step without logging or checks (used by `lmforge bench`); returns the loss, a
+        0-d tensor on the device (reading it waits for the step)."""
         self._set_lr()
         loss, _, _ = self._train_step()
         self.apply_update()
         self.step += 1
-        return float(loss)
+        return loss
 
     def fit(self) -> TrainResult:
         t, is_main = self.t, self.dist.is_main
@@ -424,35 +504,45 @@ class Trainer:
         mfu_trusted = True  # False once the peak proved wrong (MFU above 100%)
         finished = self.train_seconds >= budget if by_time else self.step >= t.max_steps
         self.model.train()
+        nonfinite = _NonFinite(self.optimizer, self.dev.device, scaled=self.scaler.is_enabled())
+        # Processes agree on stopping at check steps only, unless the lr depends on the time spent
+        # (every process must set the same lr) or NaN is checked on the host: then after every step.
+        agree_every_step = self.dist.enabled and (by_time or not nonfinite.on_device)
         try:
             with _StopFlag() as stop:
                 while not finished:
                     step_start = self.clock()
+                    step = self.step + 1  # the step this iteration makes
+                    due = self._check_due(step, by_time)
+                    self.model.step_metrics = step % t.log_interval == 0 or (not by_time and step == t.max_steps)
                     loss, grad_norm, metrics = self._train_step()
-                    loss_value = float(loss)
-                    # With fp16 loss scaling, Inf gradients are expected now and then: the scaler skips
-                    # those steps. Without it a non-finite gradient would poison the weights.
-                    bad = not math.isfinite(loss_value) or (
-                        not self.scaler.is_enabled() and not math.isfinite(float(grad_norm)))
+                    nonfinite.observe(step, loss, grad_norm)
                     now = self.clock()
                     out_of_time = not by_time and budget > 0 and now - start > budget
                     progress = (self.train_seconds + now - step_start) / budget if by_time else 0.0
-                    # Reduced across ranks: every process stops, and sets the same lr, at the same step.
-                    flags = torch.tensor([float(bad), float(stop.reason is not None), float(out_of_time),
-                                          progress], dtype=_reduce_dtype(self.dev.device), device=self.dev.device)
-                    if self.dist.enabled:
+                    signalled = stop.reason is not None
+                    if agree_every_step or (self.dist.enabled and due):
+                        # Reduced across ranks: every process stops, and sets the same lr, at the same step.
+                        flags = torch.tensor([float(signalled), float(out_of_time), progress],
+                                             dtype=_reduce_dtype(self.dev.device), device=self.dev.device)
                         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-                    if flags[0] > 0:
-                        raise LMForgeError(self._nan_message(loss_value, float(grad_norm)))
-                    progress = float(flags[3])
+                        reduced = flags.tolist()
+                        signalled, out_of_time, progress = reduced[0] > 0, reduced[1] > 0, reduced[2]
+                    elif self.dist.enabled:  # a signal or the time limit is acted on at the next check step
+                        signalled = out_of_time = False
+                    finished = progress >= 1.0 if by_time else step == t.max_steps
+                    if due or finished or signalled or out_of_time or not nonfinite.on_device:
+                        bad = nonfinite.bad_step(self.dist)
+                        if bad is not None:
+                            raise LMForgeError(self._nan_message(*bad))
                     lr = self._set_lr(progress)
                     self.apply_update()
-                    self.step += 1
+                    self.step = step
                     step_seconds = self.clock() - step_start
                     self.train_seconds += step_seconds
                     window.seconds += step_seconds
-                    window.losses.append(loss_value)
-                    finished = progress >= 1.0 if by_time else self.step == t.max_steps
+                    window.steps += 1
+                    window.loss_sum = window.loss_sum + loss
                     if by_time:
                         bar.update(max(0, min(round(self.train_seconds), bar.total) - bar.n))
                     else:
@@ -460,14 +550,18 @@ class Trainer:
 
                     if self.step % t.log_interval == 0 or finished:
                         seconds = max(window.seconds, 1e-9)
-                        losses = list(window.losses)
+                        # One read of the device for the whole log line.
+                        on_device = [k for k, v in metrics.items() if torch.is_tensor(v)]
+                        read = torch.stack([torch.as_tensor(window.loss_sum, dtype=torch.float32), grad_norm.float(),
+                                            *(metrics[k] for k in on_device)]).tolist()
+                        values = {**metrics, **dict(zip(on_device, read[2:]))}
                         tokens, examples, flops = self._count_window()  # all processes together
                         window.tokens, window.examples, window.flops = 0, 0, 0.0
                         tok_s = tokens / seconds
-                        train_loss = _mean_across_ranks(sum(losses) / len(losses), self.dist, self.dev.device)
+                        train_loss = _mean_across_ranks(read[0] / window.steps, self.dist, self.dev.device)
                         if self._state_mb is None:  # after the first update: the optimizer's state exists
                             self._state_mb = fsdp.local_bytes(self.model, self.optimizer) / 2**20
-                        row = {"train/loss": train_loss, "train/lr": lr, "train/grad_norm": float(grad_norm),
+                        row = {"train/loss": train_loss, "train/lr": lr, "train/grad_norm": read[1],
                                "train/state_mb": self._state_mb, "train/tokens_per_s": tok_s,
                                "train/examples_per_s": examples / seconds, "train/tokens": self.tokens_seen}
                         mfu = model_flops_utilization(tok_s, flops / max(tokens, 1), self.dev.peak_flops,
@@ -480,7 +574,7 @@ class Trainer:
                                 self._mfu_unknown_note(flops / seconds / self.dist.world_size)
                         # A model's own sections (mhc/...) are logged under their names, the rest under train/.
                         row.update({(k if k.split("/")[0] in self.model.metric_sections else f"train/{k}"): float(v)
-                                    for k, v in metrics.items()})
+                                    for k, v in values.items()})
                         if logger:
                             logger.log(self.step, row)
                         if is_main:
@@ -488,10 +582,10 @@ class Trainer:
                         shown = {"step": self.step} if by_time else {}
                         bar.set_postfix(**shown, loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}",
                                         mfu="?" if mfu is None else f"{100 * mfu:.1f}%", refresh=False)
-                        window.seconds, window.losses = 0.0, []
+                        window.seconds, window.steps, window.loss_sum = 0.0, 0, 0.0
 
-                    if flags[1] > 0 or flags[2] > 0:
-                        stopped = "signal" if flags[1] > 0 else "time"
+                    if signalled or out_of_time:
+                        stopped = "signal" if signalled else "time"
                         break
                     if (t.eval_interval and self.step % t.eval_interval == 0) or finished:
                         eval_metrics = self._eval_and_keep_best(logger, bar)
@@ -587,13 +681,27 @@ class Trainer:
                 self._warned[key] = self.step
                 tqdm.write(f"warning (step {self.step}): {message}")
 
-    def _nan_message(self, loss_value: float, grad_norm: float) -> str:
+    def _check_due(self, step: int, by_time: bool) -> bool:
+        """Whether ``step`` is a check step: the host reads the device's NaN flag and the processes agree on
+        stopping there (a log line, an evaluation, a probe, a checkpoint, or the last step by count)."""
+        t, probe = self.t, self.data.probe
+        return any(interval and step % interval == 0 for interval in (
+            t.log_interval, t.eval_interval, t.save_interval, probe.interval if probe is not None else 0)) or (
+            not by_time and step == t.max_steps)
+
+    def _nan_message(self, step: int, loss_value: float, grad_norm: float) -> str:
         last = self.last_checkpoint or ckpt.latest_checkpoint(self.ckpt_root)
         where = (f"The last good checkpoint is {last}; resume from it with --resume"
                  if last else "No checkpoint was written before it")
-        what = f"training loss is {loss_value}" if not math.isfinite(loss_value) else f"gradient norm is {grad_norm}"
-        return (f"{what} at step {self.step + 1}: training stopped before applying "
-                f"that update. {where}. Try a lower training.lr, a longer training.warmup_steps, "
+        if step < 0:
+            what, step = "another process's training loss is not finite", self.step + 1
+        else:
+            what = (f"training loss is {loss_value}" if not math.isfinite(loss_value)
+                    else f"gradient norm is {grad_norm}")
+        skipped = (f" (found at step {self.step + 1}: the updates of steps {step}-{self.step} were skipped on the "
+                   "device)" if step <= self.step else "")
+        return (f"{what} at step {step}: training stopped before applying "
+                f"that update{skipped}. {where}. Try a lower training.lr, a longer training.warmup_steps, "
                 f"training.grad_clip=1.0, or training.precision=fp32/bf16 instead of fp16.")
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from lmforge.config import RunConfig
+from lmforge.device import adamw_kernels
 from lmforge.errors import LMForgeError
 from lmforge.go_syntax import go_parser
 from lmforge.recipes import Counts, Probe, TrainData, flops_per_token
@@ -73,8 +74,7 @@ def make_optimizer(model, cfg: RunConfig, device: torch.device) -> torch.optim.O
             if params:
                 groups.append({"params": params, "weight_decay": wd, "lr": module_lr or t.lr,
                                "name": f"{name}/{suffix}"})
-    fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **fast)
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **adamw_kernels(device))
 
 
 def count(model, batch: dict[str, Any]) -> Counts:
