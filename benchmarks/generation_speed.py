@@ -22,6 +22,10 @@ prompts whose ``--greedy-tokens`` greedy tokens are identical in int8 and bf16. 
     python benchmarks/generation_speed.py [--sizes tiny,small] [--flavors gpt2,llama] [--rounds 3]
         [--precisions fp32,bf16,int8] [--no-quality] [--train-seconds tiny=120,small=600]
     python benchmarks/generation_speed.py --batch 32 --no-quality [--sizes small] [--flavors gpt2]
+    python benchmarks/generation_speed.py --device cuda --no-quality --sizes small [--batch 32]
+
+``--device`` (default cpu) runs every timed worker there, lmforge and transformers alike; the quality
+table always runs on the CPU.
 """
 
 from __future__ import annotations
@@ -48,10 +52,20 @@ SIZES = {  # (layers, width, heads, context, vocab)
 }
 
 
+def _wait(device: torch.device) -> None:
+    """Wait for the device's queued work, so that a timing ends when the work does."""
+    from lmforge.device import _sync
+
+    _sync(device)
+
+
 def time_lmforge(model, prompt, n):
+    device = next(model.parameters()).device
+    _wait(device)
     start = time.perf_counter()
     out = list(generate_tokens(model, prompt, n, temperature=0, stop_at_eos=False))
     assert len(out) == n
+    _wait(device)
     return time.perf_counter() - start, out
 
 
@@ -70,40 +84,47 @@ def time_engine(model, prompt, n, batch=1):
                 engine.close()  # run() returns
 
     engine = Engine(model, eos_id=-1, max_batch_size=batch, background=False)
+    device = next(model.parameters()).device
+    _wait(device)
     start = time.perf_counter()
     for i in range(batch):
         engine.submit(prompt[:-1] + [prompt[-1] + i], SamplingParams(n, temperature=0),
                       lambda e, i=i: on_event(i, e))
     engine.run()
+    _wait(device)
     assert all(len(o) == n for o in out), [len(o) for o in out]
     return time.perf_counter() - start, out[0]
 
 
 def time_transformers(hf, prompt, n):
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=hf.device)
+    _wait(hf.device)
     start = time.perf_counter()
     with torch.inference_mode():
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                           do_sample=False, pad_token_id=0, eos_token_id=None)
+    _wait(hf.device)
     assert out.shape[1] == len(prompt) + n
     return time.perf_counter() - start, out[0, len(prompt):].tolist()
 
 
-def auto_dtype() -> torch.dtype:
-    """The activations' dtype ``--precision auto`` picks on this CPU (what ``--quantize int8`` computes in)."""
+def auto_dtype(device: str = "cpu") -> torch.dtype:
+    """The activations' dtype ``--precision auto`` picks on ``device`` (what ``--quantize int8`` computes in)."""
     from lmforge.device import pick_precision
 
-    return torch.bfloat16 if pick_precision("auto", torch.device("cpu")) == "bf16" else torch.float32
+    return torch.bfloat16 if pick_precision("auto", torch.device(device)) == "bf16" else torch.float32
 
 
-def as_precision(model, precision: str):
-    """An fp32 lmforge model as ``lmforge generate --precision P`` / ``--quantize int8`` loads it."""
+def as_precision(model, precision: str, device: str = "cpu"):
+    """An fp32 lmforge model as ``lmforge generate --precision P`` / ``--quantize int8`` loads it on ``device``."""
+    model = model.to(device)
     if precision == "int8":
-        return quantize_int8(model, auto_dtype())
+        return quantize_int8(model, auto_dtype(device))
     return model.to({"fp32": torch.float32, "bf16": torch.bfloat16}[precision])
 
 
-def worker(system: str, model_dir: str, precision: str, prompt_tokens: int, new_tokens: int, batch: int = 1) -> None:
+def worker(system: str, model_dir: str, precision: str, prompt_tokens: int, new_tokens: int, batch: int = 1,
+           device: str = "cpu") -> None:
     """One timed run in this process: prints tokens/s and the generated ids as JSON."""
     import json
 
@@ -113,10 +134,10 @@ def worker(system: str, model_dir: str, precision: str, prompt_tokens: int, new_
         from transformers import AutoModelForCausalLM
 
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
-        model = AutoModelForCausalLM.from_pretrained(model_dir + "-hf", dtype=dtype).eval()
+        model = AutoModelForCausalLM.from_pretrained(model_dir + "-hf", dtype=dtype).to(device).eval()
         fn = time_transformers
     else:
-        model = as_precision(load_model(model_dir).eval(), precision)
+        model = as_precision(load_model(model_dir).eval(), precision, device)
         fn = time_engine if system == "engine" else time_lmforge
     vocab = model.config.vocab_size
     prompt = torch.randint(10, vocab, (prompt_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -145,17 +166,27 @@ def main() -> None:
     parser.add_argument("--eval-tokens", default="tiny=200000,small=30000", help="held-out tokens scored per size")
     parser.add_argument("--batch", type=int, default=1, help="above 1: only the engine's tokens/s with this many "
                         "requests decoding together (greedy), per precision")
+    parser.add_argument("--device", default="cpu", help="where the timed runs decode: cpu, cuda, cuda:N or mps")
     parser.add_argument("--worker", nargs=3, metavar=("SYSTEM", "MODEL_DIR", "PRECISION"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(*args.worker, args.prompt_tokens, args.new_tokens, args.batch)
+        worker(*args.worker, args.prompt_tokens, args.new_tokens, args.batch, args.device)
         return
     from common import cpu_name
 
-    has_bf16 = auto_dtype() == torch.bfloat16
+    from lmforge.device import pick_device
+    from lmforge.errors import LMForgeError
+
+    try:
+        pick_device(args.device)  # a clear message for a device this machine does not have
+    except LMForgeError as e:
+        raise SystemExit(f"--device {args.device}: {e}") from e
+    has_bf16 = auto_dtype(args.device) == torch.bfloat16
     precisions = [p for p in args.precisions.split(",") if p != "bf16" or has_bf16]
-    print(f"{cpu_name()}; torch {torch.__version__}, {torch.get_num_threads()} threads; int8 computes in "
-          f"{str(auto_dtype()).replace('torch.', '')}")
+    where = (torch.cuda.get_device_name(torch.device(args.device)) if args.device.startswith("cuda")
+             else args.device if args.device != "cpu" else cpu_name())
+    print(f"{where}; torch {torch.__version__}, {torch.get_num_threads()} threads; int8 computes in "
+          f"{str(auto_dtype(args.device)).replace('torch.', '')}")
     if not args.no_speed:
         (batch_table if args.batch > 1 else speed_tables)(args, precisions)
     if not args.no_quality:
@@ -199,7 +230,7 @@ def batch_table(args, precisions: list[str]) -> None:
                 for precision in precisions:
                     cmd = [sys.executable, __file__, "--worker", "engine", str(ckpt), precision, "--batch",
                            str(args.batch), "--prompt-tokens", str(args.prompt_tokens), "--new-tokens",
-                           str(args.new_tokens)]
+                           str(args.new_tokens), "--device", args.device]
                     line = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip()
                     runs[precision].append(json.loads(line.splitlines()[-1])["tok_s"])
             speed = {p: statistics.median(v) for p, v in runs.items()}
@@ -229,7 +260,8 @@ def speed_tables(args, precisions: list[str]) -> None:
                 for _ in range(args.rounds):
                     for system in runs:
                         cmd = [sys.executable, __file__, "--worker", system, str(ckpt), precision,
-                               "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens)]
+                               "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens),
+                               "--device", args.device]
                         line = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip()
                         result = json.loads(line.splitlines()[-1])
                         runs[system].append(result["tok_s"])

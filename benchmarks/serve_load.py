@@ -16,7 +16,7 @@ so that every token streams) with a 2,304-token context, before (``--prefill-chu
 4 kept prompts) in one run. Usage:
 
     python benchmarks/serve_load.py [--clients 32] [--requests 5] [--max-tokens 64] [--batch-sizes 1,32]
-        [--precision fp32] [--quantize int8]
+        [--precision fp32] [--quantize int8] [--device cuda]
     python benchmarks/serve_load.py --long-prompts [--every 0.5] [--layers 6 --width 512]
 """
 
@@ -188,6 +188,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,32")
     parser.add_argument("--precision", default="fp32", help="the server's --precision")
     parser.add_argument("--quantize", default="none", choices=["none", "int8"], help="the server's --quantize")
+    parser.add_argument("--device", default="cpu", help="the server's --device (cpu, cuda, cuda:N, mps)")
     parser.add_argument("--long-prompts", action="store_true", help="measure running streams while long prompts "
                         "arrive (see above)")
     parser.add_argument("--every", type=float, default=0.5, help="--long-prompts: seconds between long prompts")
@@ -198,13 +199,14 @@ def main() -> None:
         main_long_prompts(args.every, args.layers, args.width)
         return
     print(f"{args.clients} clients x {args.requests} requests, max_tokens {args.max_tokens}, temperature 0.8, "
-          f"--precision {args.precision} --quantize {args.quantize}")
+          f"--precision {args.precision} --quantize {args.quantize} --device {args.device}")
     print("| max batch | requests | errors | p50 latency (s) | p95 latency (s) | completion tokens | tokens/s | wall (s) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(args.checkpoint) if args.checkpoint else random_checkpoint(Path(tmp))
         for batch in (int(b) for b in args.batch_sizes.split(",")):
-            server = Server(ckpt, "--max-batch-size", str(batch), "--precision", args.precision, "--quantize", args.quantize)
+            server = Server(ckpt, "--max-batch-size", str(batch), "--precision", args.precision, "--quantize", args.quantize,
+                            "--device", args.device)
             try:
                 results, wall = asyncio.run(load(server.base, args.clients, args.requests, args.max_tokens))
             finally:

@@ -718,8 +718,13 @@ class _Objective(torch.nn.Module):
 
 
 def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    non_blocking = device.type == "cuda"
-    return {k: (v.to(device, non_blocking=non_blocking) if torch.is_tensor(v) else v) for k, v in batch.items()}
+    """The batch's tensors on ``device``. To a GPU they go from pinned memory without the host waiting:
+    with no host read between check steps the loop runs ahead of the GPU, so the next batch is read
+    and its copy queued while the GPU still computes this step (prefetching without a thread)."""
+    if device.type != "cuda":
+        return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
+    return {k: (v.pin_memory().to(device, non_blocking=True) if torch.is_tensor(v) and v.device.type == "cpu"
+                else v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
 
 
 def _reduce_dtype(device: torch.device) -> torch.dtype:
