@@ -56,8 +56,18 @@ def _lmforge_stepper(cfg, devinfo: DeviceInfo, tmp: Path):
     seq = cfg.data.seq_len
     data = TrainData(train=cfg.spec.bench_data(cfg), val=None)
     trainer = Trainer(cfg, model, data, devinfo, DistInfo(), tmp)
-    return trainer.step_once, {"system": "lmforge", "params": model.num_parameters(),
-                               "flops_per_token": model.flops_per_token(seq)}
+    info = {"system": "lmforge", "params": model.num_parameters(), "flops_per_token": model.flops_per_token(seq)}
+    c = model.config
+    if hasattr(c, "n_layer") and hasattr(c, "n_embd"):
+        info["flops_per_token_llmc"] = llmc_flops_per_token(info["params"], c.n_layer, c.n_embd, seq)
+    return trainer.step_once, info
+
+
+def llmc_flops_per_token(params: int, layers: int, width: int, seq_len: int) -> float:
+    """llm.c's training FLOPs per token, ``6 N + 6 L C T``: every parameter (embeddings included, a tied
+    head once) and causal attention counted at half of ``12 L C T``. Beside lmforge's own count, so that
+    MFU figures compare with llm.c's and nanochat's."""
+    return 6.0 * params + 6.0 * layers * width * seq_len
 
 
 def check_comparable_with_transformers(cfg) -> None:
@@ -122,6 +132,9 @@ def _summary(info: dict[str, Any], cfg, steps: int, seconds: float, devinfo: Dev
     mfu = model_flops_utilization(out["tokens_per_s"], info.get("flops_per_token", 0.0), devinfo.peak_flops)
     if mfu is not None and "flops_per_token" in info:  # left out where it would be nonsense (above 100%)
         out["mfu"] = mfu
+    mfu_llmc = model_flops_utilization(out["tokens_per_s"], info.get("flops_per_token_llmc", 0.0), devinfo.peak_flops)
+    if mfu_llmc is not None and "flops_per_token_llmc" in info:
+        out["mfu_llmc"] = mfu_llmc
     return out
 
 
@@ -228,12 +241,12 @@ def run_bench(recipe: str, overrides: list[str], steps: int = 20, warmup: int = 
         if devinfo.device.type == "cpu":
             results["transformers_allocator"] = "lmforge" if same_allocator else "default"
     if show:
-        print(f"{'system':<14}{'params':>12}{'tokens/s':>12}{'step ms':>10}{'MFU':>8}{'peak MB':>10}")
+        print(f"{'system':<14}{'params':>12}{'tokens/s':>12}{'step ms':>10}{'MFU':>8}{'MFU llm.c':>11}{'peak MB':>10}")
         for r in runs:
-            mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "-"
+            mfu, llmc = (f"{100 * r[k]:.1f}%" if k in r else "-" for k in ("mfu", "mfu_llmc"))
             mem = f"{r['peak_memory_mb']:.0f}" if r["peak_memory_mb"] is not None else "-"
             print(f"{r['system']:<14}{r['params'] / 1e6:>11.2f}M{r['tokens_per_s']:>12,.0f}{r['step_ms']:>10.1f}"
-                  f"{mfu:>8}{mem:>10}")
+                  f"{mfu:>8}{llmc:>11}{mem:>10}")
         if compare_transformers:
             print(f"lmforge / transformers tokens/s: {results['speedup']:.2f}x")
             if devinfo.device.type == "cpu":
