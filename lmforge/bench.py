@@ -94,6 +94,8 @@ def _transformers_stepper(cfg, devinfo: DeviceInfo):
                         eos_token_id=m.eos_token_id, pad_token_id=m.pad_token_id)
     model = GPT2LMHeadModel(hf_cfg).to(devinfo.device)
     model.train()
+    if cfg.training.compile:  # both compiled, or neither
+        model = torch.compile(model)
     t = cfg.training
     # The same AdamW implementation lmforge uses on this device, so only the model and loop differ.
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
