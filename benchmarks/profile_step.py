@@ -1,0 +1,117 @@
+"""Where a training step's time goes: ``torch.profiler`` over lmforge's loop (``Trainer.step_once``, as
+``lmforge bench`` times it) on random tokens, in six groups: GEMM / attention / elementwise / loss /
+optimizer / idle (issue 19, item 2). Usage:
+
+    python benchmarks/profile_step.py go_coder_125m --vocab-size 50257 [training.compile=true] [--steps 5]
+        [--trace step.json]
+
+On a GPU the kernels' time is grouped and idle is the wall time with no kernel running on it; on a
+CPU the operators' own (self) time is grouped and idle is the wall time no operator accounts for
+(Python, the loop's bookkeeping, waiting). An operator counts as **loss** when it runs inside the
+fused LM head + cross-entropy (``_LinearCrossEntropy``, or the plain cross-entropy ops), as
+**optimizer** inside ``Optimizer.step``; otherwise by name: matrix products are GEMM, the attention
+kernels attention, everything else elementwise (norms, activations, adds, copies, reductions).
+``--trace`` writes the Chrome trace (open it in ``chrome://tracing`` or Perfetto).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+GROUPS = ("GEMM", "attention", "elementwise", "loss", "optimizer", "idle")
+_GEMM = re.compile(r"(^aten::(mm|addmm|bmm|baddbmm|matmul|linear|_scaled_mm)$)|gemm|cutlass|xmma|cublas|sm\d+_", re.I)
+_ATTENTION = re.compile(r"scaled_?dot_?product|flash|fmha|efficient_attention|cudnn.*attention|attention", re.I)
+_LOSS_RANGE = re.compile(r"_LinearCrossEntropy|cross_entropy|nll_loss|log_softmax")
+_OPTIMIZER_RANGE = re.compile(r"^Optimizer\.step|_fused_adamw|_foreach_")
+
+
+def group_of(name: str, ancestors: list[str]) -> str:
+    """The group of one operator or kernel, from the ranges it ran in (innermost last) and its name."""
+    if any(_OPTIMIZER_RANGE.search(a) for a in ancestors) or _OPTIMIZER_RANGE.search(name):
+        return "optimizer"
+    if any(_LOSS_RANGE.search(a) for a in ancestors) or _LOSS_RANGE.search(name):
+        return "loss"
+    if _ATTENTION.search(name) or any(_ATTENTION.search(a) for a in ancestors[-2:]):
+        return "attention"
+    if _GEMM.search(name):
+        return "GEMM"
+    return "elementwise"
+
+
+def breakdown(prof, wall_us: float, on_gpu: bool) -> dict[str, float]:
+    """Microseconds per group over the profiled steps."""
+    times: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        chain, parent = [], event.cpu_parent
+        while parent is not None:
+            chain.append(parent.name)
+            parent = parent.cpu_parent
+        ancestors = [*reversed(chain), event.name]
+        if on_gpu:
+            for kernel in event.kernels:  # the device work this operator launched itself
+                times[group_of(kernel.name, ancestors)] += kernel.duration
+        elif event.device_type == torch.autograd.DeviceType.CPU:
+            times[group_of(event.name, ancestors[:-1])] += event.self_cpu_time_total
+    times["idle"] = max(0.0, wall_us - sum(times.values()))
+    return {g: times.get(g, 0.0) for g in GROUPS}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("recipe", help="a preset name or recipe file, as lmforge bench takes")
+    parser.add_argument("overrides", nargs="*", help="key=value settings")
+    parser.add_argument("--vocab-size", type=int, default=8192, help="for recipes whose vocabulary comes from data")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--trace", default=None, help="write the Chrome trace here")
+    args = parser.parse_intermixed_args()
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from common import cpu_name
+
+    from lmforge.bench import _lmforge_stepper
+    from lmforge.config import load_config
+    from lmforge.device import _sync, setup_device
+
+    cfg = load_config(args.recipe, args.overrides)
+    if getattr(cfg.model, "vocab_size", 1) == 0:
+        cfg.model.vocab_size = args.vocab_size
+    devinfo = setup_device(cfg.training.device, cfg.training.precision, cfg.training.peak_flops)
+    on_gpu = devinfo.device.type == "cuda"
+    where = torch.cuda.get_device_name(devinfo.device) if on_gpu else cpu_name()
+    print(f"{cfg.name} on {where}, {devinfo.precision}, compile={cfg.training.compile}, micro-batch "
+          f"{cfg.training.micro_batch_size} x {cfg.data.seq_len}; {args.steps} profiled steps after {args.warmup}")
+    with tempfile.TemporaryDirectory() as tmp:
+        step, _ = _lmforge_stepper(cfg, devinfo, Path(tmp))
+        for _ in range(args.warmup):
+            step()
+        _sync(devinfo.device)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                step()
+            _sync(devinfo.device)
+            wall_us = (time.perf_counter() - start) * 1e6
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+    times = breakdown(prof, wall_us, on_gpu)
+    print(f"\n{'per step' if args.steps == 1 else f'per step (mean of {args.steps})'}: "
+          f"{wall_us / args.steps / 1e3:.1f} ms wall ({'GPU kernels' if on_gpu else 'CPU operators, self time'})")
+    print("| group | ms per step | share |")
+    print("| --- | --- | --- |")
+    for group in GROUPS:
+        print(f"| {group} | {times[group] / args.steps / 1e3:.2f} | {100 * times[group] / wall_us:.1f}% |")
+
+
+if __name__ == "__main__":
+    main()
