@@ -14,11 +14,25 @@ Nothing here unpickles: the optimizer/scaler/model training state and the RNG st
 files with a JSON skeleton (``safe_state``); the data position and counters are JSON. Checkpoints of
 older lmforge versions (``optimizer.pt`` / ``rng_state.pt``) are read through PyTorch's restricted
 loader, and ``lmforge checkpoint convert`` rewrites them in the current format.
+
+A sharded step checkpoint (``training.fsdp_checkpoint: sharded`` under FSDP) holds, instead of
+``model.safetensors`` and ``optimizer.safetensors``::
+
+    shards/shard-00001-model-00001-of-00001.safetensors ...   one per process (torch.distributed.checkpoint)
+    shards.json                                               what the shards hold, and the non-tensor rest
+
+Each shard is a safetensors file written by torch's ``HuggingFaceStorageWriter``: that process's pieces
+of the weights (``model.NAME``) and optimizer state (``optim.NAME.ENTRY``), with each piece's offset in
+its full tensor as JSON in the header. Nothing is pickled (DCP's usual ``.metadata`` file is a pickle;
+this layout has none). ``read_shards`` puts the full tensors together on one process, with no process
+group: so every verb reads such a checkpoint as it is, and ``consolidate`` rewrites it as an ordinary
+one.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -33,6 +47,12 @@ STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng_state.safetensors"
 LEGACY_FILES = {OPTIMIZER_FILE: "optimizer.pt", RNG_FILE: "rng_state.pt"}  # pickles of lmforge <= 0.1
+WEIGHTS_FILE = "model.safetensors"
+SHARDS_DIR = "shards"
+SHARDS_FILE = "shards.json"
+SHARDS_FORMAT = "lmforge-shards"
+SHARDS_VERSION = 1
+_DCP_OFFSETS = "DCP_SHARDING_INFO"  # the header entry in which torch's HuggingFaceStorageWriter puts the offsets
 
 
 def step_dir_name(step: int) -> str:
@@ -82,18 +102,37 @@ def clean_partial(ckpt_root: Path) -> None:
 RESUME_FIX = "then continue the run from its last complete checkpoint with `lmforge train RECIPE --resume`"
 
 
-def _publish(ckpt_root: Path, name: str, write_files) -> Path:
-    """Write ``name`` via a hidden temporary directory; an existing ``name`` is replaced only once the new
-    one is complete, by two renames (a crash in between leaves ``.old-NAME``, restored by clean_partial).
-    A write that fails removes its temporary directory; a full disk or a permission error becomes a
-    one-line LMForgeError naming the checkpoint (``lmforge.files.write_fault``)."""
+def staging_dir(ckpt_root: Path, step: int) -> Path:
+    """The temporary directory a sharded checkpoint is written into: the same on every process (which
+    all write into it), hidden until published, and removed by clean_partial if never published."""
+    return ckpt_root / f".tmp-{step_dir_name(step)}-shards"
+
+
+def start_staging(tmp: Path) -> None:
+    """An empty ``tmp`` (what an earlier failed write left is dropped)."""
+    with reporting_write_faults(tmp, RESUME_FIX):
+        discard(tmp)
+        tmp.mkdir(parents=True)
+
+
+def discard(tmp: Path) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _publish(ckpt_root: Path, name: str, write_files, staged: Path | None = None) -> Path:
+    """Write ``name`` via a hidden temporary directory (``staged``: one that holds some files already);
+    an existing ``name`` is replaced only once the new one is complete, by two renames (a crash in between
+    leaves ``.old-NAME``, restored by clean_partial). A write that fails removes its temporary directory;
+    a full disk or a permission error becomes a one-line LMForgeError naming the checkpoint
+    (``lmforge.files.write_fault``)."""
     final = ckpt_root / name
-    tmp = ckpt_root / f".tmp-{name}-{os.getpid()}"
+    tmp = staged or ckpt_root / f".tmp-{name}-{os.getpid()}"
     with reporting_write_faults(final, RESUME_FIX, tmp):
         ckpt_root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
+        if staged is None:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
         try:
             write_files(tmp)
             _fsync_dir_tree(tmp)
@@ -108,9 +147,10 @@ def _publish(ckpt_root: Path, name: str, write_files) -> Path:
     return final
 
 
-def write_checkpoint(ckpt_root: Path, step: int, write_files, keep_last: int) -> Path:
-    """Call ``write_files(tmp_dir)`` then atomically publish it as ``step-NNNNNN``; prune old ones."""
-    final = _publish(ckpt_root, step_dir_name(step), write_files)
+def write_checkpoint(ckpt_root: Path, step: int, write_files, keep_last: int, staged: Path | None = None) -> Path:
+    """Call ``write_files(tmp_dir)`` then atomically publish it as ``step-NNNNNN``; prune old ones.
+    ``staged``: the tmp_dir to use, which the shards of every process are in already (``staging_dir``)."""
+    final = _publish(ckpt_root, step_dir_name(step), write_files, staged)
     for _, old in list_checkpoints(ckpt_root)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -140,10 +180,13 @@ def read_trainer_state(ckpt: Path) -> dict[str, Any]:
 
 
 def load_training_file(ckpt: Path, name: str, what: str) -> Any:
-    """``OPTIMIZER_FILE`` or ``RNG_FILE`` of a checkpoint, in the current format or an older lmforge's."""
+    """``OPTIMIZER_FILE`` or ``RNG_FILE`` of a checkpoint, in the current format or an older lmforge's;
+    of a sharded checkpoint, the optimizer state is put together from its shards."""
     from lmforge.safe_state import load_legacy_torch_file, load_state
 
     path, legacy = ckpt / name, ckpt / LEGACY_FILES[name]
+    if name == OPTIMIZER_FILE and is_sharded(ckpt):
+        return read_sharded_training_state(ckpt)
     if path.is_file():
         return load_state(path, what)
     if legacy.is_file():
@@ -184,7 +227,7 @@ def resolve_model_dir(path: str | os.PathLike) -> Path:
     p = Path(path)
     if not p.exists():
         raise LMForgeError(f"checkpoint path {p} does not exist")
-    if (p / "model.safetensors").is_file():
+    if (p / WEIGHTS_FILE).is_file() or is_sharded(p):
         return p
     for root in (p / "checkpoints", p):
         if (root / "best" / "model.safetensors").is_file():
@@ -193,8 +236,9 @@ def resolve_model_dir(path: str | os.PathLike) -> Path:
         if latest is not None:
             return latest
     raise LMForgeError(
-        f"{p} holds no model: expected model.safetensors, or a run directory with checkpoints/. "
-        "Train one with `lmforge train RECIPE` or pass runs/NAME/checkpoints/step-NNNNNN."
+        f"{p} holds no model: expected model.safetensors (or a sharded checkpoint's {SHARDS_FILE}), or a run "
+        "directory with checkpoints/. Train one with `lmforge train RECIPE` or pass "
+        "runs/NAME/checkpoints/step-NNNNNN."
     )
 
 
@@ -245,3 +289,158 @@ def checkpoint_family(path: str | Path, strict: bool = False) -> str | None:
         if strict:
             raise
         return None
+
+
+# ---- sharded checkpoints --------------------------------------------------------------------------
+def is_sharded(directory: str | os.PathLike) -> bool:
+    return (Path(directory) / SHARDS_FILE).is_file()
+
+
+def weight_files(model_dir: str | os.PathLike) -> list[Path]:
+    """The files a model directory's weights are in: ``model.safetensors``, or a sharded checkpoint's
+    manifest and shard files (what a fingerprint of the weights hashes)."""
+    model_dir = Path(model_dir)
+    if not is_sharded(model_dir):
+        return [model_dir / WEIGHTS_FILE]
+    return [model_dir / SHARDS_FILE, *sorted((model_dir / SHARDS_DIR).glob("*.safetensors"))]
+
+
+def write_shards_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+    save_json(directory / SHARDS_FILE, {"format": SHARDS_FORMAT, "version": SHARDS_VERSION, **manifest})
+
+
+def _earlier(ckpt: Path) -> str:
+    return f"use an earlier checkpoint in {ckpt.parent}"
+
+
+def read_shards_manifest(ckpt: Path) -> dict[str, Any]:
+    """A sharded checkpoint's ``shards.json``, checked against its shard files: each one is there and
+    readable, and the pieces of every tensor it lists cover that tensor exactly once. Returns the
+    manifest with ``"chunks"``: tensor key -> [(file, offsets, shape)]."""
+    from safetensors import safe_open
+
+    path = ckpt / SHARDS_FILE
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise LMForgeError(f"{ckpt} is not a sharded checkpoint: {SHARDS_FILE} is missing") from e
+    except ValueError as e:
+        raise LMForgeError(f"{path} is corrupt ({e}); {_earlier(ckpt)}") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != SHARDS_FORMAT:
+        raise LMForgeError(f"{path} is not an lmforge shard manifest (no format {SHARDS_FORMAT!r}); {_earlier(ckpt)}")
+    if manifest.get("version") != SHARDS_VERSION:
+        raise LMForgeError(f"{path} has version {manifest.get('version')!r}; this lmforge reads version "
+                           f"{SHARDS_VERSION}: upgrade lmforge to read it")
+    chunks: dict[str, list[tuple[Path, list[int], list[int]]]] = {}
+    try:
+        tensors = {k: [int(n) for n in shape] for k, shape in manifest["tensors"].items()}
+        for name in manifest["files"]:
+            shard = ckpt / SHARDS_DIR / Path(name).name
+            try:
+                with safe_open(str(shard), framework="pt", device="cpu") as f:
+                    offsets = json.loads((f.metadata() or {}).get(_DCP_OFFSETS, "{}"))
+                    for key in f.keys():
+                        chunks.setdefault(key, []).append(
+                            (shard, [int(o) for o in offsets[key]["saved_offsets"]], f.get_slice(key).get_shape()))
+            except Exception as e:  # missing, truncated, or not safetensors: several error types
+                raise LMForgeError(f"cannot read the shard {shard}: {e}. The checkpoint is damaged or incomplete; "
+                                   f"{_earlier(ckpt)}") from e
+    except LMForgeError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise LMForgeError(f"{path} is corrupt ({type(e).__name__}: {e}); {_earlier(ckpt)}") from e
+    for key, shape in tensors.items():
+        pieces = chunks.get(key, [])
+        inside = all(len(o) == len(s) == len(shape) and all(0 <= a and a + b <= n for a, b, n in zip(o, s, shape))
+                     for _, o, s in pieces)
+        covered = sum(math.prod(s) for _, _, s in pieces)
+        if not inside or covered != math.prod(shape):
+            raise LMForgeError(f"the shards in {ckpt / SHARDS_DIR} hold {covered} of the {math.prod(shape)} values of "
+                               f"{key}: a shard file is missing or damaged; {_earlier(ckpt)}")
+    unlisted = sorted(set(chunks) - set(tensors))
+    if unlisted:
+        raise LMForgeError(f"the shards in {ckpt / SHARDS_DIR} hold tensors {path} does not list ({unlisted[:3]}); "
+                           f"the checkpoint is damaged: {_earlier(ckpt)}")
+    return {**manifest, "tensors": tensors, "chunks": chunks}
+
+
+def read_shards(manifest: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """The full tensors whose keys start with ``prefix``, put together on this process from the pieces in
+    the shard files (``manifest`` from read_shards_manifest)."""
+    from safetensors import safe_open
+
+    by_file: dict[Path, list[tuple[str, list[int]]]] = {}
+    for key, pieces in manifest["chunks"].items():
+        if key.startswith(prefix):
+            for shard, offsets, _ in pieces:
+                by_file.setdefault(shard, []).append((key, offsets))
+    full: dict[str, Any] = {}
+    for shard, items in by_file.items():
+        with safe_open(str(shard), framework="pt", device="cpu") as f:
+            for key, offsets in items:
+                piece = f.get_tensor(key)
+                if key not in full:
+                    full[key] = piece.new_empty(manifest["tensors"][key])
+                full[key][tuple(slice(o, o + n) for o, n in zip(offsets, piece.shape))] = piece
+    return full
+
+
+def read_sharded_weights(ckpt: Path) -> dict[str, Any]:
+    """The full weights of a sharded checkpoint, keyed as the model's state_dict (tied copies stored once)."""
+    return {k[len("model."):]: v for k, v in read_shards(read_shards_manifest(ckpt), "model.").items()}
+
+
+def sharded_training_state(ckpt: Path, manifest: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer state, scaler and model training state of a sharded checkpoint in the form
+    ``optimizer.safetensors`` holds (parameters numbered in the order of the groups), from its manifest
+    and its optimizer tensors (keyed as in the shards: full tensors, or this process's shards)."""
+    try:
+        groups = manifest["optimizer"]["param_groups"]
+        index = {name: i for i, name in enumerate(n for g in groups for n in g["params"])}
+        state = {index[name]: {entry: tensors[v["shard"]] if "shard" in v else v["value"] for entry, v in entries.items()}
+                 for name, entries in manifest["optimizer"]["state"].items()}
+        # JSON has no tuples: a group's list values (Adam's betas) were tuples, "params" aside
+        optimizer = {"state": state, "param_groups": [
+            {**{k: tuple(v) if isinstance(v, list) else v for k, v in g.items()},
+             "params": [index[n] for n in g["params"]]} for g in groups]}
+        return {"optimizer": optimizer, "scaler": manifest["scaler"], "model_state": manifest["model_state"]}
+    except (KeyError, TypeError, AttributeError) as e:
+        raise LMForgeError(f"{ckpt / SHARDS_FILE} is corrupt ({type(e).__name__}: {e}); {_earlier(ckpt)}") from e
+
+
+def read_sharded_training_state(ckpt: Path) -> dict[str, Any]:
+    """``sharded_training_state`` with the full optimizer tensors, put together on this process."""
+    manifest = read_shards_manifest(ckpt)
+    return sharded_training_state(ckpt, manifest, read_shards(manifest, "optim."))
+
+
+def consolidate(ckpt: Path, out: Path | None = None) -> Path:
+    """Rewrite a sharded checkpoint as an ordinary one (``model.safetensors`` + ``optimizer.safetensors``,
+    the rest copied): in place when ``out`` is None, else into the new directory ``out``. The result
+    resumes on any number of processes, and is what other tools (a plain safetensors reader) expect."""
+    from safetensors.torch import save_file
+
+    from lmforge.safe_state import save_state
+
+    ckpt = Path(ckpt)
+    if not is_sharded(ckpt):
+        if (ckpt / WEIGHTS_FILE).is_file():
+            raise LMForgeError(f"{ckpt} is an ordinary checkpoint already ({WEIGHTS_FILE}): nothing to consolidate")
+        raise LMForgeError(f"{ckpt} is not a sharded checkpoint (it has no {SHARDS_FILE}): pass a step checkpoint of "
+                           "a run trained with training.fsdp_checkpoint=sharded, runs/NAME/checkpoints/step-NNNNNN")
+    if out is not None and Path(out).exists():
+        raise LMForgeError(f"{out} exists: name a new directory, or leave OUT out to consolidate {ckpt} in place")
+    weights = read_sharded_weights(ckpt)
+    training = read_sharded_training_state(ckpt) if (ckpt / STATE_FILE).is_file() else None
+
+    def write(tmp: Path) -> None:
+        for p in ckpt.iterdir():
+            if p.name in (SHARDS_DIR, SHARDS_FILE):
+                continue
+            (shutil.copytree if p.is_dir() else shutil.copy2)(p, tmp / p.name)
+        save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        if training is not None:
+            save_state(tmp / OPTIMIZER_FILE, training)
+
+    target = Path(out) if out is not None else ckpt
+    return _publish(target.parent, target.name, write)

@@ -426,7 +426,7 @@ def _cmd_export(args) -> int:
 
 # ---- checkpoint ---------------------------------------------------------------------------------
 def _add_checkpoint(sub) -> None:
-    p = sub.add_parser("checkpoint", help="maintain training checkpoints (convert older ones)",
+    p = sub.add_parser("checkpoint", help="maintain training checkpoints (convert older ones, consolidate shards)",
                        formatter_class=formatter)
     verbs = p.add_subparsers(dest="checkpoint_verb", metavar="VERB")
     verbs.required = True
@@ -441,6 +441,19 @@ def _add_checkpoint(sub) -> None:
     c.add_argument("paths", nargs="+", metavar="PATH",
                    help="a step checkpoint, or a run directory / its checkpoints/ (every step checkpoint in it)")
     c.set_defaults(func=_cmd_checkpoint_convert)
+    c = verbs.add_parser("consolidate", formatter_class=formatter,
+                         help="rewrite sharded checkpoints (training.fsdp_checkpoint=sharded) as ordinary ones",
+                         description="A run under training.parallel=fsdp/hsdp writes each step checkpoint as "
+                                     "shards, one safetensors file per process (shards/, shards.json). Every "
+                                     "lmforge verb reads them as they are; this rewrites one as the ordinary "
+                                     "directory (model.safetensors, optimizer.safetensors with the full optimizer "
+                                     "state, the rest copied), which resumes anywhere and which tools outside "
+                                     "lmforge read. Needs the memory of the full training state on this machine.")
+    c.add_argument("checkpoint", metavar="DIR",
+                   help="a sharded step checkpoint, or a run directory / its checkpoints/ (every sharded one in it)")
+    c.add_argument("out", metavar="OUT", nargs="?", default=None,
+                   help="write the ordinary checkpoint here (a new directory) instead of replacing DIR in place")
+    c.set_defaults(func=_cmd_checkpoint_consolidate)
 
 
 def _cmd_checkpoint_convert(args) -> int:
@@ -458,6 +471,24 @@ def _cmd_checkpoint_convert(args) -> int:
         for ckpt in found:
             done = convert_legacy(ckpt)
             print(f"{ckpt}: " + (", ".join(done) if done else "already in the current format"))
+    return 0
+
+
+def _cmd_checkpoint_consolidate(args) -> int:
+    from lmforge.checkpoint import STATE_FILE, consolidate, is_sharded, list_checkpoints
+
+    path = Path(args.checkpoint)
+    if (path / STATE_FILE).is_file() or is_sharded(path) or not path.is_dir():
+        found = [path]  # consolidate says what is wrong with anything else
+    else:
+        found = [p for root in (path / "checkpoints", path) for _, p in list_checkpoints(root) if is_sharded(p)]
+        if not found:
+            raise LMForgeError(f"{path} holds no sharded checkpoint (a directory with shards.json); pass "
+                               "runs/NAME, runs/NAME/checkpoints or runs/NAME/checkpoints/step-NNNNNN")
+    if args.out and len(found) > 1:
+        raise LMForgeError(f"{path} holds {len(found)} sharded checkpoints; OUT is for one: pass one step checkpoint")
+    for ckpt in found:
+        print(f"{ckpt}: consolidated into {consolidate(ckpt, Path(args.out) if args.out else None)}")
     return 0
 
 

@@ -61,6 +61,8 @@ class TrainingConfig:
     parallel: str = "ddp"  # ddp | fsdp | hsdp (under torchrun): replicate, or shard weights, gradients and optimizer
     #                        state across processes (hsdp: shard within a machine, replicate across machines)
     fsdp_offload: bool = False  # fsdp/hsdp: keep the shards (and the optimizer step) in CPU memory
+    fsdp_checkpoint: str = "sharded"  # fsdp/hsdp: sharded (each process writes its shards; no process holds the
+    #                                   whole state) | gathered (process 0 writes the ordinary files). ddp: ordinary
     activation_checkpointing: bool = False
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
     eval_interval: int = 200  # steps between evaluations; 0 = only at the end
@@ -403,6 +405,8 @@ def validate_run_config(cfg: RunConfig) -> None:
         (t.max_time_minutes >= 0, "training.max_time_minutes must be >= 0 (0 = no limit)"),
         (t.schedule_over in ("steps", "time"), "training.schedule_over must be steps or time"),
         (t.parallel in ("ddp", "fsdp", "hsdp"), f"training.parallel must be ddp, fsdp or hsdp, got {t.parallel!r}"),
+        (t.fsdp_checkpoint in ("sharded", "gathered"),
+         f"training.fsdp_checkpoint must be sharded or gathered, got {t.fsdp_checkpoint!r}"),
         (t.schedule_over == "steps" or t.max_time_minutes > 0,
          "training.schedule_over=time lays the schedule over the time budget: set training.max_time_minutes too"),
         (t.log_interval >= 1, "training.log_interval must be >= 1"),

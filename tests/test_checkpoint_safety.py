@@ -9,6 +9,7 @@ error (exit code 2), never a traceback.
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import math
 import pickle
 import random
@@ -371,3 +372,110 @@ def test_well_formed_state_files_of_the_wrong_shape_are_refused_on_resume(lm_run
         "format": "lmforge-state", "version": "1", "structure": '{"t": "0"}'})
     with pytest.raises(LMForgeError, match="does not name"):
         load_state(extra, "optimizer state")
+
+
+def _no_unpickling(monkeypatch) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("a pickle was read")
+
+    for name in ("load", "loads", "Unpickler"):
+        monkeypatch.setattr(pickle, name, refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+
+
+def test_a_sharded_checkpoint_is_read_without_pickle_and_consolidates(lm_run, tmp_path, monkeypatch, capsys):
+    """A sharded checkpoint (torch.distributed.checkpoint's safetensors shards + shards.json) of an
+    ordinary one, written on one process: every reader gets the same tensors back without unpickling
+    anything (torch's DCP reader, and lmforge's own, which puts the full tensors together for the verbs),
+    ``lmforge checkpoint consolidate`` turns it back into the ordinary files, and damage is a clear error."""
+    from lmforge.checkpoint import SHARDS_DIR, SHARDS_FILE, consolidate, read_shards_manifest
+    from lmforge.models.base import LMForgeModel
+    from lmforge.train import fsdp
+
+    run, _ = lm_run
+    ordinary = run / "checkpoints" / "step-000002"
+    saved = load_training_file(ordinary, OPTIMIZER_FILE, "optimizer state")
+
+    def model_and_optimizer(directory: Path):
+        model = LMForgeModel.from_pretrained(directory)
+        optimizer = torch.optim.AdamW(model.param_groups(0.1, 1e-3))
+        return model, optimizer
+
+    model, optimizer = model_and_optimizer(ordinary)
+    optimizer.load_state_dict(saved["optimizer"])
+    sharded = tmp_path / "sharded"
+    shutil.copytree(ordinary, sharded)
+    (sharded / "model.safetensors").unlink()
+    (sharded / OPTIMIZER_FILE).unlink()
+    fsdp.save_sharded(model, optimizer, sharded, {"scaler": {}, "model_state": {}}, world_size=1, is_main=True)
+    assert (sharded / SHARDS_FILE).is_file() and len(list((sharded / SHARDS_DIR).iterdir())) == 1
+    for f in sharded.rglob("*"):
+        assert not f.is_file() or f.read_bytes()[:1] != b"\x80", f  # no pickle (DCP's .metadata is one)
+
+    def same_optimizer_state(a: dict, b: dict) -> None:
+        assert a["param_groups"] == b["param_groups"] and a["state"].keys() == b["state"].keys()
+        for i, entries in a["state"].items():
+            assert entries.keys() == b["state"][i].keys()
+            for name, value in entries.items():
+                assert torch.equal(value, b["state"][i][name]), (i, name)
+
+    want = model.state_dict()
+    _no_unpickling(monkeypatch)
+    # lmforge's reader: what every verb loads, and resume on one process / under DDP
+    got = LMForgeModel.from_pretrained(sharded).state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    same_optimizer_state(load_training_file(sharded, OPTIMIZER_FILE, "optimizer state")["optimizer"], saved["optimizer"])
+    assert main(["generate", str(sharded), "--prompt", "func ", "--max-new-tokens", "2", "--device", "cpu"]) == 0
+    # torch's DCP reader (HuggingFaceStorageReader): what resume under FSDP runs on each process
+    fresh, fresh_optimizer = model_and_optimizer(ordinary)
+    for p in fresh.parameters():
+        p.data.zero_()
+    loaded = fsdp.load_sharded(fresh, fresh_optimizer, sharded)
+    assert all(torch.equal(v, want[k]) for k, v in fresh.state_dict().items())
+    same_optimizer_state(loaded["optimizer"], saved["optimizer"])
+    # consolidated: the ordinary files again, the same tensors
+    assert main(["checkpoint", "consolidate", str(sharded), str(tmp_path / "whole")]) == 0
+    whole = tmp_path / "whole"
+    assert not (whole / SHARDS_FILE).exists() and not (whole / SHARDS_DIR).exists()
+    from safetensors.torch import load_file
+
+    consolidated = load_file(str(whole / "model.safetensors"))
+    assert consolidated.keys() == load_file(str(ordinary / "model.safetensors")).keys()
+    assert all(torch.equal(v, want[k]) for k, v in consolidated.items())
+    same_optimizer_state(load_state(whole / OPTIMIZER_FILE, "optimizer state")["optimizer"], saved["optimizer"])
+    monkeypatch.undo()
+
+    # what pipelines and the harness cache fingerprint: the shards, so a rewritten shard changes both
+    from lmforge.eval.harness import checkpoint_fingerprint
+    from lmforge.pipeline.state import HashCache
+    from lmforge.tokenizer import Tokenizer
+
+    shard = next((sharded / SHARDS_DIR).iterdir())
+    tokenizer = Tokenizer.load(sharded)
+    before = HashCache().model(sharded), checkpoint_fingerprint(sharded, tokenizer, 32)
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    after = HashCache().model(sharded), checkpoint_fingerprint(sharded, tokenizer, 32)
+    assert before[0] != after[0] and before[1] != after[1]
+    shard.write_bytes(data)
+
+    # damage: a shard cut short, a shard missing, a model of other shapes, not a checkpoint at all
+    shard.write_bytes(data[:-100])
+    for read in (lambda: LMForgeModel.from_pretrained(sharded), lambda: read_shards_manifest(sharded),
+                 lambda: consolidate(sharded, tmp_path / "again")):
+        with pytest.raises(LMForgeError, match=f"cannot read the shard {shard}.*use an earlier checkpoint"):
+            read()
+    shard.unlink()
+    with pytest.raises(LMForgeError, match="cannot read the shard .*damaged or incomplete"):
+        load_training_file(sharded, OPTIMIZER_FILE, "optimizer state")
+    shard.write_bytes(data)
+    wider = LMForgeModel.from_pretrained(ordinary)
+    config = dataclasses.replace(wider.config, n_embd=2 * wider.config.n_embd)
+    other = type(wider)(config)
+    with pytest.raises(LMForgeError, match=f"the checkpoint {sharded} does not fit this model .*resume with the config"):
+        fsdp.load_sharded(other, torch.optim.AdamW(other.param_groups(0.1, 1e-3)), sharded)
+    assert main(["checkpoint", "consolidate", str(tmp_path / "whole")]) == 2
+    assert "is an ordinary checkpoint already" in capsys.readouterr().err
+    (tmp_path / "nothing").mkdir()
+    assert main(["checkpoint", "consolidate", str(tmp_path / "nothing")]) == 2
+    assert "holds no sharded checkpoint" in capsys.readouterr().err

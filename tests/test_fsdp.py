@@ -1,6 +1,7 @@
 """training.parallel: fsdp / hsdp (FSDP2 on CPU with gloo, under torchrun): the same losses as one
-process at the same global batch, about half the weights + optimizer state per process, ordinary
-checkpoints that resume on one process and on two, and clear errors for what it cannot run."""
+process at the same global batch, about half the weights + optimizer state per process, sharded
+checkpoints (torch.distributed.checkpoint, no pickle) that resume exactly on two processes and on one,
+and clear errors for what it cannot run."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from lmforge.checkpoint import SHARDS_FILE, is_sharded, read_sharded_weights
 from lmforge.config import load_config
 from lmforge.errors import LMForgeError
 from lmforge.train import train
@@ -31,6 +33,19 @@ def rows(run_dir: Path) -> list[dict]:
 
 def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["train/loss"] for r in rows(run_dir) if "train/loss" in r}
+
+
+def weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's full weights: its model.safetensors, or put together from its shards."""
+    return read_sharded_weights(ckpt) if is_sharded(ckpt) else load_file(str(ckpt / "model.safetensors"))
+
+
+def assert_no_pickle(ckpt: Path) -> None:
+    """No file of the checkpoint is a pickle (protocol 2+ starts with 0x80) or a torch.save zip."""
+    for f in ckpt.rglob("*"):
+        if f.is_file():
+            head = f.read_bytes()[:4]
+            assert not head.startswith(b"\x80") and head != b"PK\x03\x04", f
 
 
 def recipe(tmp_path: Path, data_dir: Path, name: str, **training) -> Path:
@@ -61,10 +76,12 @@ def test_two_sharded_processes_match_one_and_hold_half_the_state(tmp_path, data_
     assert torchrun(["train", str(ddp)], tmp_path / "runs" / "ddp").returncode == 0
     evals = [{r["step"]: r["eval/loss"] for r in rows(tmp_path / "runs" / n) if "eval/loss" in r} for n in ("ddp", "two")]
     assert sorted(evals[0]) == [3, 6] and evals[1] == pytest.approx(evals[0], rel=1e-5)
-    # The checkpoints are the ordinary files, with the same weights (tied head and embedding stored once).
+    # The step checkpoints are sharded (best/ is the ordinary files), with the same weights (tied head and
+    # embedding stored once).
     for step in ("step-000003", "step-000006", "best"):
-        wa = load_file(str(tmp_path / "runs" / "one" / "checkpoints" / step / "model.safetensors"))
-        wb = load_file(str(tmp_path / "runs" / "two" / "checkpoints" / step / "model.safetensors"))
+        sharded = tmp_path / "runs" / "two" / "checkpoints" / step
+        assert is_sharded(sharded) == (step != "best") != (sharded / "model.safetensors").is_file()
+        wa, wb = weights(tmp_path / "runs" / "one" / "checkpoints" / step), weights(sharded)
         assert wa.keys() == wb.keys()
         for k in wa:
             torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
@@ -77,20 +94,28 @@ def test_two_sharded_processes_match_one_and_hold_half_the_state(tmp_path, data_
 
 
 def test_a_two_process_checkpoint_resumes_on_two_and_on_one_exactly(tmp_path, data_dir):
-    """Stopped at step 3, a sharded run resumed on two processes, and on one (fsdp is a no-op there),
-    reaches the same step-6 weights as the run that went straight through."""
-    full = recipe(tmp_path, data_dir, "full", micro_batch_size=2, parallel="fsdp")
+    """Stopped at step 3, a sharded run resumed on two processes (each reads its shards), and on one
+    (fsdp is a no-op there: the full tensors are put together from the shards), reaches the same step-6
+    weights as the run that went straight through writing gathered checkpoints."""
+    full = recipe(tmp_path, data_dir, "full", micro_batch_size=2, parallel="fsdp", fsdp_checkpoint="gathered")
     assert torchrun(["train", str(full)], tmp_path / "runs" / "full").returncode == 0
+    assert not is_sharded(tmp_path / "runs" / "full" / "checkpoints" / "step-000006")
     want = load_file(str(tmp_path / "runs" / "full" / "checkpoints" / "step-000006" / "model.safetensors"))
     cut = recipe(tmp_path, data_dir, "cut", micro_batch_size=2, parallel="fsdp", max_steps=3)
     r = torchrun(["train", str(cut)], tmp_path / "runs" / "cut")
     assert r.returncode == 0, r.stderr
+    written = tmp_path / "runs" / "cut" / "checkpoints" / "step-000003"
+    assert sorted(p.name for p in (written / "shards").iterdir()) == [
+        "shard-00001-model-00001-of-00001.safetensors", "shard-00002-model-00001-of-00001.safetensors"]
+    assert {p.name for p in written.iterdir()} >= {SHARDS_FILE, "rng_state.safetensors", "config.yaml"}
+    assert not (written / "model.safetensors").exists() and not (written / "optimizer.safetensors").exists()
+    assert_no_pickle(written)
     import shutil
 
     shutil.copytree(tmp_path / "runs" / "cut", tmp_path / "runs" / "cut1")
     on_two = torchrun(["train", str(cut), "training.max_steps=6", "--resume"], tmp_path / "runs" / "cut")
     assert on_two.returncode == 0, on_two.stderr + on_two.stdout
-    got = load_file(str(tmp_path / "runs" / "cut" / "checkpoints" / "step-000006" / "model.safetensors"))
+    got = weights(tmp_path / "runs" / "cut" / "checkpoints" / "step-000006")
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-6, msg=k)
     assert losses(tmp_path / "runs" / "cut") == pytest.approx(losses(tmp_path / "runs" / "full"), rel=1e-6)
@@ -102,6 +127,7 @@ def test_a_two_process_checkpoint_resumes_on_two_and_on_one_exactly(tmp_path, da
                              "training.parallel=ddp", "--resume"), cwd=REPO)
     assert on_one.returncode == 0 and "written by 2 process(es), resuming on 1" in on_one.stdout, on_one.stderr
     one = load_file(str(tmp_path / "runs" / "cut1" / "checkpoints" / "step-000006" / "model.safetensors"))
+    assert one.keys() == want.keys()
     for k in want:
         torch.testing.assert_close(one[k], want[k], rtol=1e-4, atol=1e-5, msg=k)
 
@@ -117,8 +143,8 @@ def test_bf16_shards_compute_in_bf16_and_keep_fp32_weights(tmp_path, data_dir):
         assert done.returncode == 0, done.stderr
     a, b = losses(tmp_path / "runs" / "fp32"), losses(tmp_path / "runs" / "bf16")
     assert all(a[s] != b[s] and b[s] == pytest.approx(a[s], rel=0.02) for s in a)
-    weights = load_file(str(tmp_path / "runs" / "bf16" / "checkpoints" / "step-000003" / "model.safetensors"))
-    assert {t.dtype for t in weights.values()} == {torch.float32}
+    stored = weights(tmp_path / "runs" / "bf16" / "checkpoints" / "step-000003")
+    assert {t.dtype for t in stored.values()} == {torch.float32}
 
 
 def test_bad_parallel_settings_are_refused(tmp_path, data_dir):

@@ -546,9 +546,10 @@ def run_directory(model_dir: Path) -> Path:
 def checkpoint_fingerprint(model_dir: Path, tokenizer, max_length: int) -> str:
     """What the cached answers depend on: the weights file (size and modification time: ``best/`` is
     rewritten while a run trains), the tokenizer, the context, and how requests become tokens."""
-    weights = model_dir / "model.safetensors"
-    stat = weights.stat()
-    text = f"{weights.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{tokenizer.sha256}|{max_length}|{CONVENTION}"
+    from lmforge.checkpoint import weight_files
+
+    files = "|".join(f"{w.resolve()}|{w.stat().st_size}|{w.stat().st_mtime_ns}" for w in weight_files(model_dir))
+    text = f"{files}|{tokenizer.sha256}|{max_length}|{CONVENTION}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -18,6 +18,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from lmforge.checkpoint import SHARDS_FILE, is_sharded, read_sharded_weights
 from lmforge.errors import LMForgeError
 from lmforge.recipes import model_class
 from lmforge.typed import dataclass_from_dict
@@ -108,14 +109,18 @@ class LMForgeModel(nn.Module):
         return total
 
     # ---- on-disk format -----------------------------------------------------------------
-    def save_pretrained(self, directory: str | os.PathLike, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+    def save_pretrained(self, directory: str | os.PathLike, state_dict: dict[str, torch.Tensor] | None = None,
+                        weights: bool = True) -> Path:
         """Write ``config.yaml`` and ``model.safetensors`` into ``directory`` (created if needed);
-        ``state_dict``: the weights to write instead of the model's own (gathered from FSDP's shards)."""
+        ``state_dict``: the weights to write instead of the model's own (gathered from FSDP's shards);
+        ``weights=False``: the config only (a sharded checkpoint, whose shards hold the weights)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         config = {"family": self.family, **dataclasses.asdict(self.config)}
         with open(directory / CONFIG_FILE, "w") as f:
             yaml.safe_dump(config, f, sort_keys=False)
+        if not weights:
+            return directory
         # safetensors refuses tensors that share storage (tied weights): store each once. Dedupe
         # before .cpu(), which copies each tensor of a GPU model separately and hides the sharing.
         state = {k: v.detach().contiguous().cpu()
@@ -133,7 +138,9 @@ class LMForgeModel(nn.Module):
             raise LMForgeError(f"{directory} holds a {klass.family!r} model, not a {cls.family!r} model")
         model = klass(config)
         try:
-            state = load_file(str(weights_path), device=str(map_location))
+            state = _read_weights(directory, map_location)
+        except LMForgeError:
+            raise
         except Exception as e:  # safetensors raises several types for truncated/corrupt files
             raise LMForgeError(
                 f"cannot read {weights_path}: {e}. The file is corrupt or truncated; "
@@ -159,7 +166,9 @@ class LMForgeModel(nn.Module):
         checkpoint). Families that save more than one file override both."""
         weights_path = Path(directory) / WEIGHTS_FILE
         try:
-            weights = load_file(str(weights_path), device=str(device))
+            weights = _read_weights(Path(directory), device)
+        except LMForgeError:
+            raise
         except Exception as e:
             raise LMForgeError(f"cannot read {weights_path}: {e}. The checkpoint is corrupt; "
                                f"resume from an earlier one in {Path(directory).parent}") from e
@@ -196,6 +205,14 @@ class LMForgeModel(nn.Module):
         return None
 
 
+def _read_weights(directory: Path, device: str | torch.device) -> dict[str, torch.Tensor]:
+    """A model directory's weights: ``model.safetensors``, or the full tensors put together from a sharded
+    checkpoint's shards (on this process; no process group needed)."""
+    if is_sharded(directory):
+        return {k: v.to(device) for k, v in read_sharded_weights(directory).items()}
+    return load_file(str(directory / WEIGHTS_FILE), device=str(device))
+
+
 def _dedupe_shared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out, seen = {}, set()
     for k, v in state.items():
@@ -212,10 +229,11 @@ def read_model_config(directory: str | os.PathLike) -> tuple[type, Any]:
     ``config.yaml``, without loading weights."""
     directory = Path(directory)
     config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
-    if not config_path.is_file() or not weights_path.is_file():
+    if not config_path.is_file() or not (weights_path.is_file() or is_sharded(directory)):
         raise LMForgeError(
-            f"{directory} is not a model directory: it needs {CONFIG_FILE} and {WEIGHTS_FILE}. "
-            "Pass a checkpoint directory (runs/NAME/checkpoints/step-NNNNNN) or a run directory."
+            f"{directory} is not a model directory: it needs {CONFIG_FILE} and {WEIGHTS_FILE} (or a sharded "
+            f"checkpoint's {SHARDS_FILE}). Pass a checkpoint directory (runs/NAME/checkpoints/step-NNNNNN) or a "
+            "run directory."
         )
     try:
         raw = yaml.safe_load(config_path.read_text()) or {}

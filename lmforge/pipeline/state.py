@@ -109,11 +109,15 @@ class HashCache:
         return digest(parts)
 
     def model(self, model_dir: Path) -> str:
-        """A model directory's weights: the sha256 of its model.safetensors."""
-        weights = Path(model_dir) / "model.safetensors"
-        if not weights.is_file():
-            raise MissingInput(f"{weights} does not exist")
-        return self.file(weights)
+        """A model directory's weights: the sha256 of its model.safetensors (of a sharded checkpoint's
+        manifest and shards)."""
+        from lmforge.checkpoint import weight_files
+
+        files = weight_files(model_dir)
+        missing = [w for w in files if not w.is_file()]
+        if missing:
+            raise MissingInput(f"{missing[0]} does not exist")
+        return self.file(files[0]) if len(files) == 1 else digest({w.name: self.file(w) for w in files})
 
     def pruned(self) -> dict[str, Any]:
         """The entries whose paths still exist (moved-aside and deleted outputs drop out)."""

@@ -15,19 +15,24 @@ and gradients are reduced in fp32 (``MixedPrecisionPolicy``). ``training.fsdp_of
 shards of weights, gradients and optimizer state in CPU memory, for GPUs that cannot hold even those.
 
 Everything that is not a training step works on full weights. This covers evaluation, a kind's
-probe (generation), and the weights a checkpoint writes:
+probe (generation), and ``best/``:
 
 - ``gathered`` puts the full weights (in the compute dtype) on every process. Code inside it calls
   the plain model, a different number of times on each process if it likes, with no collective.
 - ``full_model_state`` / ``full_optimizer_state`` gather the fp32 weights and the optimizer state on
-  process 0. They come in exactly the form a single-process run saves: a checkpoint is the ordinary
-  ``model.safetensors`` + ``optimizer.safetensors`` directory, which every other verb reads. It
-  resumes on any number of processes, under ``ddp`` or ``fsdp``.
+  process 0, in exactly the form a single-process run saves: ``best/`` (weights only) and, with
+  ``training.fsdp_checkpoint: gathered``, the step checkpoints are the ordinary files.
 
-Why not sharded ``torch.distributed.checkpoint`` files: their metadata is a pickle, and nothing
-lmforge reads may run code. A gathered checkpoint needs process 0 to hold the full state in CPU
-memory for the moment it is written. That is fine for models up to a few billion parameters; a safe
-sharded format is the step after.
+Step checkpoints (``training.fsdp_checkpoint: sharded``, the default) are written by every process:
+``save_sharded`` hands this process's shards of the weights and the optimizer state to
+``torch.distributed.checkpoint`` with torch's ``HuggingFaceStorageWriter``, which writes one safetensors
+file per process with each piece's offset as JSON in its header; process 0 adds ``shards.json`` (the
+tensors' full shapes, the parameter groups and the other non-tensor state). No process ever holds the
+whole state. DCP's default ``FileSystemWriter`` is not used: its ``.metadata`` file is a pickle, and
+nothing lmforge reads may run code; ``HuggingFaceStorageReader`` reads the layout from the safetensors
+headers alone. ``load_sharded`` reads such a checkpoint into the shards of any number of processes
+(DCP reshards); on one process, or under DDP, ``lmforge.checkpoint.read_shards`` puts the full tensors
+together without a process group.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lmforge import checkpoint as ckpt
 from lmforge.errors import LMForgeError
 
 PARALLEL = ("ddp", "fsdp", "hsdp")
@@ -128,10 +134,10 @@ def _forget_forwards(modules: list[nn.Module]) -> None:
             group.comm_ctx.post_forward_order.clear()
 
 
-def _options(full: bool = True, **kw):
+def _options(full: bool = True, offload: bool = True, **kw):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(full_state_dict=full, cpu_offload=True, **kw)
+    return StateDictOptions(full_state_dict=full, cpu_offload=offload, **kw)
 
 
 def _shared_names(model: nn.Module) -> dict[str, str]:
@@ -203,9 +209,10 @@ def load_model_state(model: nn.Module, directory: Path) -> None:
 
 
 def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """Load a full optimizer state in ``optimizer.state_dict()``'s form (every process read it) into
-    the sharded optimizer."""
+    """Load an optimizer state in ``optimizer.state_dict()``'s form into the sharded optimizer: the full
+    state (every process read it), or this process's shards of it (``load_sharded``)."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    from torch.distributed.tensor import DTensor
 
     names = _names_in_order(model, optimizer)
     if len(state.get("param_groups", [])) != len(optimizer.param_groups):
@@ -213,7 +220,96 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sta
                            f"this run's {len(optimizer.param_groups)}: resume with the config it was written with")
     by_name = {"state": {names[int(i)]: v for i, v in state["state"].items()},
                "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in state["param_groups"]]}
-    set_optimizer_state_dict(model, optimizer, by_name, options=_options())
+    full = not any(isinstance(v, DTensor) for entries in state["state"].values() for v in entries.values())
+    set_optimizer_state_dict(model, optimizer, by_name, options=_options(full=full))
+
+
+def _sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    """This process's shards of the weights (``model.NAME``, tied copies once) and of the optimizer's
+    tensors (``optim.NAME.ENTRY``), for DCP; and the manifest: every tensor's full shape, the parameter
+    groups and the optimizer's non-tensor entries, by parameter name."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    options = _options(full=False, offload=False)  # DCP copies each shard to the CPU as it writes it
+    shared = _shared_names(model)
+    tensors = {f"model.{k}": v for k, v in get_model_state_dict(model, options=options).items()
+               if shared.get(k, k) == k}
+    optim = get_optimizer_state_dict(model, optimizer, options=options)  # sets the state up before the first step
+    state: dict[str, dict[str, Any]] = {}
+    for name, entries in optim["state"].items():
+        state[name] = {}
+        for entry, value in entries.items():
+            if torch.is_tensor(value):
+                tensors[f"optim.{name}.{entry}"] = value
+                state[name][entry] = {"shard": f"optim.{name}.{entry}"}
+            else:
+                state[name][entry] = {"value": value}
+    manifest = {"tensors": {k: list(v.shape) for k, v in tensors.items()},
+                "optimizer": {"state": state, "param_groups": optim["param_groups"]}}
+    return tensors, manifest
+
+
+def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path, rest: dict[str, Any],
+                 world_size: int, is_main: bool) -> None:
+    """Write a sharded checkpoint's tensors into ``directory/shards`` (every process its own shards;
+    every process must call this), then, on process 0, ``shards.json`` with ``rest`` (JSON data: the
+    scaler's and the model's training state). A failure on any process raises on every process."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    tensors, manifest = _sharded_state(model, optimizer)
+    shards = Path(directory) / ckpt.SHARDS_DIR
+    try:
+        dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(shards), save_distributed=True))
+    except dcp.api.CheckpointException as e:  # what any process's failure becomes on every process
+        raise LMForgeError(f"could not write the shards of a checkpoint into {shards}: {e}; "
+                           f"{ckpt.RESUME_FIX}") from e
+    if not is_main:
+        return
+    manifest.update(world_size=world_size, files=sorted(p.name for p in shards.iterdir()), **rest)
+    try:
+        ckpt.write_shards_manifest(Path(directory), manifest)
+    except TypeError as e:
+        raise LMForgeError(f"this run's training state is not plain data ({e}), which a sharded checkpoint keeps "
+                           "as JSON: use training.fsdp_checkpoint=gathered") from e
+    try:
+        ckpt.read_shards_manifest(Path(directory))
+    except LMForgeError as e:
+        raise LMForgeError(f"process 0 does not see the shards every process wrote ({e}): a sharded checkpoint "
+                           "needs a directory all processes share (on several machines, a shared filesystem); "
+                           "otherwise use training.fsdp_checkpoint=gathered") from e
+
+
+def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> dict[str, Any]:
+    """Read a sharded checkpoint into this process's shards (written by any number of processes; every
+    process must call this): the weights are loaded; the optimizer state is returned, in the form
+    ``optimizer.safetensors`` holds (``load_optimizer_state`` takes it), with the rest of the training
+    state. A checkpoint that does not fit the model stops every process with the same error before any
+    collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    directory = Path(directory)
+    saved = ckpt.read_shards_manifest(directory)
+    tensors, mine = _sharded_state(model, optimizer)
+    fix = f"resume with the config {directory} was written with (see its run_config.yaml)"
+    for part, what in (("model.", "this model"), ("optim.", "this run's optimizer")):
+        ours = {k: v for k, v in mine["tensors"].items() if k.startswith(part)}
+        theirs = {k: v for k, v in saved["tensors"].items() if k.startswith(part)}
+        missing, unexpected = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
+        shapes = [f"{k} {theirs[k]} (here {ours[k]})" for k in sorted(set(ours) & set(theirs)) if ours[k] != theirs[k]]
+        if missing or unexpected or shapes:
+            raise LMForgeError(f"the checkpoint {directory} does not fit {what} (missing {missing[:3]}, unexpected "
+                               f"{unexpected[:3]}, other shapes {shapes[:3]}): {fix}")
+    try:
+        dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(directory / ckpt.SHARDS_DIR)))
+    except dcp.api.CheckpointException as e:
+        raise LMForgeError(f"cannot read the shards of {directory}: {e}; use an earlier checkpoint in "
+                           f"{directory.parent}") from e
+    set_model_state_dict(model, {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")},
+                         options=_options(full=False, strict=False))
+    return ckpt.sharded_training_state(directory, saved, tensors)
 
 
 def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:

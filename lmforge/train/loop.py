@@ -299,9 +299,7 @@ class Trainer:
             if state is None:
                 self.model.save_pretrained(directory)
             else:
-                self.model.save_pretrained(directory, state_dict=state)
-        if state is not None and not state:
-            (directory / ckpt.WEIGHTS_FILE).unlink()
+                self.model.save_pretrained(directory, state_dict=state, weights=bool(state))
         if self.extra_files is not None:
             self.extra_files(directory)
 
