@@ -18,13 +18,12 @@ import yaml
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from lmforge.checkpoint import SHARDS_FILE, is_sharded, read_sharded_weights
+from lmforge.checkpoint import SHARDS_FILE, WEIGHTS_FILE, is_sharded, read_sharded_weights
 from lmforge.errors import LMForgeError
 from lmforge.recipes import model_class
 from lmforge.typed import dataclass_from_dict
 
 CONFIG_FILE = "config.yaml"
-WEIGHTS_FILE = "model.safetensors"
 
 
 class LMForgeModel(nn.Module):
