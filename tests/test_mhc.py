@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from lmforge.errors import LMForgeError
 from lmforge.models.gpt import GPT, GPTConfig, RLMModel
 from lmforge.models.mhc import MHCLayer, amax_gains, gain_tensors, sinkhorn_log
 from lmforge.train import train
-from tests.train_helpers import PEAK_FLOPS, REPO, lmforge_cmd, run, torchrun, write_go_corpus
+from tests.train_helpers import PEAK_FLOPS, REPO, lmforge_cmd, run, subprocess_env, torchrun, write_go_corpus
 
 SIZES = dict(flavor="llama", vocab_size=97, n_positions=32, n_embd=32, n_layer=3, n_head=4)
 
@@ -477,3 +478,219 @@ def test_gpt2_flavor_takes_mhc_too_and_starts_as_the_plain_model():
     from lmforge.models.hf_compat import gpt2_state_dict_for_hf
     with pytest.raises(LMForgeError, match="no transformers equivalent"):
         gpt2_state_dict_for_hf(model)
+
+
+# ---- the fused operator, the mixing, the stream dtype and the logged-steps-only metrics (issue 19) ------
+def reference_sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
+    """Today's math, independently: unrolled log-domain rounds, differentiated by autograd."""
+    y = logits.double() if logits.dtype == torch.float64 else logits.float()
+    for _ in range(iters):
+        y = y - torch.logsumexp(y, -2, keepdim=True)
+        y = y - torch.logsumexp(y, -1, keepdim=True)
+    return y.exp()
+
+
+def reference_mhc(layer: MHCLayer, stream: torch.Tensor, sublayer) -> tuple[torch.Tensor, tuple]:
+    """The mHC sub-layer as first implemented: fp32 coefficients with autocast off, batched-matmul mixing
+    at the stream's precision."""
+    n, dev = layer.flows, stream.device.type
+    with torch.autocast(dev, enabled=False):
+        flat = stream.flatten(-2).float()
+        inv_rms = torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + layer.eps)
+        d_pre, d_post, d_res = (torch.nn.functional.linear(flat, layer.phi) * inv_rms).split([n, n, n * n], -1)
+        h_pre = torch.sigmoid(layer.alpha[0] * d_pre + layer.b_pre)
+        h_post = 2 * torch.sigmoid(layer.alpha[1] * d_post + layer.b_post)
+        h_res = reference_sinkhorn(layer.alpha[2] * d_res.unflatten(-1, (n, n)) + layer.b_res, layer.sinkhorn_iters)
+        x_in = torch.bmm(h_pre.to(stream.dtype).reshape(-1, 1, n), stream.reshape(-1, n, stream.shape[-1]))
+    y = sublayer(x_in.reshape(stream.shape[:-2] + stream.shape[-1:]))
+    with torch.autocast(dev, enabled=False):
+        mixed = torch.bmm(h_res.to(stream.dtype).reshape(-1, n, n), stream.reshape(-1, n, stream.shape[-1]))
+        out = mixed.reshape(stream.shape) + h_post.to(stream.dtype).unsqueeze(-1) * y.to(stream.dtype).unsqueeze(-2)
+    return out, (h_pre[0].detach(), h_post[0].detach(), h_res[0].detach())
+
+
+def reference_loss(model: GPT, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Loss (labels = ids) and Amax gains of a llama-flavor mHC model, through reference_mhc."""
+    c = model.config
+    x = model.tok_embed(ids)
+    rope = model._rope(torch.arange(ids.shape[1]), x.dtype)
+    stream = x.unsqueeze(-2).expand(*x.shape[:-1], c.mhc_flows, c.n_embd)
+    coeffs = []
+    for i, b in enumerate(model.blocks):
+        stream, ca = reference_mhc(b.hc_attn, stream, lambda h: b.attn(b.norm_1(h), rope, None, i, None))
+        stream, cm = reference_mhc(b.hc_mlp, stream, lambda h: b.mlp(b.norm_2(h)))
+        coeffs += [ca, cm]
+    logits = model.lm_head(model.norm_f(stream.mean(-2))).float()
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()), gain_tensors(coeffs)
+
+
+def grads_of(model: GPT, loss: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.zero_grad()
+    loss.backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_loss_gradients_and_metrics_equal_the_first_implementation(precision):
+    """The fused operator and the new mixing change no number: loss, Amax gains and every parameter's
+    gradient against the reference (tight in fp32; bf16 autocast rounds the sub-layers differently)."""
+    model = mhc_model()
+    perturb(model)
+    ids = torch.randint(0, 97, (2, 16))
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+    with autocast:
+        loss, metrics = model({"input_ids": ids, "labels": ids})
+    ours = grads_of(model, loss)
+    with autocast:
+        ref_loss, ref_gains = reference_loss(model, ids)
+    ref = grads_of(model, ref_loss)
+    tol = dict(atol=1e-5, rtol=1e-5) if precision == "fp32" else dict(atol=2e-2, rtol=5e-2)
+    torch.testing.assert_close(loss, ref_loss, **tol)
+    torch.testing.assert_close(model._mhc_gains, ref_gains, **tol)
+    assert float(metrics["mhc/amax_res"]) == pytest.approx(float(ref_gains[:-1, 4:6].max()), abs=tol["atol"])
+    assert len(ours) == len(ref) > 20
+    # Each gradient relative to its own size, or to 1e-3 of the largest where it is ~0 (block 0's H_res
+    # acts on equal flows: only rounding reaches b_res there).
+    floor = 1e-3 * max(g.abs().max() for g in ref.values())
+    for name in ref:
+        scale = torch.maximum(ref[name].abs().max(), floor)
+        torch.testing.assert_close(ours[name] / scale, ref[name] / scale, **tol, msg=name)
+
+
+def test_sinkhorn_operator_checks_and_matches_unrolled_autograd():
+    """opcheck (schema, fake tensor, autograd registration, AOT dispatch), fp64 gradcheck through the
+    operator, and values and gradients equal to autograd through the unrolled rounds, peaked logits
+    included (where the backward's exp(normaliser) products are longest)."""
+    torch.manual_seed(0)
+    for args in [(torch.randn(5, 4, 4, requires_grad=True), 20),
+                 (torch.randn(2, 3, 4, 4, dtype=torch.bfloat16, requires_grad=True), 5),
+                 (torch.randn(3, 2, 2, dtype=torch.float64, requires_grad=True), 1)]:
+        torch.library.opcheck(torch.ops.lmforge.sinkhorn.default, args)
+    x = torch.randn(3, 4, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: torch.ops.lmforge.sinkhorn(t, 6), (x,))
+    for scale in (1.0, 10.0):
+        x = (scale * torch.randn(300, 4, 4)).requires_grad_()
+        w = torch.randn(300, 4, 4)
+        torch.testing.assert_close(sinkhorn_log(x, 20), reference_sinkhorn(x, 20), atol=1e-6, rtol=0)
+        ours, = torch.autograd.grad((sinkhorn_log(x, 20) * w).sum(), x)
+        ref, = torch.autograd.grad((reference_sinkhorn(x, 20) * w).sum(), x)
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-4)
+
+
+def test_sinkhorn_is_one_node_for_torch_compile():
+    """Dynamo hands the backend one operator call, not the unrolled rounds."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    fn = torch.compile(lambda t: sinkhorn_log(t, 20), backend=backend, fullgraph=True)
+    x = torch.randn(8, 4, 4)
+    torch.testing.assert_close(fn(x), sinkhorn_log(x, 20))
+    calls = [node for node in graphs[0].graph.nodes if node.op == "call_function"]
+    assert [node.target for node in calls] == [torch.ops.lmforge.sinkhorn.default]
+
+
+def test_step_metrics_switch_off_the_amax_metrics_and_nothing_else():
+    model = mhc_model()
+    perturb(model)
+    ids = torch.randint(0, 97, (2, 16))
+    model.step_metrics = False
+    loss_off, metrics_off = model({"input_ids": ids, "labels": ids})
+    assert metrics_off == {}
+    with pytest.raises(LMForgeError, match="no forward pass"):  # nothing was collected
+        model.get_mhc_metrics()
+    model.step_metrics = True
+    loss_on, metrics_on = model({"input_ids": ids, "labels": ids})
+    assert set(metrics_on) == {"mhc/amax_pre", "mhc/amax_post", "mhc/amax_res", "mhc/amax_composite"}
+    assert torch.equal(loss_on, loss_off)
+    torch.testing.assert_close(model._mhc_gains, reference_loss(model, ids)[1])
+
+
+def test_compiled_model_equals_eager_and_follows_step_metrics():
+    """torch.compile: the whole model in one graph (fullgraph: no break) with the compiled form of the
+    mixing gives eager's loss, metrics and gradients; flipping step_metrics recompiles (a guard on the
+    attribute). The AOT-eager backend keeps this quick: Inductor's code for the mixing is checked below."""
+    model = mhc_model(n_layer=2)
+    perturb(model)
+    ids = torch.randint(0, 97, (2, 16))
+    eager_loss, eager_metrics = model({"input_ids": ids, "labels": ids})
+    eager = grads_of(model, eager_loss)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    loss, metrics = compiled({"input_ids": ids, "labels": ids})
+    torch.testing.assert_close(loss, eager_loss, atol=1e-5, rtol=1e-5)
+    assert metrics.keys() == eager_metrics.keys()
+    for key, value in eager_metrics.items():
+        torch.testing.assert_close(metrics[key], value, atol=1e-5, rtol=1e-5)
+    for name, grad in grads_of(model, loss).items():
+        torch.testing.assert_close(grad, eager[name], atol=1e-5, rtol=1e-4, msg=name)
+    model.step_metrics = False
+    loss, metrics = compiled({"input_ids": ids, "labels": ids})
+    assert metrics == {}
+    torch.testing.assert_close(loss, eager_loss, atol=1e-5, rtol=1e-5)
+
+
+def test_inductor_compiled_mhc_layer_equals_eager():
+    """One mHC sub-layer around a linear map, compiled by Inductor (the fused mixing, the operator as an
+    extern call): values and every gradient equal eager's."""
+    torch.manual_seed(0)
+    layer = MHCLayer(hidden_dim=16, num_flows=4, index=1)
+    inner = torch.nn.Linear(16, 16)
+    with torch.no_grad():
+        layer.phi.normal_(0, 0.1)
+        layer.alpha.fill_(1.0)
+
+    def step(stream):
+        out, _ = layer(stream, inner)
+        return (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum()
+
+    stream = torch.randn(2, 8, 4, 16, requires_grad=True)
+    params = [stream, *layer.parameters(), *inner.parameters()]
+    eager = torch.autograd.grad(step(stream), params)
+    compiled = torch.autograd.grad(torch.compile(step, fullgraph=True)(stream), params)
+    for a, b in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_stream_in_the_training_precision_when_asked():
+    """model.mhc_stream_dtype=autocast: the flows are bf16 under bf16 autocast (coefficients still fp32)
+    and the loss stays near the fp32 stream's; fp32 (the default) keeps them fp32; a typo is an error."""
+    ids = torch.randint(0, 97, (2, 16))
+    losses = {}
+    for choice, expected in (("fp32", torch.float32), ("autocast", torch.bfloat16)):
+        model = mhc_model(mhc_stream_dtype=choice)
+        perturb(model)
+        seen = []
+        model.blocks[0].register_forward_hook(lambda mod, inp, out: seen.append(out[0].dtype))
+        model.blocks[0].hc_attn.register_forward_hook(lambda mod, inp, out: seen.append(out[1][2].dtype))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses[choice], _ = model({"input_ids": ids, "labels": ids})
+        assert seen == [torch.float32, expected], choice  # H_res in fp32, then the block's stream
+    assert float(losses["autocast"]) == pytest.approx(float(losses["fp32"]), rel=2e-2)
+    with pytest.raises(LMForgeError, match="mhc_stream_dtype must be fp32 or autocast"):
+        load_config("rlm_mhc_tiny", ["model.vocab_size=64", "model.mhc_stream_dtype=bf16"])
+
+
+def test_triton_kernels_match_the_vectorised_operator_under_the_interpreter(tmp_path):
+    """The CUDA kernels, run by Triton's interpreter on CPU tensors (no GPU needed): values and
+    gradients equal the vectorised implementation's for n = 2, 4, 8 and a token count that leaves a
+    partial block."""
+    script = tmp_path / "check.py"
+    script.write_text(
+        "import torch\n"
+        "from lmforge.models import mhc_triton\n"
+        "from lmforge.models.mhc import sinkhorn_log\n"
+        "torch.manual_seed(0)\n"
+        "for shape, iters, scale in [((3, 37, 4, 4), 20, 3.0), ((70, 2, 2), 5, 1.0), ((65, 8, 8), 3, 10.0)]:\n"
+        "    x = (scale * torch.randn(shape)).requires_grad_()\n"
+        "    w = torch.randn(shape)\n"
+        "    ref = sinkhorn_log(x, iters)\n"
+        "    ref_grad, = torch.autograd.grad((ref * w).sum(), x)\n"
+        "    p = mhc_triton.sinkhorn_forward(x.detach(), iters)\n"
+        "    torch.testing.assert_close(p, ref, atol=1e-6, rtol=1e-5)\n"
+        "    torch.testing.assert_close(mhc_triton.sinkhorn_backward(w, x.detach(), iters), ref_grad,\n"
+        "                               atol=1e-5, rtol=1e-4)\n"
+        "print('kernels match')\n")
+    out = run([sys.executable, str(script)], cwd=REPO, env=subprocess_env(TRITON_INTERPRET="1"))
+    assert out.returncode == 0 and "kernels match" in out.stdout, out.stderr[-3000:]

@@ -116,6 +116,9 @@ class GPTConfig:
     mhc_enabled: bool = False  # manifold-constrained hyper-connections (lmforge.models.mhc)
     mhc_flows: int = 4  # n: parallel residual flows
     mhc_sinkhorn_iters: int = 20  # Sinkhorn-Knopp rounds for the residual mixing matrices
+    # The n-flow stream's dtype: fp32 (the plain model's residual, whatever the autocast) or autocast
+    # (bf16 under bf16 autocast, the paper's choice: half the stream's memory traffic, rounded flows).
+    mhc_stream_dtype: str = "fp32"
 
     @classmethod
     def resolve_dict(cls, values: dict[str, Any]) -> dict[str, Any]:
@@ -174,6 +177,8 @@ class GPTConfig:
         check(self.mhc_flows >= 1, f"model.mhc_flows must be >= 1 (4 is the paper's setting), got {self.mhc_flows}")
         check(self.mhc_sinkhorn_iters >= 1,
               f"model.mhc_sinkhorn_iters must be >= 1 (20 is the paper's setting), got {self.mhc_sinkhorn_iters}")
+        check(self.mhc_stream_dtype in ("fp32", "autocast"),
+              f"model.mhc_stream_dtype must be fp32 or autocast (the training precision), got {self.mhc_stream_dtype!r}")
 
     @property
     def head_dim(self) -> int:
@@ -657,7 +662,9 @@ class GPT(LMForgeModel):
         # The LM head and the loss are fused (lmforge.models.losses): no [tokens, vocab] logits are kept.
         # Packed rows of several documents (SFT) carry each token's position in its own document and
         # its document's number: attention then stays inside a document, as if each were alone.
-        hidden, coeffs = self._trunk(batch["input_ids"], None, collect=self.config.mhc_enabled,
+        # The Amax metrics only on the steps the loop logs (step_metrics): other steps collect nothing.
+        collect = self.config.mhc_enabled and self.step_metrics
+        hidden, coeffs = self._trunk(batch["input_ids"], None, collect=collect,
                                      position_ids=batch.get("position_ids"), document_ids=batch.get("document_ids"),
                                      prefix_ids=batch.get("prefix_ids"))
         loss = linear_cross_entropy(hidden, self.lm_head.weight, batch["labels"])
@@ -736,6 +743,8 @@ class GPT(LMForgeModel):
             rope = self._rope(positions, x.dtype)
         x = self.drop(x)
         if c.mhc_enabled:
+            if c.mhc_stream_dtype == "autocast" and torch.is_autocast_enabled(x.device.type):
+                x = x.to(torch.get_autocast_dtype(x.device.type))
             x = x.unsqueeze(-2).expand(*x.shape[:-1], c.mhc_flows, c.n_embd)  # n copies of the embedding
         use_checkpoint = self._checkpointing and self.training and torch.is_grad_enabled() and kv_cache is None
         coeffs: list[tuple[torch.Tensor, ...]] = []
