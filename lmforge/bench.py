@@ -56,6 +56,7 @@ def _lmforge_stepper(cfg, devinfo: DeviceInfo, tmp: Path):
     seq = cfg.data.seq_len
     data = TrainData(train=cfg.spec.bench_data(cfg), val=None)
     trainer = Trainer(cfg, model, data, devinfo, DistInfo(), tmp)
+    model.step_metrics = False  # as training's steps between log lines run
     info = {"system": "lmforge", "params": model.num_parameters(), "flops_per_token": model.flops_per_token(seq)}
     c = model.config
     if hasattr(c, "n_layer") and hasattr(c, "n_embd"):

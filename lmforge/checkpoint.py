@@ -354,7 +354,11 @@ def read_shards_manifest(ckpt: Path) -> dict[str, Any]:
         inside = all(len(o) == len(s) == len(shape) and all(0 <= a and a + b <= n for a, b, n in zip(o, s, shape))
                      for _, o, s in pieces)
         covered = sum(math.prod(s) for _, _, s in pieces)
-        if not inside or covered != math.prod(shape):
+        # Inside, no two overlapping and as many values as the tensor: each value exactly once.
+        overlap = inside and any(math.prod(s1) and math.prod(s2) and all(
+            a1 < a2 + b2 and a2 < a1 + b1 for a1, b1, a2, b2 in zip(o1, s1, o2, s2))
+            for i, (_, o1, s1) in enumerate(pieces) for _, o2, s2 in pieces[i + 1:])
+        if not inside or overlap or covered != math.prod(shape):
             raise LMForgeError(f"the shards in {ckpt / SHARDS_DIR} hold {covered} of the {math.prod(shape)} values of "
                                f"{key}: a shard file is missing or damaged; {_earlier(ckpt)}")
     unlisted = sorted(set(chunks) - set(tensors))

@@ -479,3 +479,27 @@ def test_a_sharded_checkpoint_is_read_without_pickle_and_consolidates(lm_run, tm
     (tmp_path / "nothing").mkdir()
     assert main(["checkpoint", "consolidate", str(tmp_path / "nothing")]) == 2
     assert "holds no sharded checkpoint" in capsys.readouterr().err
+
+
+def test_shards_that_overlap_and_leave_a_gap_are_refused(tmp_path):
+    """Two pieces over the same half of a tensor hold as many values as the tensor: the count alone
+    would accept them and leave the other half unset."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from lmforge.checkpoint import SHARDS_DIR, SHARDS_FILE, SHARDS_FORMAT, SHARDS_VERSION, read_shards_manifest
+
+    (tmp_path / SHARDS_DIR).mkdir()
+    offsets = {"DCP_SHARDING_INFO": json.dumps({"model.w": {"saved_offsets": [0]}})}
+    for name in ("a.safetensors", "b.safetensors"):
+        save_file({"model.w": torch.ones(2)}, str(tmp_path / SHARDS_DIR / name), metadata=offsets)
+    manifest = {"format": SHARDS_FORMAT, "version": SHARDS_VERSION, "tensors": {"model.w": [4]},
+                "files": ["a.safetensors", "b.safetensors"]}
+    (tmp_path / SHARDS_FILE).write_text(json.dumps(manifest))
+    with pytest.raises(LMForgeError, match="a shard file is missing or damaged"):
+        read_shards_manifest(tmp_path)
+    # the same pieces at offsets 0 and 2 cover the tensor exactly once: accepted
+    save_file({"model.w": torch.ones(2)}, str(tmp_path / SHARDS_DIR / "b.safetensors"),
+              metadata={"DCP_SHARDING_INFO": json.dumps({"model.w": {"saved_offsets": [2]}})})
+    assert read_shards_manifest(tmp_path)["tensors"] == {"model.w": [4]}

@@ -184,3 +184,49 @@ def test_models_fsdp_cannot_shard_are_refused_with_the_way_out(monkeypatch):
     with pytest.raises(LMForgeError, match="torchrun --nproc_per_node 2 -m lmforge train"):
         check_parallel("hsdp", 1, GPT(config), get_kind("lm"))
     check_parallel("ddp", 1, GPT(config), get_kind("ppo"))
+
+
+_LOAD_ON_TWO = '''
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from lmforge.errors import LMForgeError
+from lmforge.models.base import LMForgeModel
+from lmforge.train import fsdp
+
+dist.init_process_group("gloo")
+good = Path(sys.argv[1])
+model = LMForgeModel.from_pretrained(good)
+where = good if dist.get_rank() == 0 else good.parent / "not-there"  # process 1 cannot read it
+try:
+    fsdp.load_sharded(model, torch.optim.AdamW(model.param_groups(0.1, 1e-3)), where)
+except LMForgeError as e:
+    print(f"rank {dist.get_rank()}: {e}", flush=True)
+    sys.exit(3)
+'''
+
+
+def test_a_checkpoint_one_process_cannot_read_stops_both_instead_of_hanging(tmp_path):
+    """Process 1 cannot read the checkpoint (another machine without the shared directory); process 0
+    can, and would otherwise wait for it inside DCP's collectives."""
+    import sys
+
+    from lmforge.models.gpt import GPT, GPTConfig
+    from lmforge.train import fsdp
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2))
+    good = tmp_path / "step-000001"
+    model.save_pretrained(good, weights=False)
+    fsdp.save_sharded(model, torch.optim.AdamW(model.param_groups(0.1, 1e-3)), good, {"scaler": {}, "model_state": {}},
+                      world_size=1, is_main=True)
+    script = tmp_path / "load.py"
+    script.write_text(_LOAD_ON_TWO)
+    done = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+                str(good)], timeout=180, cwd=REPO)
+    assert done.returncode != 0
+    assert "rank 1: " in done.stdout and "is not a sharded checkpoint" in done.stdout, done.stdout + done.stderr
+    assert f"rank 0: another process could not read the checkpoint {good}" in done.stdout, done.stdout

@@ -392,6 +392,18 @@ def test_a_non_finite_step_between_checks_is_skipped_on_the_device_and_stops_at_
     assert saved and all(torch.equal(now[k], v) for k, v in saved.items())
 
 
+def test_the_device_side_skip_is_used_only_where_the_optimizer_kernel_honours_it():
+    from lmforge.train.loop import _NonFinite
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    fused, cpu = torch.optim.AdamW(params, fused=True), torch.device("cpu")
+    assert _NonFinite(fused, cpu, scaled=False).on_device and fused.found_inf is not None
+    assert not _NonFinite(fused, torch.device("mps"), scaled=False).on_device  # MPS's fused kernel ignores found_inf
+    assert not _NonFinite(fused, cpu, scaled=False, offload=True).on_device  # FSDP offload: gradients on the CPU
+    assert not _NonFinite(fused, cpu, scaled=True).on_device  # fp16: the grad scaler owns found_inf
+    assert not _NonFinite(torch.optim.AdamW(params, foreach=True), cpu, scaled=False).on_device
+
+
 # Reads of a tensor's value on the host: on an accelerator each waits for the device's queue.
 _HOST_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__,
                torch.Tensor.__int__, torch.Tensor.__index__, torch.Tensor.numpy, torch.Tensor.cpu}

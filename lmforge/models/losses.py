@@ -109,7 +109,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
 def _drop_unlabelled_on_cpu(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens without a label (SFT prompts: ~90% of a tool-calling row) need no logits at all; on CPUs
     they are dropped before the head. On accelerators finding them would make the host wait for the
-    device every step, so there their chunks run and are masked (this is never called)."""
+    device every step, so there their chunks run and are masked (this is not called there)."""
     keep = labels != IGNORE_INDEX
     if bool(keep.all()):
         return hidden, labels

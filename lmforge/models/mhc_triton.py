@@ -11,6 +11,8 @@ kernels on CPU tensors (how the tests check them without a GPU).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -79,12 +81,19 @@ def _backward_kernel(g_ptr, x_ptr, out_ptr, norms_ptr, tokens, ITERS: tl.constex
     tl.store(out_ptr + offs, g, mask=mask)
 
 
+def _on(device: torch.device):
+    """Triton launches on the current CUDA device: make it the tensors' (cuda:1 from a process on cuda:0).
+    Under ``TRITON_INTERPRET=1`` the tensors are on the CPU and nothing changes."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def sinkhorn_forward(logits: torch.Tensor, iters: int) -> torch.Tensor:
     """fp32 (or fp16/bf16) ``[..., n, n]`` logits -> fp32 doubly stochastic matrices."""
     x = logits.contiguous()
     tokens = x.numel() // (x.shape[-1] ** 2)
     p = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    _forward_kernel[(triton.cdiv(tokens, BLOCK),)](x, p, tokens, ITERS=iters, N=x.shape[-1], BLOCK_T=BLOCK)
+    with _on(x.device):
+        _forward_kernel[(triton.cdiv(tokens, BLOCK),)](x, p, tokens, ITERS=iters, N=x.shape[-1], BLOCK_T=BLOCK)
     return p
 
 
@@ -95,5 +104,6 @@ def sinkhorn_backward(grad: torch.Tensor, logits: torch.Tensor, iters: int) -> t
     tokens = x.numel() // (n * n)
     out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     norms = torch.empty(tokens, iters, 2, n, dtype=torch.float32, device=x.device)
-    _backward_kernel[(triton.cdiv(tokens, BLOCK),)](g, x, out, norms, tokens, ITERS=iters, N=n, BLOCK_T=BLOCK)
+    with _on(x.device):
+        _backward_kernel[(triton.cdiv(tokens, BLOCK),)](g, x, out, norms, tokens, ITERS=iters, N=n, BLOCK_T=BLOCK)
     return out.to(logits.dtype)

@@ -291,17 +291,29 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: 
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
     directory = Path(directory)
-    saved = ckpt.read_shards_manifest(directory)
-    tensors, mine = _sharded_state(model, optimizer)
-    fix = f"resume with the config {directory} was written with (see its run_config.yaml)"
-    for part, what in (("model.", "this model"), ("optim.", "this run's optimizer")):
-        ours = {k: v for k, v in mine["tensors"].items() if k.startswith(part)}
-        theirs = {k: v for k, v in saved["tensors"].items() if k.startswith(part)}
-        missing, unexpected = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
-        shapes = [f"{k} {theirs[k]} (here {ours[k]})" for k in sorted(set(ours) & set(theirs)) if ours[k] != theirs[k]]
-        if missing or unexpected or shapes:
-            raise LMForgeError(f"the checkpoint {directory} does not fit {what} (missing {missing[:3]}, unexpected "
-                               f"{unexpected[:3]}, other shapes {shapes[:3]}): {fix}")
+    error: LMForgeError | None = None
+    try:
+        saved = ckpt.read_shards_manifest(directory)
+        tensors, mine = _sharded_state(model, optimizer)
+        fix = f"resume with the config {directory} was written with (see its run_config.yaml)"
+        for part, what in (("model.", "this model"), ("optim.", "this run's optimizer")):
+            ours = {k: v for k, v in mine["tensors"].items() if k.startswith(part)}
+            theirs = {k: v for k, v in saved["tensors"].items() if k.startswith(part)}
+            missing, unexpected = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
+            shapes = [f"{k} {theirs[k]} (here {ours[k]})" for k in sorted(set(ours) & set(theirs))
+                      if ours[k] != theirs[k]]
+            if missing or unexpected or shapes:
+                raise LMForgeError(f"the checkpoint {directory} does not fit {what} (missing {missing[:3]}, "
+                                   f"unexpected {unexpected[:3]}, other shapes {shapes[:3]}): {fix}")
+    except LMForgeError as e:
+        error = e
+    # A process that cannot read the checkpoint (another machine without the shared directory) must not
+    # leave the others waiting inside DCP's collectives: every process learns of it first.
+    if _any_process(error is not None) and error is None:
+        raise LMForgeError(f"another process could not read the checkpoint {directory} (its message says why); "
+                           "stopping")
+    if error is not None:
+        raise error
     try:
         dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(directory / ckpt.SHARDS_DIR)))
     except dcp.api.CheckpointException as e:
@@ -310,6 +322,18 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: 
     set_model_state_dict(model, {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")},
                          options=_options(full=False, strict=False))
     return ckpt.sharded_training_state(directory, saved, tensors)
+
+
+def _any_process(flag: bool) -> bool:
+    """``flag`` on any process of the job (itself on a single process); every process must call this."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item() > 0
 
 
 def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:

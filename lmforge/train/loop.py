@@ -60,7 +60,9 @@ class _Window:
 class _NonFinite:
     """Catches a non-finite loss or gradient norm before its update lands on the weights.
 
-    On the device, where the optimizer takes ``found_inf`` (fused AdamW, lmforge's default): each step
+    On the device, where the optimizer takes ``found_inf`` (fused AdamW, lmforge's default, on CUDA and
+    the CPU: MPS's fused kernel ignores it; not with FSDP's CPU offload, whose gradients and optimizer
+    live on the CPU while the loss is on the GPU): each step
     folds its finiteness into a sticky flag that the optimizer kernel reads, so the bad update and every
     one after it are skipped on the device; the host reads the flag only at the loop's check steps
     (log lines, evaluations, probes, checkpoints, the last step) and stops there, naming the first bad
@@ -69,9 +71,10 @@ class _NonFinite:
     without ``found_inf``): the loss and norm are read after every step.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, scaled: bool):
-        self.on_device = not scaled and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and all(
-            g.get("fused") for g in optimizer.param_groups)
+    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, scaled: bool, offload: bool = False):
+        self.on_device = (not scaled and not offload and device.type in ("cuda", "cpu")
+                          and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+                          and all(g.get("fused") for g in optimizer.param_groups))
         self.grad_checked = not scaled  # with fp16 loss scaling Inf gradients are expected: the scaler skips them
         self.device = device
         self.first: tuple[int, float, float] | None = None  # step, loss, grad norm of the first bad step (host)
@@ -388,6 +391,7 @@ class Trainer:
         if self.data.val is None:
             return {}
         self.model.eval()
+        self.model.step_metrics = True  # an evaluation reports the model's diagnostics at every step it runs
         sums: dict[str, torch.Tensor | float] = {}
         weight = 0.0
         with self.full_weights(), self.model.averaged_weights():
@@ -502,7 +506,8 @@ class Trainer:
         mfu_trusted = True  # False once the peak proved wrong (MFU above 100%)
         finished = self.train_seconds >= budget if by_time else self.step >= t.max_steps
         self.model.train()
-        nonfinite = _NonFinite(self.optimizer, self.dev.device, scaled=self.scaler.is_enabled())
+        nonfinite = _NonFinite(self.optimizer, self.dev.device, scaled=self.scaler.is_enabled(),
+                               offload=bool(self.sharded) and self.t.fsdp_offload)
         # Processes agree on stopping at check steps only, unless the lr depends on the time spent
         # (every process must set the same lr) or NaN is checked on the host: then after every step.
         agree_every_step = self.dist.enabled and (by_time or not nonfinite.on_device)
