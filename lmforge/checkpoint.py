@@ -427,6 +427,8 @@ def consolidate(ckpt: Path, out: Path | None = None) -> Path:
     from lmforge.safe_state import save_state
 
     ckpt = Path(ckpt)
+    if not ckpt.is_dir():
+        raise LMForgeError(f"{ckpt} does not exist: pass a step checkpoint, runs/NAME/checkpoints/step-NNNNNN")
     if not is_sharded(ckpt):
         if (ckpt / WEIGHTS_FILE).is_file():
             raise LMForgeError(f"{ckpt} is an ordinary checkpoint already ({WEIGHTS_FILE}): nothing to consolidate")

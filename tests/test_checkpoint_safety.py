@@ -479,6 +479,8 @@ def test_a_sharded_checkpoint_is_read_without_pickle_and_consolidates(lm_run, tm
     (tmp_path / "nothing").mkdir()
     assert main(["checkpoint", "consolidate", str(tmp_path / "nothing")]) == 2
     assert "holds no sharded checkpoint" in capsys.readouterr().err
+    assert main(["checkpoint", "consolidate", str(tmp_path / "not-there")]) == 2
+    assert "not-there does not exist" in capsys.readouterr().err
 
 
 def test_shards_that_overlap_and_leave_a_gap_are_refused(tmp_path):
