@@ -63,20 +63,22 @@ class _NonFinite:
     On the device, where the optimizer takes ``found_inf`` (fused AdamW, lmforge's default, on CUDA and
     the CPU: MPS's fused kernel ignores it; not with FSDP's CPU offload, whose gradients and optimizer
     live on the CPU while the loss is on the GPU): each step
-    folds its finiteness into a sticky flag that the optimizer kernel reads, so the bad update and every
-    one after it are skipped on the device; the host reads the flag only at the loop's check steps
+    folds its finiteness (any process's, under torchrun) into a sticky flag that the optimizer kernel
+    reads, so the bad update and every one after it are skipped on the device; the host reads the flag only at the loop's check steps
     (log lines, evaluations, probes, checkpoints, the last step) and stops there, naming the first bad
     step. The weights then are those from before it, as if the loop had stopped at once.
     On the host otherwise (fp16 loss scaling, whose scaler checks every step anyway, or an optimizer
     without ``found_inf``): the loss and norm are read after every step.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, scaled: bool, offload: bool = False):
+    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, scaled: bool, offload: bool = False,
+                 distributed: bool = False):
         self.on_device = (not scaled and not offload and device.type in ("cuda", "cpu")
                           and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
                           and all(g.get("fused") for g in optimizer.param_groups))
         self.grad_checked = not scaled  # with fp16 loss scaling Inf gradients are expected: the scaler skips them
         self.device = device
+        self.distributed = distributed
         self.first: tuple[int, float, float] | None = None  # step, loss, grad norm of the first bad step (host)
         if self.on_device:
             self.flag = torch.zeros((), device=device)  # 1.0 from the first bad step on
@@ -86,7 +88,10 @@ class _NonFinite:
     def observe(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         if self.on_device:
             norm = grad_norm.float()
-            bad = ~torch.isfinite(loss) | ~torch.isfinite(norm)
+            bad = (~torch.isfinite(loss) | ~torch.isfinite(norm)).float()
+            if self.distributed:  # every process skips the same steps (one process's loss alone may be bad)
+                dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # queued on the device: no host wait
+            bad = bad > 0
             newly = bad & (self.flag == 0)
             step_t = torch.full((), float(step), device=self.device)
             self.record = torch.where(newly, torch.stack([step_t, loss.float(), norm]), self.record)
@@ -507,7 +512,7 @@ class Trainer:
         finished = self.train_seconds >= budget if by_time else self.step >= t.max_steps
         self.model.train()
         nonfinite = _NonFinite(self.optimizer, self.dev.device, scaled=self.scaler.is_enabled(),
-                               offload=bool(self.sharded) and self.t.fsdp_offload)
+                               offload=bool(self.sharded) and self.t.fsdp_offload, distributed=self.dist.enabled)
         # Processes agree on stopping at check steps only, unless the lr depends on the time spent
         # (every process must set the same lr) or NaN is checked on the host: then after every step.
         agree_every_step = self.dist.enabled and (by_time or not nonfinite.on_device)
