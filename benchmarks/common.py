@@ -102,3 +102,17 @@ def trl_step_window(marks: dict[str, float], warmup: int, steps: int):
                 marks["t1"] = time.perf_counter()
 
     return StepWindow()
+
+
+def checkout_child_result(out, checkout: Path) -> dict:
+    """The JSON last line of a child process (``subprocess.CompletedProcess``) run against another
+    checkout's lmforge; stops the benchmark when it failed or imported some other lmforge (the child
+    prints ``lmforge.__file__`` as ``"lmforge"``)."""
+    import json
+
+    if out.returncode != 0:
+        raise SystemExit(f"run failed in {checkout}:\n{out.stderr[-3000:]}")
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    if Path(result["lmforge"]).resolve().parents[1] != Path(checkout).resolve():
+        raise SystemExit(f"the child imported {result['lmforge']}, not {checkout}'s lmforge")
+    return result

@@ -22,6 +22,8 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from common import checkout_child_result  # noqa: E402
 
 # Runs in the child process, with PYTHONPATH at the checkout under test.
 CHILD = r"""
@@ -34,6 +36,8 @@ from lmforge.models.gpt import GPT
 recipe, batch, seq, mhc = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
 cfg = load_config(recipe, [f"model.mhc_enabled={str(mhc).lower()}"])
 torch.manual_seed(0)
+if cfg.model.vocab_size == 0:  # presets whose vocabulary comes from their data's tokenizer
+    cfg.model.vocab_size = 8192
 model = GPT(cfg.model).train()
 ids = torch.randint(0, cfg.model.vocab_size, (batch, seq))
 compiled = torch.compile(model)
@@ -57,12 +61,7 @@ def measure(checkout: Path, recipe: str, batch: int, seq: int, mhc: bool, timeou
                                  capture_output=True, text=True, env=env, cwd=cache, timeout=timeout)
         except subprocess.TimeoutExpired:
             return {"total_s": None, "note": f"not ready after {timeout:.0f} s (stopped)"}
-    if out.returncode != 0:
-        raise SystemExit(f"compile run failed in {checkout}:\n{out.stderr[-3000:]}")
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    if Path(result["lmforge"]).resolve().parents[1] != checkout.resolve():
-        raise SystemExit(f"the child imported {result['lmforge']}, not {checkout}'s lmforge")
-    return result
+    return checkout_child_result(out, checkout)
 
 
 def main() -> int:

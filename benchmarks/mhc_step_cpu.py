@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from common import checkout_child_result  # noqa: E402
 
 CHILD = r"""
 import json, sys, time
@@ -63,12 +65,7 @@ def measure(checkout: Path, recipe: str, mhc: bool, compile_: bool, steps: int, 
     env = {**os.environ, "PYTHONPATH": str(checkout), "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", CHILD, recipe, "1" if mhc else "0", "1" if compile_ else "0",
                           str(steps), str(warmup)], capture_output=True, text=True, env=env, cwd=checkout)
-    if out.returncode != 0:
-        raise SystemExit(f"run failed in {checkout}:\n{out.stderr[-3000:]}")
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    if Path(result["lmforge"]).resolve().parents[1] != checkout.resolve():
-        raise SystemExit(f"the child imported {result['lmforge']}, not {checkout}'s lmforge")
-    return result
+    return checkout_child_result(out, checkout)
 
 
 def main() -> int:

@@ -328,23 +328,31 @@ def test_resume_flag_followed_by_an_override_resumes_with_the_override(tmp_path,
     assert "resuming from" in out and "step-000004" in out and "done: step 6" in out
 
 
-def test_non_finite_gradient_with_a_finite_loss_stops_before_the_update(tmp_path, data_dir, monkeypatch):
+def poison_backward(monkeypatch, at: int, value: float) -> dict:
+    """Models the trainer builds get the ``at``-th backward's gradient of one bias multiplied by
+    ``value`` (inf or nan): a non-finite gradient with a finite loss. Returns ``{"model", "n"}``: the
+    model built and the backwards run so far."""
     import lmforge.train as train_module
 
     build = train_module.build_model
-    calls = {"n": 0}
+    seen = {"n": 0}
 
     def build_with_poisoned_backward(cfg):
-        model = build(cfg)
+        model = seen["model"] = build(cfg)
 
-        def poison_third_backward(grad):
-            calls["n"] += 1
-            return grad * float("inf") if calls["n"] == 3 else grad
+        def poison(grad):
+            seen["n"] += 1
+            return grad * value if seen["n"] == at else grad
 
-        model.blocks[0].mlp.fc.bias.register_hook(poison_third_backward)
+        model.blocks[0].mlp.fc.bias.register_hook(poison)
         return model
 
     monkeypatch.setattr(train_module, "build_model", build_with_poisoned_backward)
+    return seen
+
+
+def test_non_finite_gradient_with_a_finite_loss_stops_before_the_update(tmp_path, data_dir, monkeypatch):
+    poison_backward(monkeypatch, at=3, value=float("inf"))
     recipe = write_recipe(tmp_path / "r.yaml", data_dir, tmp_path / "runs",
                           training={"max_steps": 10, "save_interval": 1, "eval_interval": 0})
     with pytest.raises(LMForgeError, match=r"gradient norm is (inf|nan) at step 3: training stopped before "
@@ -361,22 +369,7 @@ def test_a_non_finite_step_between_checks_is_skipped_on_the_device_and_stops_at_
     """The host reads the NaN flag only at check steps (here every 4th): the bad 5th update, and the
     finite 6th and 7th after it, are skipped by the fused optimizer on the device; step 8 stops with
     the weights of step 4, bit for bit."""
-    import lmforge.train as train_module
-
-    build = train_module.build_model
-    built, calls = {}, {"n": 0}
-
-    def build_with_poisoned_backward(cfg):
-        model = built["model"] = build(cfg)
-
-        def poison_fifth_backward(grad):
-            calls["n"] += 1
-            return grad * float("nan") if calls["n"] == 5 else grad
-
-        model.blocks[0].mlp.fc.bias.register_hook(poison_fifth_backward)
-        return model
-
-    monkeypatch.setattr(train_module, "build_model", build_with_poisoned_backward)
+    seen = poison_backward(monkeypatch, at=5, value=float("nan"))
     recipe = write_recipe(tmp_path / "r.yaml", data_dir, tmp_path / "runs",
                           training={"max_steps": 12, "save_interval": 4, "log_interval": 4, "eval_interval": 0,
                                     "keep_last": 5})
@@ -384,11 +377,11 @@ def test_a_non_finite_step_between_checks_is_skipped_on_the_device_and_stops_at_
                                            r"update \(found at step 8: the updates of steps 5-7 were skipped on the "
                                            r"device\).*step-000004"):
         train(load_config(str(recipe)))
-    assert calls["n"] == 8  # steps 6 and 7 ran with finite gradients: the flag is sticky
+    assert seen["n"] == 8  # steps 6 and 7 ran with finite gradients: the flag is sticky
     run_dir = tmp_path / "runs" / "t"
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == ["step-000004"]
     saved = load_file(str(run_dir / "checkpoints" / "step-000004" / "model.safetensors"))
-    now = built["model"].state_dict()
+    now = seen["model"].state_dict()
     assert saved and all(torch.equal(now[k], v) for k, v in saved.items())
 
 
