@@ -10,7 +10,10 @@ CPU the operators' own (self) time is grouped and idle is the wall time no opera
 (Python, the loop's bookkeeping, waiting). An operator counts as **loss** when it runs inside the
 fused LM head + cross-entropy (``_LinearCrossEntropy``, or the plain cross-entropy ops), as
 **optimizer** inside ``Optimizer.step``; otherwise by name: matrix products are GEMM, the attention
-kernels attention, everything else elementwise (norms, activations, adds, copies, reductions).
+kernels attention, everything else elementwise (norms, activations, adds, copies, reductions). Under
+``training.compile=true`` the ranges vanish inside the compiled graph and kernels are named after the ops they
+fuse: the logits path's cross-entropy (``log_softmax``, ``nll_loss``) still counts as loss, but the chunked
+path's softmax (amax, exp, sum) counts as elementwise and its matmuls as GEMM.
 ``--trace`` writes the Chrome trace (open it in ``chrome://tracing`` or Perfetto).
 """
 

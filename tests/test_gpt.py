@@ -360,3 +360,32 @@ def test_overfits_a_single_batch(flavor):
         loss.backward()
         optimizer.step()
     assert loss.item() < 0.05
+
+
+def test_attention_of_varying_shapes_runs_without_cudnn_on_cuda(monkeypatch):
+    """Decode steps, prompts and packed documents change shape from call to call: on CUDA they run with
+    cuDNN's SDPA backend switched off (it builds a plan per new shape); a plain training forward keeps it."""
+    with gpt_module._varying_shape_attention("cuda"):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored after
+    with gpt_module._varying_shape_attention("cpu"):
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+
+    seen = []
+    real = gpt_module._varying_shape_attention
+    monkeypatch.setattr(gpt_module, "_varying_shape_attention", lambda device_type: seen.append(device_type)
+                        or real(device_type))
+    model = randomize(tiny()).eval()
+    ids = random_ids(batch=1, length=6)
+    with torch.no_grad():
+        model.logits(ids)
+        assert seen == []  # fixed shapes: no change
+        cache = model.new_kv_cache(1)
+        model.logits(ids[:, :5], kv_cache=cache)
+        model.logits(ids[:, 5:], kv_cache=cache)
+    assert seen == ["cpu"] * 2 * model.config.n_layer
+    seen.clear()
+    documents = torch.tensor([[0, 0, 0, 1, 1, 1]])
+    model.hidden_states(ids, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]), document_ids=documents)
+    assert seen == ["cpu"] * model.config.n_layer

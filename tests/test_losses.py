@@ -1,4 +1,6 @@
-"""The fused, chunked LM-head cross-entropy equals the plain logits + F.cross_entropy path."""
+"""The LM-head cross-entropy: both paths (fused chunks; whole logits, compiled) equal the plain F.cross_entropy."""
+
+import warnings
 
 import pytest
 import torch
@@ -76,3 +78,114 @@ def test_chunk_rows_keeps_matmuls_large_and_memory_bounded():
     assert chunk_rows(100, 50257, cpu) == 100  # never more rows than there are
     assert chunk_rows(8192, 50257, cpu) == 512  # big vocabularies: a minimum inner dimension
     assert chunk_rows(8192, 8192, cpu) * 8192 <= 1 << 23  # otherwise bounded to ~32 MB of fp32 logits
+
+
+def test_logits_path_matches_plain_cross_entropy_with_a_padded_vocabulary():
+    """lm_loss=logits (CUDA's path) pads the vocabulary to VOCAB_MULTIPLE for its matmuls: the padded
+    columns must take no probability and give the real weight rows exactly the plain gradients."""
+    hidden, weight, labels = _case(37, 16, 50, seed=4)  # 50 -> padded to 128
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref = F.cross_entropy(h1 @ w1.t(), labels, ignore_index=-100)
+    (ref * 2.5).backward()
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = linear_cross_entropy(h2, w2, labels, path="logits")
+    (out * 2.5).backward()
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    assert w2.grad.shape == w1.grad.shape
+    torch.testing.assert_close(h2.grad, h1.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(w2.grad, w1.grad, rtol=1e-10, atol=1e-12)
+    h3 = hidden.clone().requires_grad_()
+    empty = linear_cross_entropy(h3, weight, torch.full_like(labels, -100), path="logits")
+    empty.backward()
+    assert float(empty) == 0.0 and torch.count_nonzero(h3.grad) == 0
+
+
+def test_logits_path_under_torch_compile_and_bf16_matches_the_chunked_path():
+    """What CUDA runs: the logits loss compiled (here by Inductor's CPU backend), matmuls in bf16; the
+    loss and both gradients agree with the chunked path at bf16's precision."""
+    from lmforge.models.losses import _logits_loss
+
+    hidden, weight, labels = (t.float() if t.is_floating_point() else t for t in _case(96, 32, 200, seed=5))
+    results = []
+    for fn in (lambda h, w: linear_cross_entropy(h, w, labels, path="chunked"),
+               lambda h, w: torch.compile(_logits_loss)(h, w, labels, torch.bfloat16)):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fn(h, w)
+        out.backward()
+        results.append((out.detach(), h.grad, w.grad))
+    for a, b in zip(*results):
+        assert a.dtype == b.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+
+
+def test_lm_loss_auto_picks_logits_only_for_16_bit_matmuls_on_cuda():
+    from lmforge.models.losses import lm_loss_path
+
+    assert lm_loss_path("auto", "cuda", torch.bfloat16) == "logits"
+    assert lm_loss_path("auto", "cuda", torch.float16) == "logits"
+    assert lm_loss_path("auto", "cuda", torch.float32) == "chunked"
+    assert lm_loss_path("auto", "cpu", torch.bfloat16) == "chunked"
+    assert lm_loss_path("auto", "mps", torch.bfloat16) == "chunked"
+    assert lm_loss_path("chunked", "cuda", torch.bfloat16) == "chunked"
+    assert lm_loss_path("logits", "cpu", torch.float32) == "logits"
+    with pytest.raises(ValueError, match="lm_loss must be one of"):
+        lm_loss_path("fast", "cpu", torch.float32)
+
+
+def test_gpt_model_takes_its_loss_path_from_model_lm_loss(monkeypatch):
+    """model.lm_loss reaches the GPT's loss: the logits path runs only when asked for, and both paths give
+    the same loss and gradients; a bad value is a config error naming the choices."""
+    from lmforge.config import load_config
+    from lmforge.errors import LMForgeError
+    from lmforge.models import losses
+    from lmforge.models.gpt import GPT, GPTConfig
+
+    calls = []
+    real = losses._logits_cross_entropy
+    monkeypatch.setattr(losses, "_logits_cross_entropy", lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    batch = {"input_ids": torch.randint(0, 100, (2, 16))}
+    batch["labels"] = batch["input_ids"].clone()
+    grads = []
+    for path, expected_calls in (("chunked", 0), ("logits", 1)):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=100, n_positions=16, n_embd=32, n_layer=1, n_head=2, lm_loss=path))
+        loss, _ = model(batch)
+        loss.backward()
+        assert len(calls) == expected_calls
+        grads.append([loss.detach()] + [p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    with pytest.raises(LMForgeError, match="model.lm_loss must be one of auto, chunked, logits"):
+        load_config("go_coder_tiny", ["model.vocab_size=64", "model.lm_loss=fused"])
+
+
+def test_auto_falls_back_to_chunks_when_the_compiled_loss_cannot_be_built(monkeypatch):
+    """Where lm_loss=auto picks the compiled logits loss and its kernel cannot be built (a GPU machine
+    without a C compiler for Triton), training goes on with the chunked loss and one warning; asked for by
+    name, the error is raised. (The device check is pointed at the CPU so this runs here.)"""
+    from lmforge.models import losses
+
+    def broken_compile(fn):
+        def call(*args):
+            raise RuntimeError("no C compiler found\nmore detail")
+        return call
+
+    monkeypatch.setattr(losses, "_COMPILE_ON", ("cpu",))
+    monkeypatch.setattr(losses, "_compiled_logits_loss", None)
+    monkeypatch.setattr(losses, "lm_loss_path", lambda setting, device_type, dtype: "logits")  # as on CUDA
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    hidden, weight, labels = _case(20, 8, 30, seed=6)
+    ref = F.cross_entropy(hidden @ weight.t(), labels, ignore_index=-100)
+    with pytest.warns(UserWarning, match="could not be built on this machine .RuntimeError: no C compiler found."):
+        out = linear_cross_entropy(hidden, weight, labels)
+    torch.testing.assert_close(out, ref)
+    assert losses._compiled_logits_loss is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning, and no second try
+        torch.testing.assert_close(linear_cross_entropy(hidden, weight, labels), ref)
+    torch.testing.assert_close(linear_cross_entropy(hidden, weight, labels, path="logits"), ref)  # eager then
+    monkeypatch.setattr(losses, "_compiled_logits_loss", None)
+    with pytest.raises(RuntimeError, match="no C compiler"):
+        linear_cross_entropy(hidden, weight, labels, path="logits")

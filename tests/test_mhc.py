@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from lmforge.config import load_config
@@ -653,6 +654,19 @@ def test_inductor_compiled_mhc_layer_equals_eager():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
+class _RecordLinear(torch.overrides.TorchFunctionMode):
+    """Records the input dtype of every F.linear call made inside it."""
+
+    def __init__(self, seen: list):
+        super().__init__()
+        self.seen = seen
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.linear:
+            self.seen.append(args[0].dtype)
+        return func(*args, **(kwargs or {}))
+
+
 def test_stream_in_the_training_precision_when_asked():
     """model.mhc_stream_dtype=autocast: the flows are bf16 under bf16 autocast (coefficients still fp32)
     and the loss stays near the fp32 stream's; fp32 (the default) keeps them fp32; a typo is an error."""
@@ -668,6 +682,18 @@ def test_stream_in_the_training_precision_when_asked():
             losses[choice], _ = model({"input_ids": ids, "labels": ids})
         assert seen == [torch.float32, expected], choice  # H_res in fp32, then the block's stream
     assert float(losses["autocast"]) == pytest.approx(float(losses["fp32"]), rel=2e-2)
+    # The bf16 stream is projected without an fp32 copy of it: the phi matmul takes bf16 operands, and the
+    # coefficients stay within bf16 rounding of an fp32 projection of the same stream.
+    layer = model.blocks[0].hc_attn
+    stream = torch.randn(2, 16, 4, model.config.n_embd).bfloat16()
+    matmuls = []
+    with _RecordLinear(matmuls):
+        coeffs = layer.coefficients(stream)
+    assert matmuls == [torch.bfloat16]
+    ref = layer.coefficients(stream.float())
+    for a, b in zip(coeffs, ref):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
     with pytest.raises(LMForgeError, match="mhc_stream_dtype must be fp32 or autocast"):
         load_config("rlm_mhc_tiny", ["model.vocab_size=64", "model.mhc_stream_dtype=bf16"])
 

@@ -48,6 +48,7 @@ The guide's figures are not what its shapes give: 12.4M, 138M, 1.36B and 2.75B (
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -56,11 +57,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from lmforge.errors import LMForgeError
 from lmforge.models.base import LMForgeModel
-from lmforge.models.losses import linear_cross_entropy
+from lmforge.models.losses import LM_LOSS_PATHS, linear_cross_entropy
 from lmforge.models.mhc import (
     UNHEALTHY_GAIN,
     MHCLayer,
@@ -119,6 +121,9 @@ class GPTConfig:
     # The n-flow stream's dtype: fp32 (the plain model's residual, whatever the autocast) or autocast
     # (bf16 under bf16 autocast, the paper's choice: half the stream's memory traffic, rounded flows).
     mhc_stream_dtype: str = "fp32"
+    # The LM head's loss (lmforge.models.losses): auto | chunked (fused chunks, no [tokens, vocab] logits
+    # kept; the CPU's best) | logits (whole 16-bit logits, compiled cross-entropy, padded vocabulary; CUDA's).
+    lm_loss: str = "auto"
 
     @classmethod
     def resolve_dict(cls, values: dict[str, Any]) -> dict[str, Any]:
@@ -179,6 +184,9 @@ class GPTConfig:
               f"model.mhc_sinkhorn_iters must be >= 1 (20 is the paper's setting), got {self.mhc_sinkhorn_iters}")
         check(self.mhc_stream_dtype in ("fp32", "autocast"),
               f"model.mhc_stream_dtype must be fp32 or autocast (the training precision), got {self.mhc_stream_dtype!r}")
+        check(self.lm_loss in LM_LOSS_PATHS,
+              f"model.lm_loss must be one of {', '.join(LM_LOSS_PATHS)} (auto: logits on CUDA, chunked elsewhere), "
+              f"got {self.lm_loss!r}")
 
     @property
     def head_dim(self) -> int:
@@ -488,6 +496,19 @@ class PackedDocuments:
         return cls(mask=mask[:, None])
 
 
+# Attention whose shapes change from call to call (decode steps, prompts, packed documents) runs without
+# cuDNN's SDPA backend: PyTorch tries it first on Hopper and newer GPUs, and it builds a new execution plan,
+# tens of milliseconds, for every shape it has not seen (pytorch/pytorch#155958; on an H200 bf16 decoding
+# ran at ~21 tokens/s, against 290 in fp32, which cuDNN does not take). Fixed training shapes keep it: there
+# it measured fastest (0.40 ms against flash's 0.64 at GPT-2 124M's, benchmarks/gpu_micro.py).
+_VARYING_SHAPE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def _varying_shape_attention(device_type: str):
+    """The context for attention of varying shapes on ``device_type``: CUDA without cuDNN's backend."""
+    return sdpa_kernel(_VARYING_SHAPE_BACKENDS) if device_type == "cuda" else contextlib.nullcontext()
+
+
 def _attend_per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: PackedDocuments,
                          dropout_p: float) -> torch.Tensor:
     """Causal attention within each document of packed rows (and over its prefix document, if it has
@@ -552,10 +573,12 @@ class Attention(nn.Module):
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         dropout_p = self.attn_pdrop if self.training else 0.0
         if docs is not None and docs.lengths is not None:
-            y = _attend_per_document(q, k, v, docs, dropout_p)  # [N, H * D] when docs.tails picks queries
+            with _varying_shape_attention(q.device.type):
+                y = _attend_per_document(q, k, v, docs, dropout_p)  # [N, H * D] when docs.tails picks queries
         else:
-            y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, dropout_p=dropout_p)
+            with _varying_shape_attention(q.device.type) if cache is not None else contextlib.nullcontext():
+                y = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, dropout_p=dropout_p)
             y = y.transpose(1, 2).reshape(B, T, -1)
         return self.resid_drop(self.proj(y))
 
@@ -667,7 +690,7 @@ class GPT(LMForgeModel):
         hidden, coeffs = self._trunk(batch["input_ids"], None, collect=collect,
                                      position_ids=batch.get("position_ids"), document_ids=batch.get("document_ids"),
                                      prefix_ids=batch.get("prefix_ids"))
-        loss = linear_cross_entropy(hidden, self.lm_head.weight, batch["labels"])
+        loss = linear_cross_entropy(hidden, self.lm_head.weight, batch["labels"], path=self.config.lm_loss)
         if not coeffs:
             return loss, {}
         gains = gain_tensors(coeffs)

@@ -13,13 +13,28 @@ plain path also pays for touching that fresh memory every step. Measured in ``be
 The gradients are computed in the forward pass and only scaled by the incoming gradient in the
 backward pass, so this suits a loss that is backpropagated once per forward (training, or no_grad
 evaluation, where no gradient is computed at all).
+
+On CUDA GPUs a second path wins (``lm_loss="logits"``, what ``auto`` picks there under bf16/fp16): the
+whole ``[tokens, vocab]`` logits in the 16-bit matmul dtype, and a cross-entropy compiled by
+``torch.compile`` so that it reads them once, upcasting inside its kernel, with no fp32 copy. The vocabulary
+is padded to a multiple of 128 for the three matmuls (the padded columns are sliced off before the
+softmax, so they take no probability and get no gradient). Measured on an H200 at GPT-2 124M's shapes
+(16,384 tokens, width 768, vocabulary 50257, forward + backward): chunked 19.6 ms, logits 7.9 ms at the
+same peak memory; an unpadded vocabulary's matmuls ran at 95-150 TFLOP/s against 690 padded
+(``benchmarks/gpu_micro.py``; figures in ``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import warnings
+
 import torch
+import torch.nn.functional as F
 
 IGNORE_INDEX = -100
+LM_LOSS_PATHS = ("auto", "chunked", "logits")
+VOCAB_MULTIPLE = 128  # the logits path pads the vocabulary of its matmuls to this multiple
 # Logit elements per chunk (32 MB of fp32 on CPUs; accelerators take bigger chunks, fewer launches),
 # and at least MIN_ROWS tokens per chunk: the weight gradient is a matmul over the chunk's tokens,
 # which runs far below peak when that inner dimension is short (measured on CPU: 128 rows was 20%
@@ -40,9 +55,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, rows: int):
         device_type = hidden.device.type
-        # Matmuls run in the autocast dtype when autocast is on (as nn.Linear would), softmax in fp32.
-        dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
-                 else weight.dtype)
+        dtype = _matmul_dtype(hidden, weight)  # softmax in fp32
         acc = torch.promote_types(dtype, torch.float32)  # softmax and sums: fp32, or fp64 for fp64 inputs
         want_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         with torch.autocast(device_type, enabled=False):
@@ -90,15 +103,89 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_h * grad_output, grad_w * grad_output, None, None
 
 
+def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the head's matmul runs in: the autocast dtype when autocast is on, as nn.Linear would."""
+    device_type = hidden.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+
+
+def lm_loss_path(setting: str, device_type: str, dtype: torch.dtype) -> str:
+    """``chunked`` or ``logits`` for ``setting`` (one of LM_LOSS_PATHS), on ``device_type`` with matmuls in
+    ``dtype``. ``auto`` takes the logits path where it measured faster: CUDA, 16-bit matmuls, and
+    torch.compile able to build its kernel (Triton installed); everywhere else the chunked one (CPUs, where
+    it measured best; MPS and fp32, not measured)."""
+    if setting not in LM_LOSS_PATHS:
+        raise ValueError(f"lm_loss must be one of {', '.join(LM_LOSS_PATHS)}, got {setting!r}")
+    if setting != "auto":
+        return setting
+    if (device_type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+            and importlib.util.find_spec("triton") is not None):
+        return "logits"
+    return "chunked"
+
+
+def _logits_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    vocab = weight.shape[0]
+    w = weight.to(dtype)
+    pad = -vocab % VOCAB_MULTIPLE
+    if pad:  # zero rows: their logits are sliced off below, and the slice gives them no gradient
+        w = F.pad(w, (0, 0, 0, pad))
+    logits = (hidden.to(dtype) @ w.t())[:, :vocab]
+    # The upcast (fp32, or fp64 for fp64 inputs) is fused into the compiled cross-entropy's kernels: no fp32
+    # logits are stored.
+    acc = torch.promote_types(dtype, torch.float32)
+    total = F.cross_entropy(logits.to(acc), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    return total / (labels != IGNORE_INDEX).sum().clamp(min=1)  # mean over valid labels, 0 when there are none
+
+
+# The logits loss compiled on its own, for models that run eagerly (training.compile=false, or FSDP's root);
+# None until first used, False once it failed to build (auto then keeps the chunked path, with a warning).
+_compiled_logits_loss = None
+_COMPILE_ON = ("cuda",)  # devices where the logits path is compiled on its own; elsewhere it runs eagerly
+
+
+def _logits_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                          asked: bool) -> torch.Tensor | None:
+    """The logits path's loss; None where ``auto`` chose it but its kernel cannot be built here (no C
+    compiler for Triton, say): the caller then takes the chunked path. Asked for by name, it raises."""
+    global _compiled_logits_loss
+    dtype = _matmul_dtype(hidden, weight)
+    with torch.autocast(hidden.device.type, enabled=False):
+        if torch.compiler.is_compiling() or hidden.device.type not in _COMPILE_ON:
+            # inside a compiled model, the model's graph takes this in; off CUDA (where lm_loss=logits is
+            # asked for by name) it runs eagerly
+            return _logits_loss(hidden, weight, labels, dtype)
+        if _compiled_logits_loss is False:
+            return _logits_loss(hidden, weight, labels, dtype) if asked else None
+        first = _compiled_logits_loss is None
+        if first:
+            _compiled_logits_loss = torch.compile(_logits_loss)
+        try:
+            return _compiled_logits_loss(hidden, weight, labels, dtype)
+        except Exception as e:  # only the first call builds the kernel; later errors are the caller's
+            if not first or asked:
+                raise
+            _compiled_logits_loss = False
+            warnings.warn(f"model.lm_loss=auto: the compiled cross-entropy could not be built on this machine "
+                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); using the chunked "
+                          "loss instead (set model.lm_loss=chunked to silence this)", stacklevel=3)
+            return None
+
+
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         rows: int | None = None) -> torch.Tensor:
+                         rows: int | None = None, path: str = "auto") -> torch.Tensor:
     """Mean cross-entropy of ``hidden @ weight.T`` against ``labels`` (``-100`` = ignored).
 
     ``hidden`` is ``[N, d]`` (or ``[B, T, d]``), ``weight`` ``[vocab, d]``, ``labels`` ``[N]`` (or
-    ``[B, T]``); ``rows`` overrides the chunk size in tokens.
+    ``[B, T]``); ``rows`` overrides the chunk size in tokens; ``path`` is one of LM_LOSS_PATHS (see the
+    module's docstring).
     """
     hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1)
+    if lm_loss_path(path, hidden.device.type, _matmul_dtype(hidden, weight)) == "logits":
+        loss = _logits_cross_entropy(hidden, weight, labels, asked=path == "logits")
+        if loss is not None:
+            return loss
     if hidden.device.type == "cpu" and not torch.compiler.is_compiling():
         hidden, labels = _drop_unlabelled_on_cpu(hidden, labels)
     if rows is None:

@@ -13,8 +13,8 @@ with per-token coefficients, dynamic (from the token's stream) plus static::
     H_res  = SinkhornKnopp(a_res * r * (x phi_res) + b_res)            doubly stochastic n x n
 
 ``r`` multiplies after the projection (the same value as normalising first, without an nC-wide
-normalised copy of the stream). Coefficients are computed in fp32 with autocast off, and the mixing
-runs at the stream's precision. By default (``model.mhc_stream_dtype=fp32``) the stream keeps the plain
+normalised copy of the stream). Coefficients are computed in fp32 with autocast off (a 16-bit stream's
+projection takes 16-bit operands and accumulates in fp32), and the mixing runs at the stream's precision. By default (``model.mhc_stream_dtype=fp32``) the stream keeps the plain
 model's residual dtype (fp32 under bf16 autocast), so mHC on and off differ only in the connections;
 ``autocast`` stores it in the training precision (bf16), as the paper does to halve its memory traffic.
 Sinkhorn runs in the log domain, alternately normalising columns and rows, as one operator
@@ -243,9 +243,15 @@ class MHCLayer(nn.Module):
         """``[..., n, C]`` stream -> ``H_pre [..., n]``, ``H_post [..., n]``, ``H_res [..., n, n]`` (fp32)."""
         n = self.flows
         with torch.autocast(stream.device.type, enabled=False):
-            flat = stream.flatten(-2).float()
-            inv_rms = torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + self.eps)
-            dynamic = F.linear(flat, self.phi.float()) * inv_rms
+            flat = stream.flatten(-2)
+            inv_rms = torch.rsqrt(flat.float().pow(2).mean(-1, keepdim=True) + self.eps)
+            if flat.dtype in (torch.bfloat16, torch.float16):
+                # A 16-bit stream (mhc_stream_dtype=autocast) is projected as it is, the matmul accumulating
+                # in fp32: an fp32 copy of the n*C-wide stream (and of its gradient) would cost more memory
+                # traffic than the projection itself. Only the n*n + 2n outputs are rounded to 16 bits.
+                dynamic = F.linear(flat, self.phi.to(flat.dtype)).float() * inv_rms
+            else:
+                dynamic = F.linear(flat.float(), self.phi.float()) * inv_rms
             d_pre, d_post, d_res = dynamic.split([n, n, n * n], dim=-1)
             alpha = self.alpha.float()
             h_pre = torch.sigmoid(alpha[0] * d_pre + self.b_pre.float())

@@ -149,7 +149,8 @@ class HRGC(LMForgeModel):
         planner_hidden = plan_loss = None
         if c.hierarchical:
             planner_hidden = self.planner.hidden_states(batch["plan_ids"])
-            plan_loss = linear_cross_entropy(planner_hidden, self.planner.lm_head.weight, batch["plan_labels"])
+            plan_loss = linear_cross_entropy(planner_hidden, self.planner.lm_head.weight, batch["plan_labels"],
+                                             path=self.planner.config.lm_loss)
 
         def extra(ids: torch.Tensor) -> torch.Tensor | None:
             if planner_hidden is None:
@@ -158,7 +159,7 @@ class HRGC(LMForgeModel):
 
         code_ids = batch["code_ids"]
         hidden = gen.hidden_states(code_ids, extra_embeds=extra(code_ids))
-        code_loss = linear_cross_entropy(hidden, gen.lm_head.weight, batch["code_labels"])
+        code_loss = linear_cross_entropy(hidden, gen.lm_head.weight, batch["code_labels"], path=gen.config.lm_loss)
         if not c.hierarchical:
             return code_loss, {"code_loss": code_loss.detach()}
         w = self.loss_weights
@@ -167,7 +168,8 @@ class HRGC(LMForgeModel):
         if "refine_ids" in batch:  # after refinement_warmup (and always in evaluation)
             refine_ids = batch["refine_ids"]
             hidden = gen.hidden_states(refine_ids, extra_embeds=extra(refine_ids))
-            refine_loss = linear_cross_entropy(hidden, gen.lm_head.weight, batch["refine_labels"])
+            refine_loss = linear_cross_entropy(hidden, gen.lm_head.weight, batch["refine_labels"],
+                                               path=gen.config.lm_loss)
             labels = batch["head_labels"]
             rows = torch.arange(hidden.size(0), device=hidden.device)
             logits = self.judge(hidden[rows, batch["judge_pos"]])

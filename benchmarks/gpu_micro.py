@@ -1,0 +1,215 @@
+"""The GPU choices of issue 19, item 2, measured one by one on a CUDA device (no training loop, no compile
+of a whole model): what each costs at GPT-2 124M's shapes (16 x 1024 tokens, width 768, 12 heads of 64)
+and at the 1.3B preset's (width 2048, 16 heads of 128).
+
+1. **The LM head + loss**, forward and backward, bf16 weights: lmforge's chunked fused path
+   (``linear_cross_entropy``), the plain path (``F.cross_entropy`` on bf16 logits under autocast), and
+   the plain path compiled; time and peak memory, at the real vocabulary (50257) and padded to 64/128.
+2. **The vocabulary matmul alone**, 50257 against 50304 (128 x 393) columns.
+3. **Attention** (``F.scaled_dot_product_attention``, causal, bf16) forward + backward under each SDPA
+   backend the device offers: flash, cuDNN, memory-efficient.
+4. **mHC's Sinkhorn operator** on the GPU (the Triton kernels): error against the unrolled reference
+   in fp64, forward + backward, and its time against the unrolled eager rounds.
+
+Times are CUDA-event medians over ``--repeats`` after warm-up; a matmul peak is measured first. Usage:
+
+    python benchmarks/gpu_micro.py [--repeats 20] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+
+def time_ms(fn, repeats: int) -> float:
+    """Median milliseconds of ``fn()`` on the current CUDA stream, by events, after three warm-ups."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def peak_mib(fn) -> float:
+    """Peak CUDA memory allocated during one ``fn()`` above what was allocated before it, in MiB."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def matmul_peak(repeats: int) -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = time_ms(lambda: a @ b, repeats)
+    return 2 * 8192**3 / (ms / 1e3) / 1e12
+
+
+def loss_paths(tokens: int, width: int, vocabs: list[int], repeats: int) -> list[dict]:
+    from lmforge.models.losses import linear_cross_entropy
+
+    def plain(h, w, y):
+        with torch.autocast("cuda", torch.bfloat16):
+            logits = h @ w.t()
+        return F.cross_entropy(logits.float(), y)
+
+    compiled = torch.compile(plain, dynamic=False)
+    rows = []
+    for vocab in vocabs:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        h = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+        w = (0.02 * torch.randn(vocab, width, device="cuda", generator=g)).requires_grad_()  # fp32 master
+        y = torch.randint(0, min(vocab, 50257), (tokens,), device="cuda", generator=g)
+
+        def fused():
+            with torch.autocast("cuda", torch.bfloat16):
+                linear_cross_entropy(h, w, y).backward()
+
+        ref = None
+        for name, fn in (("lmforge chunked", fused), ("plain bf16 logits", lambda: plain(h, w, y).backward()),
+                         ("plain, compiled", lambda: compiled(h, w, y).backward())):
+            h.grad = w.grad = None
+            fn()
+            grads = (h.grad.float().clone(), w.grad.float().clone())
+            if ref is None:
+                ref = grads
+            err = max(((a - b).norm() / b.norm()).item() for a, b in zip(grads, ref))
+            ms = time_ms(fn, repeats)
+            mem = peak_mib(fn)
+            flops = 3 * 2 * tokens * width * vocab
+            rows.append({"what": "lm_head_loss", "vocab": vocab, "path": name, "ms": round(ms, 3),
+                         "tflops": round(flops / (ms / 1e3) / 1e12, 1), "peak_mib": round(mem, 1),
+                         "grad_rel_err_vs_chunked": float(f"{err:.2e}")})
+    return rows
+
+
+def vocab_matmul(tokens: int, width: int, vocabs: list[int], repeats: int) -> list[dict]:
+    rows = []
+    for vocab in vocabs:
+        h = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(vocab, width, device="cuda", dtype=torch.bfloat16)
+        g = torch.randn(tokens, vocab, device="cuda", dtype=torch.bfloat16)
+        for name, fn in (("h @ W.T", lambda: h @ w.t()), ("g @ W", lambda: g @ w), ("g.T @ h", lambda: g.t() @ h)):
+            ms = time_ms(fn, repeats)
+            rows.append({"what": "vocab_matmul", "vocab": vocab, "op": name, "ms": round(ms, 3),
+                         "tflops": round(2 * tokens * width * vocab / (ms / 1e3) / 1e12, 1)})
+    return rows
+
+
+def attention(batch: int, heads: int, seq: int, head_dim: int, repeats: int) -> list[dict]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+               .requires_grad_() for _ in range(3))
+    grad = torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    rows, ref = [], None
+    backends = [("default", None), ("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                ("efficient", SDPBackend.EFFICIENT_ATTENTION)]
+    for name, backend in backends:
+        def run():
+            q.grad = k.grad = v.grad = None
+            if backend is None:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                with sdpa_kernel(backend):
+                    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out.backward(grad)
+            return out
+        try:
+            out = run().float()
+        except RuntimeError as e:  # this backend does not take these shapes on this device
+            rows.append({"what": "sdpa", "shape": [batch, heads, seq, head_dim], "backend": name,
+                         "error": str(e).splitlines()[0][:160]})
+            continue
+        if ref is None:
+            ref = out
+        ms = time_ms(run, repeats)
+        # causal: half of the 4 * B * H * T^2 * D forward FLOPs, and backward 2.5x the forward
+        flops = 3.5 * 4 * batch * heads * seq * seq * head_dim / 2
+        rows.append({"what": "sdpa", "shape": [batch, heads, seq, head_dim], "backend": name, "ms": round(ms, 3),
+                     "tflops": round(flops / (ms / 1e3) / 1e12, 1),
+                     "out_rel_err_vs_default": float(f"{((out - ref).norm() / ref.norm()).item():.2e}")})
+    return rows
+
+
+def sinkhorn(tokens: int, repeats: int) -> list[dict]:
+    from lmforge.models.mhc import sinkhorn as op
+    from lmforge.models.mhc import sinkhorn_log
+
+    def unrolled(x, iters):  # the eager rounds in log space (columns, then rows, as lmforge's), unfused
+        for _ in range(iters):
+            x = x - torch.logsumexp(x, dim=-2, keepdim=True)
+            x = x - torch.logsumexp(x, dim=-1, keepdim=True)
+        return x.exp()
+
+    rows = []
+    x = torch.randn(tokens, 4, 4, device="cuda") * 3
+    w = torch.randn(tokens, 4, 4, device="cuda")
+    x64 = x.double().cpu().requires_grad_()
+    ref_out = unrolled(x64, 20)
+    ref_grad, = torch.autograd.grad((ref_out * w.double().cpu()).sum(), x64)
+    xg = x.clone().requires_grad_()
+    out = op(xg, 20)
+    grad, = torch.autograd.grad((out * w).sum(), xg)
+    rows.append({"what": "sinkhorn_check", "tokens": tokens, "via": "lmforge::sinkhorn (cuda)",
+                 "out_rel_err_fp64": float(f"{((out.double().cpu() - ref_out).norm() / ref_out.norm()).item():.2e}"),
+                 "grad_rel_err_fp64": float(f"{((grad.double().cpu() - ref_grad).norm() / ref_grad.norm()).item():.2e}"),
+                 # the CPU's vectorised implementation of the same operator, in fp64
+                 "max_abs_diff_vs_cpu_op": float(f"{(out.double().cpu() - sinkhorn_log(x.double().cpu(), 20)).abs().max():.2e}")})
+    for name, fn in (("lmforge::sinkhorn", lambda: op(xg, 20)), ("unrolled eager", lambda: unrolled(xg, 20))):
+        def fwd_bwd():
+            torch.autograd.grad((fn() * w).sum(), xg)
+        rows.append({"what": "sinkhorn_time", "tokens": tokens, "via": name, "ms_fwd_bwd": round(time_ms(fwd_bwd, repeats), 3)})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--json", default=None, help="also write every row here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_micro.py measures CUDA kernels: run it on a machine with a CUDA GPU")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    rows = [{"what": "matmul_peak_bf16_tflops", "value": round(matmul_peak(args.repeats), 1)}]
+    print(rows[0])
+    sections = [
+        lambda: loss_paths(16 * 1024, 768, [50257, 50304], args.repeats),
+        lambda: loss_paths(8 * 2048, 2048, [50257, 50304], args.repeats),
+        lambda: vocab_matmul(16 * 1024, 768, [50257, 50304], args.repeats),
+        lambda: attention(16, 12, 1024, 64, args.repeats),
+        lambda: attention(8, 16, 2048, 128, args.repeats),
+        lambda: sinkhorn(16 * 1024 * 2, args.repeats),
+    ]
+    for section in sections:
+        try:
+            new = section()
+        except Exception as e:  # one section failing must not lose the others' figures
+            new = [{"what": "error", "error": f"{type(e).__name__}: {e}"[:300]}]
+        for row in new:
+            print(row, flush=True)
+        rows += new
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""Every GPU figure issue 19 asks for, in one run that fits a short lease on a lent GPU.
+
+Runs the steps below in order of priority, each in its own process with a time limit, under one overall
+deadline (``--budget`` seconds): a step that would not fit the time left is skipped, not cut short, and
+``--from NAME`` resumes at a step (e.g. in a second call on the same machine, whose compile cache is
+warm). Each step's output goes to ``<out>/log.txt``; the JSON figures of every step that prints them
+go to ``<out>/results.json``; a short table is printed last. Usage (on the GPU machine, repo root):
+
+    python3 benchmarks/gpu_session.py --out $OUT --budget 520 [--from NAME] [--only NAME,NAME]
+    python3 benchmarks/gpu_session.py --list
+
+The machine's image has PyTorch, transformers and the training dependencies, but not the server's
+(fastapi, uvicorn) nor the openai client that ``serve_load`` needs: ``benchmarks/gpu_wheels.sh`` downloads
+them here into ``.whl``; the device call then carries ``.whl`` and begins with ``python3 -m pip install -q
+--no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site``. Measured with it on an
+H200 on 2026-11-26: the first eight steps of the list then took 511 s, and the machine's start about 30 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PY = sys.executable
+GPT2_124M = ["go_coder_125m", "training.micro_batch_size=16", "training.grad_accum_steps=1", "training.compile=true"]
+GPT2_VOCAB = ["--vocab-size", "50257"]  # after the overrides: argparse takes no option between two positionals
+NO_DROPOUT = ["model.embd_pdrop=0", "model.resid_pdrop=0", "model.attn_pdrop=0"]
+# The 1.3B preset (seed 002's size: 2048 wide, 24 layers, 16 heads x 128) as a plain Llama-style model.
+LLAMA_1B = ["rlm_mhc_1b", "model.mhc_enabled=false", "model.gradient_checkpointing=false",
+            "training.micro_batch_size=8", "training.grad_accum_steps=1", "training.compile=true"]
+MHC_125M = ["rlm_mhc_125m", "training.compile=true", "model.mhc_stream_dtype=autocast"]
+
+# name, command, the most seconds it may take, the fewest worth starting it with
+STEPS: list[tuple[str, list[str], int, int]] = [
+    ("env", ["bash", "-c", "nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version "
+             "--format=csv; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, "
+             "torch.cuda.get_device_name())'; nproc"], 30, 5),
+    ("micro", [PY, "benchmarks/gpu_micro.py", "--json", "{out}/micro.json"], 120, 40),
+    ("bench_124m", [PY, "-m", "lmforge", "bench", *GPT2_124M, *NO_DROPOUT, *GPT2_VOCAB, "--steps", "20", "--json"],
+     180, 90),
+    ("bench_124m_chunked", [PY, "-m", "lmforge", "bench", *GPT2_124M, *NO_DROPOUT, "model.lm_loss=chunked",
+                            *GPT2_VOCAB, "--steps", "20", "--json"], 150, 60),
+    ("profile_124m", [PY, "benchmarks/profile_step.py", *GPT2_124M, *NO_DROPOUT, *GPT2_VOCAB], 120, 60),
+    ("generation", [PY, "benchmarks/generation_speed.py", "--device", "cuda", "--no-quality", "--sizes", "small",
+                    "--flavors", "gpt2", "--precisions", "fp32,bf16", "--rounds", "2"], 150, 60),
+    ("bench_1b", [PY, "-m", "lmforge", "bench", *LLAMA_1B, "--steps", "10", "--json"], 200, 100),
+    ("mhc_on_125m", [PY, "-m", "lmforge", "bench", *MHC_125M, "model.mhc_enabled=true", "--steps", "10", "--json"],
+     200, 100),
+    ("mhc_off_125m", [PY, "-m", "lmforge", "bench", *MHC_125M, "model.mhc_enabled=false", "--steps", "10",
+                      "--json"], 150, 60),
+    ("profile_mhc_125m", [PY, "benchmarks/profile_step.py", *MHC_125M, "model.mhc_enabled=true"], 150, 60),
+    ("vs_transformers", [PY, "-m", "lmforge", "bench", *GPT2_124M, *NO_DROPOUT, *GPT2_VOCAB, "--steps", "20",
+                         "--compare-transformers", "--json"], 200, 120),
+    ("serve_load", [PY, "benchmarks/serve_load.py", "--device", "cuda", "--precision", "bf16"], 120, 50),
+    ("bench_124m_dropout", [PY, "-m", "lmforge", "bench", *GPT2_124M, *GPT2_VOCAB, "--steps", "20", "--json"], 120, 60),
+]
+
+
+def trailing_json(text: str):
+    """The JSON document a command printed last (``--json`` prints it after its table), or None."""
+    start = text.rfind("\n{")
+    for i in ([start + 1] if start >= 0 else []) + ([0] if text.startswith("{") else []):
+        try:
+            return json.loads(text[i:])
+        except ValueError:
+            continue
+    return None
+
+
+def summary(name: str, result) -> str:
+    if not isinstance(result, dict) or not result.get("runs"):
+        return ""
+    parts = []
+    for r in result["runs"]:
+        mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "-"
+        llmc = f"{100 * r['mfu_llmc']:.1f}%" if "mfu_llmc" in r else "-"
+        parts.append(f"{r['system']}: {r['tokens_per_s']:,.0f} tok/s, step {r['step_ms']:.1f} ms, MFU {mfu} "
+                     f"(llm.c {llmc}), peak {r['peak_memory_mb']:.0f} MB")
+    return "; ".join(parts)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("gpu_session_out"))
+    ap.add_argument("--budget", type=float, default=520, help="seconds for all steps together")
+    ap.add_argument("--from", dest="start", default=None, help="start at this step")
+    ap.add_argument("--only", default=None, help="comma-separated steps to run (in the table's order)")
+    ap.add_argument("--list", action="store_true", help="list the steps and exit")
+    args = ap.parse_args()
+    if args.list:
+        for name, cmd, most, _ in STEPS:
+            print(f"{name:<20}{most:>5} s  {' '.join(cmd)}")
+        return 0
+    names = [s[0] for s in STEPS]
+    wanted = names[names.index(args.start):] if args.start else names
+    if args.only:
+        unknown = set(args.only.split(",")) - set(names)
+        if unknown:
+            raise SystemExit(f"unknown steps {sorted(unknown)}; the steps are {names}")
+        wanted = [n for n in wanted if n in args.only.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = (args.out / "log.txt").open("a")
+    results_path = args.out / "results.json"
+    results = json.loads(results_path.read_text()) if results_path.exists() else {}
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(Path.cwd())) if p)
+    deadline = time.monotonic() + args.budget
+    table = []
+    for name, cmd, most, fewest in STEPS:
+        if name not in wanted:
+            continue
+        left = deadline - time.monotonic()
+        if left < fewest:
+            table.append(f"{name:<20} skipped ({left:.0f} s left, needs {fewest})")
+            continue
+        cmd = [c.replace("{out}", str(args.out)) for c in cmd]
+        limit = min(most, left)
+        print(f"== {name} (at most {limit:.0f} s): {' '.join(cmd)}", file=log, flush=True)
+        print(f"== {name} (at most {limit:.0f} s)", flush=True)
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env=env)
+            stdout, out, rc = proc.stdout, proc.stdout + proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as e:
+            stdout = ""
+            out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            out += (e.stderr or b"").decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+            rc = "timeout"
+        took = time.monotonic() - t0
+        print(out, file=log, flush=True)
+        parsed = trailing_json(stdout) if rc == 0 else None
+        results[name] = {"rc": rc, "seconds": round(took), "cmd": cmd, "result": parsed,
+                         "tail": out[-3000:] if parsed is None else None}
+        results_path.write_text(json.dumps(results, indent=1))
+        line = f"{name:<20} rc={rc} {took:5.0f} s  {summary(name, parsed)}"
+        table.append(line)
+        # scripts without JSON: their own last lines (their table), so the reply shows their figures too
+        tail = [] if parsed else [x for x in out.strip().splitlines() if x.strip()][-24:]
+        print("\n    ".join([line, *tail]), flush=True)
+    print("\n".join(["", "summary:", *table]), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
