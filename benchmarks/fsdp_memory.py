@@ -7,8 +7,8 @@ gradients while it reduces them. Activations are counted with activation checkpo
 micro-batch 1:
 
 - one bf16 block input per layer (seq x width x 2 bytes);
-- one block's internals while it is recomputed, sbh(34 + 5as/h) bytes (Korthikanti et al. 2022,
-  bf16, no attention recompute);
+- one block's internals while it is recomputed, 34sbh bytes (Korthikanti et al. 2022, bf16; their
+  5as²b term for the stored attention scores does not apply: lmforge's SDPA kernels keep no s x s scores);
 - the fp32 logits of the sequence.
 
 FSDP's figure is the larger of a training step and an evaluation. lmforge evaluates (and runs a kind's
@@ -40,8 +40,8 @@ def footprint(preset: str, seq: int, vocab: int, gpus: int) -> tuple[int, float,
     params = count_parameters(cfg)
     embed = vocab * cfg.n_embd
     block = (params - embed) / cfg.n_layer
-    width, heads, layers = cfg.n_embd, cfg.n_head, cfg.n_layer
-    activations = (layers * seq * width * 2 + seq * width * (34 + 5 * heads * seq / width) + seq * vocab * 4)
+    width, layers = cfg.n_embd, cfg.n_layer
+    activations = layers * seq * width * 2 + seq * width * 34 + seq * vocab * 4
     ddp = 16 * params + activations
     training = 16 * params / gpus + 2 * block * (2 + 4) + activations
     # Evaluation and probes run on the whole model gathered in bf16 (lmforge.train.fsdp.gathered).
