@@ -1,6 +1,6 @@
 """training.parallel: fsdp / hsdp (FSDP2 on CPU with gloo, under torchrun): the same losses as one
 process at the same global batch, about half the weights + optimizer state per process, sharded
-checkpoints (torch.distributed.checkpoint, no pickle) that resume exactly on two processes and on one,
+checkpoints (torch.distributed.checkpoint, no pickle) that resume exactly on two, three and one processes,
 and clear errors for what it cannot run."""
 
 from __future__ import annotations
@@ -93,15 +93,16 @@ def test_two_sharded_processes_match_one_and_hold_half_the_state(tmp_path, data_
         assert state_two < 0.56 * state_one
 
 
-def test_a_two_process_checkpoint_resumes_on_two_and_on_one_exactly(tmp_path, data_dir):
-    """Stopped at step 3, a sharded run resumed on two processes (each reads its shards), and on one
-    (fsdp is a no-op there: the full tensors are put together from the shards), reaches the same step-6
-    weights as the run that went straight through writing gathered checkpoints."""
-    full = recipe(tmp_path, data_dir, "full", micro_batch_size=2, parallel="fsdp", fsdp_checkpoint="gathered")
+def test_a_two_process_checkpoint_resumes_on_two_three_and_one_exactly(tmp_path, data_dir):
+    """Stopped at step 3, a sharded run resumed on two processes (each reads its shards), on three (the
+    shards re-split, unevenly: 3 does not divide the width of 32), and on one (fsdp is a no-op
+    there: the full tensors are put together from the shards), reaches the same step-6 weights as the run
+    that went straight through writing gathered checkpoints."""
+    full = recipe(tmp_path, data_dir, "full", micro_batch_size=3, parallel="fsdp", fsdp_checkpoint="gathered")
     assert torchrun(["train", str(full)], tmp_path / "runs" / "full").returncode == 0
     assert not is_sharded(tmp_path / "runs" / "full" / "checkpoints" / "step-000006")
     want = load_file(str(tmp_path / "runs" / "full" / "checkpoints" / "step-000006" / "model.safetensors"))
-    cut = recipe(tmp_path, data_dir, "cut", micro_batch_size=2, parallel="fsdp", max_steps=3)
+    cut = recipe(tmp_path, data_dir, "cut", micro_batch_size=3, parallel="fsdp", max_steps=3)
     r = torchrun(["train", str(cut)], tmp_path / "runs" / "cut")
     assert r.returncode == 0, r.stderr
     written = tmp_path / "runs" / "cut" / "checkpoints" / "step-000003"
@@ -113,6 +114,7 @@ def test_a_two_process_checkpoint_resumes_on_two_and_on_one_exactly(tmp_path, da
     import shutil
 
     shutil.copytree(tmp_path / "runs" / "cut", tmp_path / "runs" / "cut1")
+    shutil.copytree(tmp_path / "runs" / "cut", tmp_path / "runs" / "cut3")
     on_two = torchrun(["train", str(cut), "training.max_steps=6", "--resume"], tmp_path / "runs" / "cut")
     assert on_two.returncode == 0, on_two.stderr + on_two.stdout
     got = weights(tmp_path / "runs" / "cut" / "checkpoints" / "step-000006")
@@ -122,8 +124,16 @@ def test_a_two_process_checkpoint_resumes_on_two_and_on_one_exactly(tmp_path, da
     wider = torchrun(["train", str(cut), "name=cut1", "model.n_embd=64", "training.max_steps=6", "--resume"],
                      tmp_path / "unused")  # a GLOO_ABORT retry must not delete cut1
     assert wider.returncode != 0 and wider.stderr.count("does not fit this model") == 2, wider.stderr
-    # On one process the global batch is one process's: micro_batch 4 keeps it at 4.
-    on_one = run(lmforge_cmd("train", str(cut), "name=cut1", "training.max_steps=6", "training.micro_batch_size=4",
+    # The same global batch of 6: micro-batch 2 on three processes, 6 on one.
+    on_three = torchrun(["train", str(cut), "name=cut3", "training.max_steps=6", "training.micro_batch_size=2",
+                         "--resume"], tmp_path / "unused", nproc=3)
+    assert on_three.returncode == 0 and "written by 2 process(es), resuming on 3" in on_three.stdout, on_three.stderr
+    resharded = tmp_path / "runs" / "cut3" / "checkpoints" / "step-000006"
+    assert len(list((resharded / "shards").iterdir())) == 3
+    got = weights(resharded)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5, msg=k)
+    on_one = run(lmforge_cmd("train", str(cut), "name=cut1", "training.max_steps=6", "training.micro_batch_size=6",
                              "training.parallel=ddp", "--resume"), cwd=REPO)
     assert on_one.returncode == 0 and "written by 2 process(es), resuming on 1" in on_one.stdout, on_one.stderr
     one = load_file(str(tmp_path / "runs" / "cut1" / "checkpoints" / "step-000006" / "model.safetensors"))

@@ -124,13 +124,13 @@ def run(cmd: list[str], timeout: float = 300, **kw) -> subprocess.CompletedProce
 GLOO_ABORT = "terminate called without an active exception"
 
 
-def torchrun(args: list[str], run_dir: Path, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc_per_node=2 -m lmforge ARGS`` from the repository root; retried once,
+def torchrun(args: list[str], run_dir: Path, timeout: float = 600, nproc: int = 2, **kw) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node=NPROC -m lmforge ARGS`` from the repository root; retried once,
     from a removed ``run_dir``, when a rank died of ``GLOO_ABORT`` (any other failure is returned)."""
     import shutil
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "lmforge",
-           *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
+           "lmforge", *args]
     done = run(cmd, timeout=timeout, cwd=REPO, **kw)
     if done.returncode != 0 and GLOO_ABORT in done.stderr:
         shutil.rmtree(run_dir, ignore_errors=True)
