@@ -2,10 +2,12 @@
 of a whole model): what each costs at GPT-2 124M's shapes (16 x 1024 tokens, width 768, 12 heads of 64)
 and at the 1.3B preset's (width 2048, 16 heads of 128).
 
-1. **The LM head + loss**, forward and backward, bf16 weights: lmforge's chunked fused path
-   (``linear_cross_entropy``), the plain path (``F.cross_entropy`` on bf16 logits under autocast), and
-   the plain path compiled; time and peak memory, at the real vocabulary (50257) and padded to 64/128.
-2. **The vocabulary matmul alone**, 50257 against 50304 (128 x 393) columns.
+1. **The LM head + loss**, forward and backward, bf16 autocast over an fp32 weight: lmforge's two paths
+   (``linear_cross_entropy`` with ``path="chunked"`` and ``path="logits"``, the latter padding the
+   vocabulary to a multiple of 128 inside the loss), the plain path (``F.cross_entropy`` on bf16 logits),
+   and the plain path compiled; time and peak memory, at the real vocabulary (50257) and at a weight
+   already padded to 50304 (128 x 393).
+2. **The vocabulary matmul alone**, 50257 against 50304 columns.
 3. **Attention** (``F.scaled_dot_product_attention``, causal, bf16) forward + backward under each SDPA
    backend the device offers: flash, cuDNN, memory-efficient.
 4. **mHC's Sinkhorn operator** on the GPU (the Triton kernels): error against the unrolled reference
@@ -75,12 +77,15 @@ def loss_paths(tokens: int, width: int, vocabs: list[int], repeats: int) -> list
         w = (0.02 * torch.randn(vocab, width, device="cuda", generator=g)).requires_grad_()  # fp32 master
         y = torch.randint(0, min(vocab, 50257), (tokens,), device="cuda", generator=g)
 
-        def fused():
-            with torch.autocast("cuda", torch.bfloat16):
-                linear_cross_entropy(h, w, y).backward()
+        def lmforge(path):
+            def run():
+                with torch.autocast("cuda", torch.bfloat16):
+                    linear_cross_entropy(h, w, y, path=path).backward()
+            return run
 
         ref = None
-        for name, fn in (("lmforge chunked", fused), ("plain bf16 logits", lambda: plain(h, w, y).backward()),
+        for name, fn in (("lmforge chunked", lmforge("chunked")), ("lmforge logits", lmforge("logits")),
+                         ("plain bf16 logits", lambda: plain(h, w, y).backward()),
                          ("plain, compiled", lambda: compiled(h, w, y).backward())):
             h.grad = w.grad = None
             fn()

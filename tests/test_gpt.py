@@ -363,8 +363,10 @@ def test_overfits_a_single_batch(flavor):
 
 
 def test_attention_of_varying_shapes_runs_without_cudnn_on_cuda(monkeypatch):
-    """Decode steps, prompts and packed documents change shape from call to call: on CUDA they run with
-    cuDNN's SDPA backend switched off (it builds a plan per new shape); a plain training forward keeps it."""
+    """Decode steps, prompts, scoring and packed documents change shape from call to call: on CUDA they run
+    with cuDNN's SDPA backend switched off (it builds a plan per new shape); plain causal training keeps it.
+    With a cache or without gradients one context covers all the blocks; packed documents take it per
+    layer (so that checkpointed blocks recompute with the same backend)."""
     with gpt_module._varying_shape_attention("cuda"):
         assert not torch.backends.cuda.cudnn_sdp_enabled()
         assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
@@ -376,15 +378,18 @@ def test_attention_of_varying_shapes_runs_without_cudnn_on_cuda(monkeypatch):
     real = gpt_module._varying_shape_attention
     monkeypatch.setattr(gpt_module, "_varying_shape_attention", lambda device_type: seen.append(device_type)
                         or real(device_type))
-    model = randomize(tiny()).eval()
+    model = randomize(tiny())
     ids = random_ids(batch=1, length=6)
+    ids_batch = {"input_ids": ids, "labels": ids}
+    model(ids_batch)[0].backward()
+    assert seen == []  # plain causal training: fixed shapes
     with torch.no_grad():
-        model.logits(ids)
-        assert seen == []  # fixed shapes: no change
+        model(ids_batch)
+        assert seen == ["cpu"]  # scoring, evaluation
         cache = model.new_kv_cache(1)
         model.logits(ids[:, :5], kv_cache=cache)
         model.logits(ids[:, 5:], kv_cache=cache)
-    assert seen == ["cpu"] * 2 * model.config.n_layer
+    assert seen == ["cpu"] * 3
     seen.clear()
     documents = torch.tensor([[0, 0, 0, 1, 1, 1]])
     model.hidden_states(ids, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]), document_ids=documents)

@@ -349,6 +349,10 @@ def test_config_errors_name_the_key():
         load_config("hrgc_go_tiny", ["model.planner_config.vocab_size=10"])
     with pytest.raises(LMForgeError, match="unknown config key 'model.planner_config.n_layers'"):
         load_config("hrgc_go_tiny", ["model.planner_config.n_layers=2"])
+    with pytest.raises(LMForgeError, match="model.lm_loss must be one of auto, chunked, logits"):
+        load_config("hrgc_go_tiny", ["model.lm_loss=fused"])
+    chunked = load_config("hrgc_go_tiny", ["model.lm_loss=chunked", "model.vocab_size=64"]).model
+    assert {m.config.lm_loss for m in (HRGC(chunked).planner, HRGC(chunked).generator)} == {"chunked"}
     cfg = load_config("hrgc_go")
     assert (cfg.model.planner_config.n_positions, cfg.model.generator_config.n_positions) == (512, 1024)
     assert 20e6 < build_model(cfg.model).num_parameters() < 35e6  # the seed's ~20-30M (+ embeddings)

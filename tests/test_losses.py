@@ -1,7 +1,5 @@
 """The LM-head cross-entropy: both paths (fused chunks; whole logits, compiled) equal the plain F.cross_entropy."""
 
-import warnings
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -80,6 +78,20 @@ def test_chunk_rows_keeps_matmuls_large_and_memory_bounded():
     assert chunk_rows(8192, 8192, cpu) * 8192 <= 1 << 23  # otherwise bounded to ~32 MB of fp32 logits
 
 
+class _RecordMatmuls(torch.overrides.TorchFunctionMode):
+    """Records the output shape of every matrix product run inside it."""
+
+    def __init__(self, shapes: list):
+        super().__init__()
+        self.shapes = shapes
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm):
+            self.shapes.append(tuple(out.shape))
+        return out
+
+
 def test_logits_path_matches_plain_cross_entropy_with_a_padded_vocabulary():
     """lm_loss=logits (CUDA's path) pads the vocabulary to VOCAB_MULTIPLE for its matmuls: the padded
     columns must take no probability and give the real weight rows exactly the plain gradients."""
@@ -88,7 +100,10 @@ def test_logits_path_matches_plain_cross_entropy_with_a_padded_vocabulary():
     ref = F.cross_entropy(h1 @ w1.t(), labels, ignore_index=-100)
     (ref * 2.5).backward()
     h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    out = linear_cross_entropy(h2, w2, labels, path="logits")
+    shapes = []
+    with _RecordMatmuls(shapes):
+        out = linear_cross_entropy(h2, w2, labels, path="logits")
+    assert shapes == [(37, 128)]  # the head's matmul ran on the padded vocabulary
     (out * 2.5).backward()
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
     assert w2.grad.shape == w1.grad.shape
@@ -100,15 +115,18 @@ def test_logits_path_matches_plain_cross_entropy_with_a_padded_vocabulary():
     assert float(empty) == 0.0 and torch.count_nonzero(h3.grad) == 0
 
 
-def test_logits_path_under_torch_compile_and_bf16_matches_the_chunked_path():
-    """What CUDA runs: the logits loss compiled (here by Inductor's CPU backend), matmuls in bf16; the
-    loss and both gradients agree with the chunked path at bf16's precision."""
-    from lmforge.models.losses import _logits_loss
+def test_logits_path_under_torch_compile_and_bf16_matches_the_chunked_path(monkeypatch):
+    """What CUDA runs: the logits loss compiled on its own (here by Inductor's CPU backend: the device check
+    is pointed at the CPU), matmuls in bf16; the loss and both gradients agree with the chunked path at
+    bf16's precision."""
+    from lmforge.models import losses
 
+    monkeypatch.setattr(losses, "_COMPILE_ON", ("cpu",))
+    monkeypatch.setattr(losses, "_compiled_logits_loss", None)
     hidden, weight, labels = (t.float() if t.is_floating_point() else t for t in _case(96, 32, 200, seed=5))
     results = []
     for fn in (lambda h, w: linear_cross_entropy(h, w, labels, path="chunked"),
-               lambda h, w: torch.compile(_logits_loss)(h, w, labels, torch.bfloat16)):
+               lambda h, w: linear_cross_entropy(h, w, labels, path="logits")):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = fn(h, w)
@@ -117,13 +135,16 @@ def test_logits_path_under_torch_compile_and_bf16_matches_the_chunked_path():
     for a, b in zip(*results):
         assert a.dtype == b.dtype == torch.float32
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+    assert losses._compiled_logits_loss is not None  # it went through the compiled function
 
 
-def test_lm_loss_auto_picks_logits_only_for_16_bit_matmuls_on_cuda():
+def test_lm_loss_auto_picks_logits_only_for_bf16_on_cuda_where_it_can_be_built(monkeypatch):
+    from lmforge.models import losses
     from lmforge.models.losses import lm_loss_path
 
+    monkeypatch.setattr(losses, "can_compile_logits_loss", lambda: True)
     assert lm_loss_path("auto", "cuda", torch.bfloat16) == "logits"
-    assert lm_loss_path("auto", "cuda", torch.float16) == "logits"
+    assert lm_loss_path("auto", "cuda", torch.float16) == "chunked"  # not measured; fp16 gradients underflow
     assert lm_loss_path("auto", "cuda", torch.float32) == "chunked"
     assert lm_loss_path("auto", "cpu", torch.bfloat16) == "chunked"
     assert lm_loss_path("auto", "mps", torch.bfloat16) == "chunked"
@@ -131,6 +152,29 @@ def test_lm_loss_auto_picks_logits_only_for_16_bit_matmuls_on_cuda():
     assert lm_loss_path("logits", "cpu", torch.float32) == "logits"
     with pytest.raises(ValueError, match="lm_loss must be one of"):
         lm_loss_path("fast", "cpu", torch.float32)
+    monkeypatch.setattr(losses, "can_compile_logits_loss", lambda: False)  # no Triton or no C compiler
+    assert lm_loss_path("auto", "cuda", torch.bfloat16) == "chunked"
+
+
+def test_the_logits_kernels_need_triton_and_a_c_compiler(monkeypatch):
+    from lmforge.models import losses
+
+    def check(cc_env, on_path, triton):
+        losses.can_compile_logits_loss.cache_clear()
+        monkeypatch.delenv("CC", raising=False)
+        if cc_env:
+            monkeypatch.setenv("CC", cc_env)
+        monkeypatch.setattr(losses.shutil, "which", lambda name: f"/usr/bin/{name}" if name in on_path else None)
+        monkeypatch.setattr(losses.importlib.util, "find_spec", lambda name: object() if triton else None)
+        return losses.can_compile_logits_loss()
+
+    try:
+        assert check("", {"gcc"}, triton=True)
+        assert check("/opt/clang", set(), triton=True)
+        assert not check("", set(), triton=True)  # no C compiler
+        assert not check("", {"cc"}, triton=False)  # no Triton
+    finally:
+        losses.can_compile_logits_loss.cache_clear()
 
 
 def test_gpt_model_takes_its_loss_path_from_model_lm_loss(monkeypatch):
@@ -143,7 +187,7 @@ def test_gpt_model_takes_its_loss_path_from_model_lm_loss(monkeypatch):
 
     calls = []
     real = losses._logits_cross_entropy
-    monkeypatch.setattr(losses, "_logits_cross_entropy", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(losses, "_logits_cross_entropy", lambda *a: calls.append(1) or real(*a))
     torch.manual_seed(0)
     batch = {"input_ids": torch.randint(0, 100, (2, 16))}
     batch["labels"] = batch["input_ids"].clone()
@@ -159,33 +203,3 @@ def test_gpt_model_takes_its_loss_path_from_model_lm_loss(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     with pytest.raises(LMForgeError, match="model.lm_loss must be one of auto, chunked, logits"):
         load_config("go_coder_tiny", ["model.vocab_size=64", "model.lm_loss=fused"])
-
-
-def test_auto_falls_back_to_chunks_when_the_compiled_loss_cannot_be_built(monkeypatch):
-    """Where lm_loss=auto picks the compiled logits loss and its kernel cannot be built (a GPU machine
-    without a C compiler for Triton), training goes on with the chunked loss and one warning; asked for by
-    name, the error is raised. (The device check is pointed at the CPU so this runs here.)"""
-    from lmforge.models import losses
-
-    def broken_compile(fn):
-        def call(*args):
-            raise RuntimeError("no C compiler found\nmore detail")
-        return call
-
-    monkeypatch.setattr(losses, "_COMPILE_ON", ("cpu",))
-    monkeypatch.setattr(losses, "_compiled_logits_loss", None)
-    monkeypatch.setattr(losses, "lm_loss_path", lambda setting, device_type, dtype: "logits")  # as on CUDA
-    monkeypatch.setattr(torch, "compile", broken_compile)
-    hidden, weight, labels = _case(20, 8, 30, seed=6)
-    ref = F.cross_entropy(hidden @ weight.t(), labels, ignore_index=-100)
-    with pytest.warns(UserWarning, match="could not be built on this machine .RuntimeError: no C compiler found."):
-        out = linear_cross_entropy(hidden, weight, labels)
-    torch.testing.assert_close(out, ref)
-    assert losses._compiled_logits_loss is False
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no second warning, and no second try
-        torch.testing.assert_close(linear_cross_entropy(hidden, weight, labels), ref)
-    torch.testing.assert_close(linear_cross_entropy(hidden, weight, labels, path="logits"), ref)  # eager then
-    monkeypatch.setattr(losses, "_compiled_logits_loss", None)
-    with pytest.raises(RuntimeError, match="no C compiler"):
-        linear_cross_entropy(hidden, weight, labels, path="logits")

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from safetensors.torch import load_file
 
 from lmforge.config import load_config
@@ -667,6 +668,20 @@ class _RecordLinear(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+class _RecordFp32(TorchDispatchMode):
+    """Records every operator inside it that makes an fp32 tensor of at least ``size`` elements."""
+
+    def __init__(self, seen: list, size: int):
+        super().__init__()
+        self.seen, self.size = seen, size
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.numel() >= self.size:
+            self.seen.append(str(func))
+        return out
+
+
 def test_stream_in_the_training_precision_when_asked():
     """model.mhc_stream_dtype=autocast: the flows are bf16 under bf16 autocast (coefficients still fp32)
     and the loss stays near the fp32 stream's; fp32 (the default) keeps them fp32; a typo is an error."""
@@ -686,10 +701,10 @@ def test_stream_in_the_training_precision_when_asked():
     # coefficients stay within bf16 rounding of an fp32 projection of the same stream.
     layer = model.blocks[0].hc_attn
     stream = torch.randn(2, 16, 4, model.config.n_embd).bfloat16()
-    matmuls = []
-    with _RecordLinear(matmuls):
+    matmuls, fp32_stream_sized = [], []
+    with _RecordLinear(matmuls), _RecordFp32(fp32_stream_sized, stream.numel()):
         coeffs = layer.coefficients(stream)
-    assert matmuls == [torch.bfloat16]
+    assert matmuls == [torch.bfloat16] and fp32_stream_sized == []
     ref = layer.coefficients(stream.float())
     for a, b in zip(coeffs, ref):
         assert a.dtype == torch.float32

@@ -62,7 +62,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lmforge.errors import LMForgeError
 from lmforge.models.base import LMForgeModel
-from lmforge.models.losses import LM_LOSS_PATHS, linear_cross_entropy
+from lmforge.models.losses import linear_cross_entropy, lm_loss_problem
 from lmforge.models.mhc import (
     UNHEALTHY_GAIN,
     MHCLayer,
@@ -184,9 +184,7 @@ class GPTConfig:
               f"model.mhc_sinkhorn_iters must be >= 1 (20 is the paper's setting), got {self.mhc_sinkhorn_iters}")
         check(self.mhc_stream_dtype in ("fp32", "autocast"),
               f"model.mhc_stream_dtype must be fp32 or autocast (the training precision), got {self.mhc_stream_dtype!r}")
-        check(self.lm_loss in LM_LOSS_PATHS,
-              f"model.lm_loss must be one of {', '.join(LM_LOSS_PATHS)} (auto: logits on CUDA, chunked elsewhere), "
-              f"got {self.lm_loss!r}")
+        check(lm_loss_problem(self.lm_loss) is None, lm_loss_problem(self.lm_loss) or "")
 
     @property
     def head_dim(self) -> int:
@@ -496,11 +494,15 @@ class PackedDocuments:
         return cls(mask=mask[:, None])
 
 
-# Attention whose shapes change from call to call (decode steps, prompts, packed documents) runs without
-# cuDNN's SDPA backend: PyTorch tries it first on Hopper and newer GPUs, and it builds a new execution plan,
-# tens of milliseconds, for every shape it has not seen (pytorch/pytorch#155958; on an H200 bf16 decoding
-# ran at ~21 tokens/s, against 290 in fp32, which cuDNN does not take). Fixed training shapes keep it: there
-# it measured fastest (0.40 ms against flash's 0.64 at GPT-2 124M's, benchmarks/gpu_micro.py).
+# Attention whose shapes change from call to call runs without cuDNN's SDPA backend: PyTorch tries it first
+# on Hopper and newer GPUs, and it builds a new execution plan, tens of milliseconds, for every shape it has
+# not seen (pytorch/pytorch#155958; on an H200 bf16 decoding ran at ~21 tokens/s, against 290 in fp32, which
+# cuDNN does not take). That is every forward with a KV cache or without gradients (generation, serving,
+# scoring batches of any length; one context around all blocks, see GPT._trunk) and every layer of packed
+# documents (their masks change with each batch; per layer, so that activation checkpointing recomputes
+# with the same backend). Plain causal training keeps cuDNN: there it measured fastest (0.40 ms against
+# flash's 0.64 at GPT-2 124M's shapes, benchmarks/gpu_micro.py). Training on batches padded to their
+# longest row (HRGC, PPO) still meets a plan build once per new length.
 _VARYING_SHAPE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -572,14 +574,15 @@ class Attention(nn.Module):
             group = self.n_head // self.n_kv_head
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         dropout_p = self.attn_pdrop if self.training else 0.0
-        if docs is not None and docs.lengths is not None:
-            with _varying_shape_attention(q.device.type):
+        # packed documents in training (with a cache, GPT._trunk has set this for all the blocks)
+        varying = docs is not None and cache is None
+        with _varying_shape_attention(q.device.type) if varying else contextlib.nullcontext():
+            if docs is not None and docs.lengths is not None:
                 y = _attend_per_document(q, k, v, docs, dropout_p)  # [N, H * D] when docs.tails picks queries
-        else:
-            with _varying_shape_attention(q.device.type) if cache is not None else contextlib.nullcontext():
+            else:
                 y = F.scaled_dot_product_attention(
                     q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, dropout_p=dropout_p)
-            y = y.transpose(1, 2).reshape(B, T, -1)
+                y = y.transpose(1, 2).reshape(B, T, -1)
         return self.resid_drop(self.proj(y))
 
 
@@ -771,18 +774,20 @@ class GPT(LMForgeModel):
             x = x.unsqueeze(-2).expand(*x.shape[:-1], c.mhc_flows, c.n_embd)  # n copies of the embedding
         use_checkpoint = self._checkpointing and self.training and torch.is_grad_enabled() and kv_cache is None
         coeffs: list[tuple[torch.Tensor, ...]] = []
-        for i, block in enumerate(self.blocks):
-            if trimmed is not None and i == len(self.blocks) - 1:
-                x = block.forward_kept(x, rope, trimmed, keep.reshape(-1).nonzero().view(-1))
-                break
-            if use_checkpoint:
-                # The checkpoint keeps only the block's input stream (n flows wide with mHC) and
-                # recomputes everything inside, the mixing coefficients included.
-                x, block_coeffs = checkpoint(block, x, rope, None, i, docs, use_reentrant=False)
-            else:
-                x, block_coeffs = block(x, rope, kv_cache, i, docs)
-            if collect:
-                coeffs.extend(block_coeffs)
+        varying = kv_cache is not None or not torch.is_grad_enabled()  # see _VARYING_SHAPE_BACKENDS
+        with _varying_shape_attention(x.device.type) if varying else contextlib.nullcontext():
+            for i, block in enumerate(self.blocks):
+                if trimmed is not None and i == len(self.blocks) - 1:
+                    x = block.forward_kept(x, rope, trimmed, keep.reshape(-1).nonzero().view(-1))
+                    break
+                if use_checkpoint:
+                    # The checkpoint keeps only the block's input stream (n flows wide with mHC) and
+                    # recomputes everything inside, the mixing coefficients included.
+                    x, block_coeffs = checkpoint(block, x, rope, None, i, docs, use_reentrant=False)
+                else:
+                    x, block_coeffs = block(x, rope, kv_cache, i, docs)
+                if collect:
+                    coeffs.extend(block_coeffs)
         if kv_cache is not None:
             kv_cache.advance(T)
         if c.mhc_enabled:

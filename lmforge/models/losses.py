@@ -14,20 +14,23 @@ The gradients are computed in the forward pass and only scaled by the incoming g
 backward pass, so this suits a loss that is backpropagated once per forward (training, or no_grad
 evaluation, where no gradient is computed at all).
 
-On CUDA GPUs a second path wins (``lm_loss="logits"``, what ``auto`` picks there under bf16/fp16): the
-whole ``[tokens, vocab]`` logits in the 16-bit matmul dtype, and a cross-entropy compiled by
-``torch.compile`` so that it reads them once, upcasting inside its kernel, with no fp32 copy. The vocabulary
-is padded to a multiple of 128 for the three matmuls (the padded columns are sliced off before the
-softmax, so they take no probability and get no gradient). Measured on an H200 at GPT-2 124M's shapes
-(16,384 tokens, width 768, vocabulary 50257, forward + backward): chunked 19.6 ms, logits 7.9 ms at the
-same peak memory; an unpadded vocabulary's matmuls ran at 95-150 TFLOP/s against 690 padded
-(``benchmarks/gpu_micro.py``; figures in ``benchmarks/RESULTS.md``).
+On CUDA GPUs a second path is faster (``lm_loss="logits"``, what ``auto`` picks there under bf16): the
+whole ``[tokens, vocab]`` logits in bf16, and a cross-entropy compiled by ``torch.compile`` that reads
+them once, upcasting inside its kernel, with no fp32 copy. The vocabulary is padded to a multiple of 128
+for the three matmuls (the padded columns are sliced off before the softmax, so they take no probability
+and get no gradient). Measured alone on an H200 at GPT-2 124M's shapes (16,384 tokens, width 768, forward
++ backward; ``benchmarks/gpu_micro.py``, figures in ``benchmarks/RESULTS.md``): this chunked path 19.6 ms
+and 1,757 MiB; the plain compiled loss 9.7 ms and 3,242 MiB at vocabulary 50257, 7.9 ms and 1,743 MiB
+with the weight already padded to 50304. An unpadded vocabulary's matmuls ran at 95-151 TFLOP/s against
+690 padded. The path built here (padding inside the loss) is not measured yet.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
-import warnings
+import os
+import shutil
 
 import torch
 import torch.nn.functional as F
@@ -109,17 +112,33 @@ def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
 
 
+def lm_loss_problem(value: str) -> str | None:
+    """The config error for ``model.lm_loss=value``, or None when it is one of LM_LOSS_PATHS."""
+    if value in LM_LOSS_PATHS:
+        return None
+    return (f"model.lm_loss must be one of {', '.join(LM_LOSS_PATHS)} (auto: logits on CUDA under bf16, chunked "
+            f"elsewhere), got {value!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def can_compile_logits_loss() -> bool:
+    """Whether torch.compile can build the logits path's CUDA kernels here: Triton, and the C compiler it
+    builds its launchers with (``$CC``, or ``cc``/``gcc``/``clang`` on the PATH)."""
+    has_cc = bool(os.environ.get("CC")) or any(shutil.which(c) for c in ("cc", "gcc", "clang"))
+    return has_cc and importlib.util.find_spec("triton") is not None
+
+
 def lm_loss_path(setting: str, device_type: str, dtype: torch.dtype) -> str:
     """``chunked`` or ``logits`` for ``setting`` (one of LM_LOSS_PATHS), on ``device_type`` with matmuls in
-    ``dtype``. ``auto`` takes the logits path where it measured faster: CUDA, 16-bit matmuls, and
-    torch.compile able to build its kernel (Triton installed); everywhere else the chunked one (CPUs, where
-    it measured best; MPS and fp32, not measured)."""
+    ``dtype``. ``auto`` takes the logits path where it measured faster, CUDA with bf16 matmuls, when its
+    kernels can be built there (``can_compile_logits_loss``); everywhere else the chunked one: CPUs, where it
+    measured best; MPS, fp16 (its gradients would need the loss scale to stay out of fp16's underflow) and
+    fp32, not measured."""
     if setting not in LM_LOSS_PATHS:
         raise ValueError(f"lm_loss must be one of {', '.join(LM_LOSS_PATHS)}, got {setting!r}")
     if setting != "auto":
         return setting
-    if (device_type == "cuda" and dtype in (torch.bfloat16, torch.float16)
-            and importlib.util.find_spec("triton") is not None):
+    if device_type == "cuda" and dtype == torch.bfloat16 and can_compile_logits_loss():
         return "logits"
     return "chunked"
 
@@ -138,16 +157,12 @@ def _logits_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
     return total / (labels != IGNORE_INDEX).sum().clamp(min=1)  # mean over valid labels, 0 when there are none
 
 
-# The logits loss compiled on its own, for models that run eagerly (training.compile=false, or FSDP's root);
-# None until first used, False once it failed to build (auto then keeps the chunked path, with a warning).
+# The logits loss compiled on its own, for models that run eagerly (training.compile=false, or FSDP's root).
 _compiled_logits_loss = None
 _COMPILE_ON = ("cuda",)  # devices where the logits path is compiled on its own; elsewhere it runs eagerly
 
 
-def _logits_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                          asked: bool) -> torch.Tensor | None:
-    """The logits path's loss; None where ``auto`` chose it but its kernel cannot be built here (no C
-    compiler for Triton, say): the caller then takes the chunked path. Asked for by name, it raises."""
+def _logits_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     global _compiled_logits_loss
     dtype = _matmul_dtype(hidden, weight)
     with torch.autocast(hidden.device.type, enabled=False):
@@ -155,21 +170,9 @@ def _logits_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
             # inside a compiled model, the model's graph takes this in; off CUDA (where lm_loss=logits is
             # asked for by name) it runs eagerly
             return _logits_loss(hidden, weight, labels, dtype)
-        if _compiled_logits_loss is False:
-            return _logits_loss(hidden, weight, labels, dtype) if asked else None
-        first = _compiled_logits_loss is None
-        if first:
+        if _compiled_logits_loss is None:
             _compiled_logits_loss = torch.compile(_logits_loss)
-        try:
-            return _compiled_logits_loss(hidden, weight, labels, dtype)
-        except Exception as e:  # only the first call builds the kernel; later errors are the caller's
-            if not first or asked:
-                raise
-            _compiled_logits_loss = False
-            warnings.warn(f"model.lm_loss=auto: the compiled cross-entropy could not be built on this machine "
-                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); using the chunked "
-                          "loss instead (set model.lm_loss=chunked to silence this)", stacklevel=3)
-            return None
+        return _compiled_logits_loss(hidden, weight, labels, dtype)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
@@ -183,9 +186,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1)
     if lm_loss_path(path, hidden.device.type, _matmul_dtype(hidden, weight)) == "logits":
-        loss = _logits_cross_entropy(hidden, weight, labels, asked=path == "logits")
-        if loss is not None:
-            return loss
+        return _logits_cross_entropy(hidden, weight, labels)
     if hidden.device.type == "cpu" and not torch.compiler.is_compiling():
         hidden, labels = _drop_unlabelled_on_cpu(hidden, labels)
     if rows is None:

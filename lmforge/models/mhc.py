@@ -244,14 +244,18 @@ class MHCLayer(nn.Module):
         n = self.flows
         with torch.autocast(stream.device.type, enabled=False):
             flat = stream.flatten(-2)
-            inv_rms = torch.rsqrt(flat.float().pow(2).mean(-1, keepdim=True) + self.eps)
             if flat.dtype in (torch.bfloat16, torch.float16):
-                # A 16-bit stream (mhc_stream_dtype=autocast) is projected as it is, the matmul accumulating
-                # in fp32: an fp32 copy of the n*C-wide stream (and of its gradient) would cost more memory
-                # traffic than the projection itself. Only the n*n + 2n outputs are rounded to 16 bits.
+                # A 16-bit stream (mhc_stream_dtype=autocast) is read as it is: its norm accumulates in fp32
+                # (vector_norm upcasts as it reads), and the projection's matmul accumulates in fp32. An fp32
+                # copy of the n*C-wide stream (and of its gradient) would cost more memory traffic than the
+                # projection itself. Only the n*n + 2n outputs are rounded to 16 bits.
+                norm = torch.linalg.vector_norm(flat, dim=-1, keepdim=True, dtype=torch.float32)
+                inv_rms = torch.rsqrt(norm.square() / flat.shape[-1] + self.eps)
                 dynamic = F.linear(flat, self.phi.to(flat.dtype)).float() * inv_rms
             else:
-                dynamic = F.linear(flat.float(), self.phi.float()) * inv_rms
+                flat = flat.float()
+                inv_rms = torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + self.eps)
+                dynamic = F.linear(flat, self.phi.float()) * inv_rms
             d_pre, d_post, d_res = dynamic.split([n, n, n * n], dim=-1)
             alpha = self.alpha.float()
             h_pre = torch.sigmoid(alpha[0] * d_pre + self.b_pre.float())

@@ -27,7 +27,7 @@ from torch import nn
 from lmforge.errors import LMForgeError
 from lmforge.models.base import LMForgeModel
 from lmforge.models.gpt import FLAVORS, GPT, GPTConfig
-from lmforge.models.losses import IGNORE_INDEX, linear_cross_entropy
+from lmforge.models.losses import IGNORE_INDEX, linear_cross_entropy, lm_loss_problem
 
 HEAD_LABELS = ("continue", "refine", "done")  # the head's classes, in this order
 # The seed's training settings: the hrgc kind's `recipe.*` (lmforge.recipes.hrgc.training.HRGCSettings).
@@ -53,6 +53,7 @@ class ModuleConfig:
 class HRGCConfig:
     vocab_size: int = 0  # 0 = taken from the tokenizer by the trainer
     flavor: str = "gpt2"  # both decoders: gpt2 | llama
+    lm_loss: str = "auto"  # both decoders' LM loss: auto | chunked | logits (see lmforge.models.losses)
     hierarchical: bool = True  # false: the plain spec -> code baseline (generator only)
     planner_config: ModuleConfig = field(default_factory=lambda: ModuleConfig(n_positions=512))
     generator_config: ModuleConfig = field(default_factory=lambda: ModuleConfig(n_positions=1024))
@@ -70,6 +71,7 @@ class HRGCConfig:
 
         check(self.flavor in FLAVORS, f"unknown model.flavor {self.flavor!r}; use one of: {', '.join(FLAVORS)}")
         check(self.vocab_size >= 0, f"model.vocab_size must be >= 0 (0 = from the tokenizer), got {self.vocab_size}")
+        check(lm_loss_problem(self.lm_loss) is None, lm_loss_problem(self.lm_loss) or "")
         given = {m.vocab_size for m in (self.planner_config, self.generator_config) if m.vocab_size}
         check(len(given) <= 1 and given <= {self.vocab_size or next(iter(given), 0)},
               f"model.planner_config.vocab_size, model.generator_config.vocab_size and model.vocab_size differ "
@@ -101,7 +103,7 @@ def _decoder_config(c: HRGCConfig, m: ModuleConfig) -> GPTConfig:
     return GPTConfig(flavor=c.flavor, vocab_size=c.vocab_size, n_positions=m.n_positions, n_embd=m.n_embd,
                      n_layer=m.n_layer, n_head=m.n_head, embd_pdrop=m.dropout, resid_pdrop=m.dropout,
                      attn_pdrop=m.dropout, bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id,
-                     pad_token_id=c.pad_token_id)
+                     pad_token_id=c.pad_token_id, lm_loss=c.lm_loss)
 
 
 class HRGC(LMForgeModel):
