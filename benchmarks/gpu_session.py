@@ -80,7 +80,7 @@ def summary(name: str, result) -> str:
         mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "-"
         llmc = f"{100 * r['mfu_llmc']:.1f}%" if "mfu_llmc" in r else "-"
         parts.append(f"{r['system']}: {r['tokens_per_s']:,.0f} tok/s, step {r['step_ms']:.1f} ms, MFU {mfu} "
-                     f"(llm.c {llmc}), peak {r['peak_memory_mb']:.0f} MB")
+                     f"(llm.c {llmc}), peak {r['peak_memory_mb']:.0f} MiB")
     return "; ".join(parts)
 
 

@@ -78,7 +78,7 @@ def main() -> int:
     cfg = first["config"]
     print(f"\n{args.recipe} on {device} ({precision}), micro-batch {cfg['training']['micro_batch_size']} x seq "
           f"{cfg['data']['seq_len']}, median of {args.rounds} rounds x {args.steps} steps")
-    print(f"{'checkout':<9}{'variant':<20}{'setting':<10}{'params':>10}{'tokens/s':>11}{'vs off':>8}{'peak MB':>9}")
+    print(f"{'checkout':<9}{'variant':<20}{'setting':<10}{'params':>10}{'tokens/s':>11}{'vs off':>8}{'peak MiB':>9}")
     for row in rows:
         off = next(x for x in rows if x["checkout"] == row["checkout"] and x["variant"] == row["variant"]
                    and x["setting"] == "mHC off")

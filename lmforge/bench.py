@@ -23,8 +23,9 @@ from lmforge.train.loop import Trainer
 
 
 def _peak_memory_mb(device: torch.device) -> float | None:
-    """Peak memory of this process's run: GPU memory allocated on CUDA, else the process's peak RSS
-    (Linux/macOS; includes the Python and PyTorch baseline of a few hundred MB)."""
+    """Peak memory of this process's run, in MiB (the JSON's ``peak_memory_mb``): GPU memory allocated on
+    CUDA, else the process's peak RSS (Linux/macOS; includes the Python and PyTorch baseline of a few
+    hundred MiB)."""
     if device.type == "cuda":
         mb = torch.cuda.max_memory_allocated(device) / 2**20
         torch.cuda.reset_peak_memory_stats(device)
@@ -245,7 +246,7 @@ def run_bench(recipe: str, overrides: list[str], steps: int = 20, warmup: int = 
         if devinfo.device.type == "cpu":
             results["transformers_allocator"] = "lmforge" if same_allocator else "default"
     if show:
-        print(f"{'system':<14}{'params':>12}{'tokens/s':>12}{'step ms':>10}{'MFU':>8}{'MFU llm.c':>11}{'peak MB':>10}")
+        print(f"{'system':<14}{'params':>12}{'tokens/s':>12}{'step ms':>10}{'MFU':>8}{'MFU llm.c':>11}{'peak MiB':>10}")
         for r in runs:
             mfu, llmc = (f"{100 * r[k]:.1f}%" if k in r else "-" for k in ("mfu", "mfu_llmc"))
             mem = f"{r['peak_memory_mb']:.0f}" if r["peak_memory_mb"] is not None else "-"
@@ -257,6 +258,6 @@ def run_bench(recipe: str, overrides: list[str], steps: int = 20, warmup: int = 
                 print("(each in its own process; transformers with "
                       + ("lmforge's allocator setting, --same-allocator" if same_allocator else
                          "the C allocator's defaults, as a plain loop runs; --same-allocator gives it lmforge's")
-                      + "; peak MB = process peak RSS)")
+                      + "; peak MiB = process peak RSS)")
 
     return results
