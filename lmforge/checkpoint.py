@@ -401,7 +401,8 @@ def sharded_training_state(ckpt: Path, manifest: dict[str, Any], tensors: dict[s
     try:
         groups = manifest["optimizer"]["param_groups"]
         index = {name: i for i, name in enumerate(n for g in groups for n in g["params"])}
-        state = {index[name]: {entry: tensors[v["shard"]] if "shard" in v else v["value"] for entry, v in entries.items()}
+        state = {index[name]: {entry: tensors[v["shard"]] if "shard" in v else v["value"]
+                               for entry, v in entries.items()}
                  for name, entries in manifest["optimizer"]["state"].items()}
         # JSON has no tuples: a group's list values (Adam's betas) were tuples, "params" aside
         optimizer = {"state": state, "param_groups": [

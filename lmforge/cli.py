@@ -475,10 +475,10 @@ def _cmd_checkpoint_convert(args) -> int:
 
 
 def _cmd_checkpoint_consolidate(args) -> int:
-    from lmforge.checkpoint import STATE_FILE, consolidate, is_sharded, list_checkpoints
+    from lmforge.checkpoint import STATE_FILE, WEIGHTS_FILE, consolidate, is_sharded, list_checkpoints
 
     path = Path(args.checkpoint)
-    if (path / STATE_FILE).is_file() or is_sharded(path) or not path.is_dir():
+    if any((path / f).is_file() for f in (STATE_FILE, WEIGHTS_FILE)) or is_sharded(path) or not path.is_dir():
         found = [path]  # consolidate says what is wrong with anything else
     else:
         found = [p for root in (path / "checkpoints", path) for _, p in list_checkpoints(root) if is_sharded(p)]

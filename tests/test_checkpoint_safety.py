@@ -476,6 +476,12 @@ def test_a_sharded_checkpoint_is_read_without_pickle_and_consolidates(lm_run, tm
         fsdp.load_sharded(other, torch.optim.AdamW(other.param_groups(0.1, 1e-3)), sharded)
     assert main(["checkpoint", "consolidate", str(tmp_path / "whole")]) == 2
     assert "is an ordinary checkpoint already" in capsys.readouterr().err
+    weights_only = tmp_path / "best"  # as a run's best/: the model's files, no trainer state
+    weights_only.mkdir()
+    for name in ("config.yaml", "model.safetensors"):
+        shutil.copy(whole / name, weights_only / name)
+    assert main(["checkpoint", "consolidate", str(weights_only)]) == 2
+    assert "is an ordinary checkpoint already" in capsys.readouterr().err
     (tmp_path / "nothing").mkdir()
     assert main(["checkpoint", "consolidate", str(tmp_path / "nothing")]) == 2
     assert "holds no sharded checkpoint" in capsys.readouterr().err

@@ -183,7 +183,8 @@ class GPTConfig:
         check(self.mhc_sinkhorn_iters >= 1,
               f"model.mhc_sinkhorn_iters must be >= 1 (20 is the paper's setting), got {self.mhc_sinkhorn_iters}")
         check(self.mhc_stream_dtype in ("fp32", "autocast"),
-              f"model.mhc_stream_dtype must be fp32 or autocast (the training precision), got {self.mhc_stream_dtype!r}")
+              "model.mhc_stream_dtype must be fp32 or autocast (the training precision), "
+              f"got {self.mhc_stream_dtype!r}")
         check(lm_loss_problem(self.lm_loss) is None, lm_loss_problem(self.lm_loss) or "")
 
     @property

@@ -14,9 +14,10 @@ with per-token coefficients, dynamic (from the token's stream) plus static::
 
 ``r`` multiplies after the projection (the same value as normalising first, without an nC-wide
 normalised copy of the stream). Coefficients are computed in fp32 with autocast off (a 16-bit stream's
-projection takes 16-bit operands and accumulates in fp32), and the mixing runs at the stream's precision. By default (``model.mhc_stream_dtype=fp32``) the stream keeps the plain
-model's residual dtype (fp32 under bf16 autocast), so mHC on and off differ only in the connections;
-``autocast`` stores it in the training precision (bf16), as the paper does to halve its memory traffic.
+projection takes 16-bit operands and accumulates in fp32), and the mixing runs at the stream's precision.
+By default (``model.mhc_stream_dtype=fp32``) the stream keeps the plain model's residual dtype (fp32 under
+bf16 autocast), so mHC on and off differ only in the connections; ``autocast`` stores it in the training
+precision (bf16), as the paper does to halve its memory traffic.
 Sinkhorn runs in the log domain, alternately normalising columns and rows, as one operator
 (``torch.ops.lmforge.sinkhorn``, a Triton kernel on CUDA). The mixing is a batched matmul in eager
 mode and a broadcast product that Inductor fuses under ``torch.compile`` (``mix_in`` / ``mix_out``).

@@ -62,11 +62,11 @@ class _NonFinite:
 
     On the device, where the optimizer takes ``found_inf`` (fused AdamW, lmforge's default, on CUDA and
     the CPU: MPS's fused kernel ignores it; not with FSDP's CPU offload, whose gradients and optimizer
-    live on the CPU while the loss is on the GPU): each step
-    folds its finiteness (any process's, under torchrun) into a sticky flag that the optimizer kernel
-    reads, so the bad update and every one after it are skipped on the device; the host reads the flag only at the loop's check steps
-    (log lines, evaluations, probes, checkpoints, the last step) and stops there, naming the first bad
-    step. The weights then are those from before it, as if the loop had stopped at once.
+    live on the CPU while the loss is on the GPU): each step folds its finiteness (any process's, under
+    torchrun) into a sticky flag that the optimizer kernel reads, so the bad update and every one after
+    it are skipped on the device; the host reads the flag only at the loop's check steps (log lines,
+    evaluations, probes, checkpoints, the last step) and stops there, naming the first bad step. The
+    weights then are those from before it, as if the loop had stopped at once.
     On the host otherwise (fp16 loss scaling, whose scaler checks every step anyway, or an optimizer
     without ``found_inf``): the loss and norm are read after every step.
     """
