@@ -14,6 +14,7 @@ import torch
 from lmforge.config import load_config
 from lmforge.errors import LMForgeError
 from lmforge.models import build_model
+from lmforge.models.losses import lm_loss_path
 from lmforge.train import seed_everything
 from lmforge.device import (DeviceInfo, _sync, adamw_kernels, keep_freed_memory_for_reuse, model_flops_utilization,
                                    setup_device)
@@ -228,14 +229,17 @@ def run_bench(recipe: str, overrides: list[str], steps: int = 20, warmup: int = 
     if getattr(cfg.model, "vocab_size", 1) == 0:
         cfg.model.vocab_size = vocab_size
     devinfo = setup_device(cfg.training.device, cfg.training.precision, cfg.training.peak_flops)
+    lm_loss = getattr(cfg.model, "lm_loss", None)
+    if lm_loss is not None:  # the path ``auto`` resolves to here, so a figure says which loss it timed
+        lm_loss = lm_loss_path(lm_loss, devinfo.device.type, devinfo.autocast_dtype or torch.float32)
     header = (f"bench {cfg.name}: {devinfo.device} {devinfo.precision}, micro-batch {cfg.training.micro_batch_size}"
               f" x accum {cfg.training.grad_accum_steps} x seq {cfg.data.seq_len}, {steps} timed steps after "
-              f"{warmup} warm-up; compile={cfg.training.compile}; MFU vs {devinfo.peak_flops / 1e12:.2f} "
-              f"TFLOP/s ({devinfo.peak_source})")
+              f"{warmup} warm-up; compile={cfg.training.compile}; lm_loss={lm_loss or '-'}; MFU vs "
+              f"{devinfo.peak_flops / 1e12:.2f} TFLOP/s ({devinfo.peak_source})")
     if show:
         print(header, flush=True)
     results = {"config": cfg.to_dict(), "device": str(devinfo.device), "precision": devinfo.precision,
-               "torch": torch.__version__, "threads": torch.get_num_threads(), "runs": []}
+               "torch": torch.__version__, "threads": torch.get_num_threads(), "lm_loss": lm_loss, "runs": []}
     if compare_transformers:
         runs = compare_with_transformers(cfg, steps, warmup, devinfo, tuned_allocator=same_allocator)
     else:

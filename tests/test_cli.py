@@ -82,6 +82,7 @@ def test_bench_prints_throughput_and_mfu(capsys):
     assert systems == ["lmforge", "transformers"]
     assert all(r["tokens_per_s"] > 0 for r in results["runs"]) and results["speedup"] > 0
     assert 0 < results["runs"][0]["mfu"] < 1
+    assert results["lm_loss"] == "chunked" and "lm_loss=chunked" in out  # what auto resolved to on a CPU
     lm = results["runs"][0]  # llm.c's convention, 6 N + 6 L C T (1 layer, 32 wide, 16 tokens)
     assert lm["flops_per_token_llmc"] == 6 * lm["params"] + 6 * 1 * 32 * 16
     assert lm["mfu_llmc"] / lm["mfu"] == pytest.approx(lm["flops_per_token_llmc"] / lm["flops_per_token"])

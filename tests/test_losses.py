@@ -156,11 +156,24 @@ def test_lm_loss_auto_picks_logits_only_for_bf16_on_cuda_where_it_can_be_built(m
     assert lm_loss_path("auto", "cuda", torch.bfloat16) == "chunked"
 
 
+def test_the_loss_path_resolves_inside_one_compiled_graph():
+    """On CUDA, auto's answer needs a look at the file system (Triton, a C compiler); inside the compiled
+    model that lookup must not break the graph (fullgraph=True raises on a graph break)."""
+    from lmforge.models.losses import lm_loss_path
+
+    def pick(x):
+        return x + 1 if lm_loss_path("auto", "cuda", torch.bfloat16) == "logits" else x - 1
+
+    expected = pick(torch.zeros(2))
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(pick, fullgraph=True, backend="eager")(torch.zeros(2)), expected)
+
+
 def test_the_logits_kernels_need_triton_and_a_c_compiler(monkeypatch):
     from lmforge.models import losses
 
     def check(cc_env, on_path, triton):
-        losses.can_compile_logits_loss.cache_clear()
+        losses._logits_toolchain_present.cache_clear()
         monkeypatch.delenv("CC", raising=False)
         if cc_env:
             monkeypatch.setenv("CC", cc_env)
@@ -174,7 +187,7 @@ def test_the_logits_kernels_need_triton_and_a_c_compiler(monkeypatch):
         assert not check("", set(), triton=True)  # no C compiler
         assert not check("", {"cc"}, triton=False)  # no Triton
     finally:
-        losses.can_compile_logits_loss.cache_clear()
+        losses._logits_toolchain_present.cache_clear()
 
 
 def test_gpt_model_takes_its_loss_path_from_model_lm_loss(monkeypatch):

@@ -121,11 +121,18 @@ def lm_loss_problem(value: str) -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
-def can_compile_logits_loss() -> bool:
-    """Whether torch.compile can build the logits path's CUDA kernels here: Triton, and the C compiler it
-    builds its launchers with (``$CC``, or ``cc``/``gcc``/``clang`` on the PATH)."""
+def _logits_toolchain_present() -> bool:
     has_cc = bool(os.environ.get("CC")) or any(shutil.which(c) for c in ("cc", "gcc", "clang"))
     return has_cc and importlib.util.find_spec("triton") is not None
+
+
+@torch.compiler.assume_constant_result
+def can_compile_logits_loss() -> bool:
+    """Whether torch.compile can build the logits path's CUDA kernels here: Triton, and the C compiler it
+    builds its launchers with (``$CC``, or ``cc``/``gcc``/``clang`` on the PATH). Asked inside the compiled
+    model's forward: Dynamo takes the answer as a constant, where tracing the file-system lookups would break
+    the graph in two at the loss (it did on the H200: a second graph and its launch gap every step)."""
+    return _logits_toolchain_present()
 
 
 def lm_loss_path(setting: str, device_type: str, dtype: torch.dtype) -> str:
