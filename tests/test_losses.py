@@ -1,10 +1,14 @@
-"""The LM-head cross-entropy: both paths (fused chunks; whole logits, compiled) equal the plain F.cross_entropy."""
+"""The LM-head cross-entropy: both paths (fused chunks; whole logits and the cross-entropy operator) equal
+the plain F.cross_entropy."""
+
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from lmforge.models.losses import _LinearCrossEntropy, chunk_rows, linear_cross_entropy
+from tests.train_helpers import REPO, run, subprocess_env
 
 
 def _case(n: int, d: int, vocab: int, seed: int = 0):
@@ -115,18 +119,15 @@ def test_logits_path_matches_plain_cross_entropy_with_a_padded_vocabulary():
     assert float(empty) == 0.0 and torch.count_nonzero(h3.grad) == 0
 
 
-def test_logits_path_under_torch_compile_and_bf16_matches_the_chunked_path(monkeypatch):
-    """What CUDA runs: the logits loss compiled on its own (here by Inductor's CPU backend: the device check
-    is pointed at the CPU), matmuls in bf16; the loss and both gradients agree with the chunked path at
+def test_logits_path_under_torch_compile_and_bf16_matches_the_chunked_path():
+    """What CUDA runs inside a compiled model: the logits path in one graph (fullgraph: the cross-entropy
+    operator is a single node), matmuls in bf16; the loss and both gradients agree with the chunked path at
     bf16's precision."""
-    from lmforge.models import losses
-
-    monkeypatch.setattr(losses, "_COMPILE_ON", ("cpu",))
-    monkeypatch.setattr(losses, "_compiled_logits_loss", None)
     hidden, weight, labels = (t.float() if t.is_floating_point() else t for t in _case(96, 32, 200, seed=5))
+    torch._dynamo.reset()
+    logits_path = torch.compile(lambda h, w: linear_cross_entropy(h, w, labels, path="logits"), fullgraph=True)
     results = []
-    for fn in (lambda h, w: linear_cross_entropy(h, w, labels, path="chunked"),
-               lambda h, w: linear_cross_entropy(h, w, labels, path="logits")):
+    for fn in (lambda h, w: linear_cross_entropy(h, w, labels, path="chunked"), logits_path):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = fn(h, w)
@@ -135,14 +136,88 @@ def test_logits_path_under_torch_compile_and_bf16_matches_the_chunked_path(monke
     for a, b in zip(*results):
         assert a.dtype == b.dtype == torch.float32
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
-    assert losses._compiled_logits_loss is not None  # it went through the compiled function
+
+
+def test_cross_entropy_operator_passes_torch_library_opcheck():
+    """The operator's fake kernel, autograd and schema agree with what it does (torch.library.opcheck)."""
+    from lmforge.models.losses import cross_entropy_rows
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 16, dtype=torch.float64, requires_grad=True)
+    labels = torch.tensor([0, 3, -100, 9, 8, -100])
+    torch.library.opcheck(cross_entropy_rows, (logits, labels, 10))
+    loss, lse = cross_entropy_rows(logits, labels, 10)
+    assert not lse.requires_grad and loss.requires_grad
+    torch.testing.assert_close(lse, torch.logsumexp(logits[:, :10].detach(), -1))
+
+
+def test_triton_cross_entropy_kernels_match_the_pytorch_implementation(tmp_path):
+    """The CUDA kernels (run by Triton's interpreter on CPU tensors): per-token loss, log-sum-exp and the
+    gradient against the PyTorch implementation, across the kernel's vocabulary blocks, with ignored tokens,
+    a label in the last real column, extreme logits, and padded columns that must get exactly 0."""
+    script = tmp_path / "check.py"
+    script.write_text(
+        "import torch\n"
+        "from lmforge.models import losses_triton\n"
+        "from lmforge.models.losses import _rows_in_torch, _rows_backward_in_torch\n"
+        "torch.manual_seed(0)\n"
+        "for n, vocab, padded, dtype in [(7, 5000, 5120, torch.bfloat16), (5, 300, 384, torch.float32),\n"
+        "                                (3, 4096, 4096, torch.float16)]:\n"
+        "    x = (4 * torch.randn(n, padded)).to(dtype)\n"
+        "    x[0, :vocab] = 0; x[1, 17] = 60.0  # all equal; one dominant logit\n"
+        "    x[:, vocab:] = 1e4 if dtype != torch.float16 else 6e4  # padding must not count, however large\n"
+        "    labels = torch.randint(0, vocab, (n,)); labels[2] = -100; labels[1] = vocab - 1\n"
+        "    loss, lse = losses_triton.cross_entropy_rows(x, labels, vocab)\n"
+        "    ref_loss, ref_lse = _rows_in_torch(x, labels, vocab)\n"
+        "    torch.testing.assert_close(loss, ref_loss, atol=1e-4, rtol=1e-5)\n"
+        "    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-5)\n"
+        "    assert loss[2] == 0\n"
+        "    g = torch.randn(n)\n"
+        "    grad = losses_triton.cross_entropy_rows_backward(g, x, labels, lse, vocab)\n"
+        "    ref = _rows_backward_in_torch(g, x, labels, ref_lse, vocab)\n"
+        "    assert grad.dtype == dtype and grad.shape == x.shape\n"
+        "    torch.testing.assert_close(grad.float(), ref.float(), atol=2e-3, rtol=1e-2)\n"
+        "    assert torch.count_nonzero(grad[:, vocab:]) == 0 and torch.count_nonzero(grad[2]) == 0\n"
+        "print('kernels match')\n")
+    out = run([sys.executable, str(script)], cwd=REPO, env=subprocess_env(TRITON_INTERPRET="1"))
+    assert out.returncode == 0 and "kernels match" in out.stdout, out.stderr[-3000:]
+
+
+def test_triton_cross_entropy_kernels_build_for_hopper_with_vector_loads():
+    """Triton compiles both kernels for an H100/H200 (sm_90) here, without a GPU (the interpreter above does not
+    catch what only the compiler checks), and the rows are read and written 16 bytes at a time: with
+    16-byte-aligned rows (what Triton's launcher sees for lmforge's padded logits), the masks on the padded
+    width keep the loads vectorised where a mask on GPT-2's odd vocabulary (50257) would make them 2-byte."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from lmforge.models import losses_triton
+
+    aligned = [["tt.divisibility", 16]]
+    kernels = {
+        losses_triton._forward_kernel: ["*bf16", "*i64", "*fp32", "*fp32", "i32", "i32", "i32"],
+        losses_triton._backward_kernel: ["*fp32", "*bf16", "*i64", "*fp32", "*bf16", "i32", "i32", "i32", "i32"],
+    }
+    for kernel, types in kernels.items():
+        names = kernel.arg_names
+        signature = dict(zip(names, types + ["constexpr", "constexpr"], strict=True))
+        # what the launcher specialises: pointers and the padded width / strides divisible by 16, not vocab
+        attrs = {(i,): aligned for i, name in enumerate(names) if name not in ("vocab", "IGNORE", "BLOCK")}
+        source = ASTSource(fn=kernel, signature=signature, constexprs={"IGNORE": -100, "BLOCK": losses_triton.BLOCK_V},
+                           attrs=attrs)
+        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+        assert "ld.global.v4.b32" in ptx, kernel.fn.__name__  # the row, 8 bf16 values per load
+    assert re.search(r"st\.global\.v4\.b32", ptx)  # the backward writes the gradient 8 values at a time
 
 
 def test_lm_loss_auto_picks_logits_only_for_bf16_on_cuda_where_it_can_be_built(monkeypatch):
     from lmforge.models import losses
     from lmforge.models.losses import lm_loss_path
 
-    monkeypatch.setattr(losses, "can_compile_logits_loss", lambda: True)
+    monkeypatch.setattr(losses, "can_build_logits_kernels", lambda: True)
     assert lm_loss_path("auto", "cuda", torch.bfloat16) == "logits"
     assert lm_loss_path("auto", "cuda", torch.float16) == "chunked"  # not measured; fp16 gradients underflow
     assert lm_loss_path("auto", "cuda", torch.float32) == "chunked"
@@ -152,7 +227,7 @@ def test_lm_loss_auto_picks_logits_only_for_bf16_on_cuda_where_it_can_be_built(m
     assert lm_loss_path("logits", "cpu", torch.float32) == "logits"
     with pytest.raises(ValueError, match="lm_loss must be one of"):
         lm_loss_path("fast", "cpu", torch.float32)
-    monkeypatch.setattr(losses, "can_compile_logits_loss", lambda: False)  # no Triton or no C compiler
+    monkeypatch.setattr(losses, "can_build_logits_kernels", lambda: False)  # no Triton or no C compiler
     assert lm_loss_path("auto", "cuda", torch.bfloat16) == "chunked"
 
 
@@ -179,7 +254,7 @@ def test_the_logits_kernels_need_triton_and_a_c_compiler(monkeypatch):
             monkeypatch.setenv("CC", cc_env)
         monkeypatch.setattr(losses.shutil, "which", lambda name: f"/usr/bin/{name}" if name in on_path else None)
         monkeypatch.setattr(losses.importlib.util, "find_spec", lambda name: object() if triton else None)
-        return losses.can_compile_logits_loss()
+        return losses.can_build_logits_kernels()
 
     try:
         assert check("", {"gcc"}, triton=True)

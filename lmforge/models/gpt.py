@@ -122,7 +122,7 @@ class GPTConfig:
     # (bf16 under bf16 autocast, the paper's choice: half the stream's memory traffic, rounded flows).
     mhc_stream_dtype: str = "fp32"
     # The LM head's loss (lmforge.models.losses): auto | chunked (fused chunks, no [tokens, vocab] logits
-    # kept; the CPU's best) | logits (whole 16-bit logits, compiled cross-entropy, padded vocabulary; CUDA's).
+    # kept; the CPU's best) | logits (whole 16-bit logits, padded vocabulary, the cross-entropy operator; CUDA's).
     lm_loss: str = "auto"
 
     @classmethod

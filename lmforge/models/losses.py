@@ -15,14 +15,15 @@ backward pass, so this suits a loss that is backpropagated once per forward (tra
 evaluation, where no gradient is computed at all).
 
 On CUDA GPUs a second path is faster (``lm_loss="logits"``, what ``auto`` picks there under bf16): the
-whole ``[tokens, vocab]`` logits in bf16, and a cross-entropy compiled by ``torch.compile`` that reads
-them once, upcasting inside its kernel, with no fp32 copy. The vocabulary is padded to a multiple of 128
-for the three matmuls (the padded columns are sliced off before the softmax, so they take no probability
-and get no gradient). Measured alone on an H200 at GPT-2 124M's shapes (16,384 tokens, width 768, forward
-+ backward; ``benchmarks/gpu_micro.py``, figures in ``benchmarks/RESULTS.md``): this chunked path 19.6 ms
-and 1,757 MiB; the plain compiled loss 9.7 ms and 3,242 MiB at vocabulary 50257, 7.9 ms and 1,743 MiB
-with the weight already padded to 50304. An unpadded vocabulary's matmuls ran at 95-151 TFLOP/s against
-690 padded. The path built here (padding inside the loss) is not measured yet.
+whole ``[tokens, vocab]`` logits in bf16 from one matmul, and the cross-entropy as one operator
+(``torch.ops.lmforge.cross_entropy_rows``: Triton kernels on CUDA, ``losses_triton``) that reads each row
+once forward and once backward, upcasting as it reads, with no fp32 copy; inside a compiled model it is
+one node. The vocabulary is padded to a multiple of 128 for the three matmuls (the padded columns take no
+probability and get no gradient). Measured on an H200 (``benchmarks/RESULTS.md``): alone, at GPT-2 124M's
+shapes, this chunked path 19.6 ms and the plain compiled loss 7.9-9.7 ms, an unpadded vocabulary's
+matmuls 95-151 TFLOP/s against 690 padded; in the whole compiled 124M step, the logits path with
+Inductor's cross-entropy (before the operator) 35.4 ms against the chunked path's 35.9, its cross-entropy
+kernels ~4 ms of it. The operator's kernels are not measured on a GPU yet.
 """
 
 from __future__ import annotations
@@ -127,59 +128,131 @@ def _logits_toolchain_present() -> bool:
 
 
 @torch.compiler.assume_constant_result
-def can_compile_logits_loss() -> bool:
-    """Whether torch.compile can build the logits path's CUDA kernels here: Triton, and the C compiler it
-    builds its launchers with (``$CC``, or ``cc``/``gcc``/``clang`` on the PATH). Asked inside the compiled
-    model's forward: Dynamo takes the answer as a constant, where tracing the file-system lookups would break
-    the graph in two at the loss (it did on the H200: a second graph and its launch gap every step)."""
+def can_build_logits_kernels() -> bool:
+    """Whether the logits path's Triton kernels can be built here: Triton, and the C compiler it builds its
+    launchers with (``$CC``, or ``cc``/``gcc``/``clang`` on the PATH). Asked inside the compiled model's
+    forward: Dynamo takes the answer as a constant, where tracing the file-system lookups would break the
+    graph in two at the loss (it did on an H200: a second graph and its launch gap every step)."""
     return _logits_toolchain_present()
 
 
 def lm_loss_path(setting: str, device_type: str, dtype: torch.dtype) -> str:
     """``chunked`` or ``logits`` for ``setting`` (one of LM_LOSS_PATHS), on ``device_type`` with matmuls in
-    ``dtype``. ``auto`` takes the logits path where it measured faster, CUDA with bf16 matmuls, when its
-    kernels can be built there (``can_compile_logits_loss``); everywhere else the chunked one: CPUs, where it
-    measured best; MPS, fp16 (its gradients would need the loss scale to stay out of fp16's underflow) and
-    fp32, not measured."""
+    ``dtype``. ``auto`` takes the logits path on CUDA with bf16 matmuls, when its kernels can be built there
+    (``can_build_logits_kernels``); everywhere else the chunked one: CPUs, where it measured best; MPS, fp16
+    (its gradients would need the loss scale to stay out of fp16's underflow) and fp32, not measured."""
     if setting not in LM_LOSS_PATHS:
         raise ValueError(f"lm_loss must be one of {', '.join(LM_LOSS_PATHS)}, got {setting!r}")
     if setting != "auto":
         return setting
-    if device_type == "cuda" and dtype == torch.bfloat16 and can_compile_logits_loss():
+    if device_type == "cuda" and dtype == torch.bfloat16 and can_build_logits_kernels():
         return "logits"
     return "chunked"
 
 
-def _logits_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    vocab = weight.shape[0]
-    w = weight.to(dtype)
-    pad = -vocab % VOCAB_MULTIPLE
-    if pad:  # zero rows: their logits are sliced off below, and the slice gives them no gradient
-        w = F.pad(w, (0, 0, 0, pad))
-    logits = (hidden.to(dtype) @ w.t())[:, :vocab]
-    # The upcast (fp32, or fp64 for fp64 inputs) is fused into the compiled cross-entropy's kernels: no fp32
-    # logits are stored.
-    acc = torch.promote_types(dtype, torch.float32)
-    total = F.cross_entropy(logits.to(acc), labels, ignore_index=IGNORE_INDEX, reduction="sum")
-    return total / (labels != IGNORE_INDEX).sum().clamp(min=1)  # mean over valid labels, 0 when there are none
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
 
 
-# The logits loss compiled on its own, for models that run eagerly (training.compile=false, or FSDP's root).
-_compiled_logits_loss = None
-_COMPILE_ON = ("cuda",)  # devices where the logits path is compiled on its own; elsewhere it runs eagerly
+def _rows_in_torch(logits: torch.Tensor, labels: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x = logits[:, :vocab].to(_accumulation_dtype(logits.dtype))
+    lse = torch.logsumexp(x, dim=-1)
+    picked = x.gather(1, labels.clamp(min=0).unsqueeze(1)).squeeze(1)
+    return torch.where(labels != IGNORE_INDEX, lse - picked, 0.0), lse
+
+
+def _rows_backward_in_torch(grad: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
+                            vocab: int) -> torch.Tensor:
+    x = logits[:, :vocab].to(lse.dtype)
+    g = torch.where(labels != IGNORE_INDEX, grad.to(lse.dtype), 0.0).unsqueeze(1)
+    d = torch.exp(x - lse.unsqueeze(1))
+    d.scatter_add_(1, labels.clamp(min=0).unsqueeze(1), torch.full_like(g, -1.0))
+    return F.pad(d * g, (0, logits.shape[1] - vocab)).to(logits.dtype)
+
+
+@torch.library.custom_op("lmforge::cross_entropy_rows", mutates_args=())
+def cross_entropy_rows(logits: torch.Tensor, labels: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token cross-entropy of ``[N, padded]`` logits whose columns from ``vocab`` on are padding (they
+    take no probability): the loss (0 where the label is ``-100``) and the log-sum-exp, both ``[N]`` in fp32
+    (fp64 for fp64 logits). The log-sum-exp is kept for the backward and has no gradient of its own. This
+    implementation serves every device; on CUDA the Triton kernels of ``lmforge.models.losses_triton`` run
+    instead, which never make a 32-bit copy of the logits."""
+    return _rows_in_torch(logits, labels, vocab)
+
+
+@torch.library.custom_op("lmforge::cross_entropy_rows_backward", mutates_args=())
+def cross_entropy_rows_backward(grad: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
+                                vocab: int) -> torch.Tensor:
+    """Gradient of ``sum(grad * loss)`` for ``cross_entropy_rows``: ``(softmax - one_hot) * grad`` per token,
+    0 on ignored tokens and in the padded columns, in the logits' dtype."""
+    return _rows_backward_in_torch(grad, logits, labels, lse, vocab)
+
+
+@cross_entropy_rows.register_fake
+def _(logits: torch.Tensor, labels: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    acc = _accumulation_dtype(logits.dtype)
+    return logits.new_empty(logits.shape[0], dtype=acc), logits.new_empty(logits.shape[0], dtype=acc)
+
+
+@cross_entropy_rows_backward.register_fake
+def _(grad: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.empty_like(logits)
+
+
+def _kernels():
+    """The Triton kernels' module, or None where Triton is not installed (the PyTorch implementation runs)."""
+    try:
+        from lmforge.models import losses_triton
+    except ImportError:
+        return None
+    return losses_triton
+
+
+@cross_entropy_rows.register_kernel("cuda")
+def _(logits: torch.Tensor, labels: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    kernels = _kernels()
+    if kernels is None or not kernels.supports(logits):
+        return _rows_in_torch(logits, labels, vocab)
+    return kernels.cross_entropy_rows(logits, labels, vocab)
+
+
+@cross_entropy_rows_backward.register_kernel("cuda")
+def _(grad: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, vocab: int) -> torch.Tensor:
+    kernels = _kernels()
+    if kernels is None or not kernels.supports(logits):
+        return _rows_backward_in_torch(grad, logits, labels, lse, vocab)
+    return kernels.cross_entropy_rows_backward(grad, logits, labels, lse, vocab)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    logits, labels, vocab = inputs
+    ctx.save_for_backward(logits, labels, output[1])
+    ctx.mark_non_differentiable(output[1])
+    ctx.vocab = vocab
+
+
+def _backward(ctx, grad_loss: torch.Tensor, grad_lse: torch.Tensor | None):
+    logits, labels, lse = ctx.saved_tensors
+    return cross_entropy_rows_backward(grad_loss, logits, labels, lse, ctx.vocab), None, None
+
+
+cross_entropy_rows.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _logits_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    global _compiled_logits_loss
+    """The logits path: the whole ``[tokens, vocab]`` logits in the matmuls' dtype, the vocabulary padded to a
+    multiple of VOCAB_MULTIPLE for the three matmuls (the padded weight rows are zeros, their columns take no
+    probability, and the pad's backward drops their gradient), and ``cross_entropy_rows``."""
     dtype = _matmul_dtype(hidden, weight)
     with torch.autocast(hidden.device.type, enabled=False):
-        if torch.compiler.is_compiling() or hidden.device.type not in _COMPILE_ON:
-            # inside a compiled model, the model's graph takes this in; off CUDA (where lm_loss=logits is
-            # asked for by name) it runs eagerly
-            return _logits_loss(hidden, weight, labels, dtype)
-        if _compiled_logits_loss is None:
-            _compiled_logits_loss = torch.compile(_logits_loss)
-        return _compiled_logits_loss(hidden, weight, labels, dtype)
+        vocab = weight.shape[0]
+        w = weight.to(dtype)
+        pad = -vocab % VOCAB_MULTIPLE
+        if pad:
+            w = F.pad(w, (0, 0, 0, pad))
+        logits = hidden.to(dtype) @ w.t()
+        losses, _ = cross_entropy_rows(logits, labels, vocab)
+        return losses.sum() / (labels != IGNORE_INDEX).sum().clamp(min=1)  # mean over valid labels, 0 if none
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
