@@ -12,8 +12,12 @@ go to ``<out>/results.json``; a short table is printed last. Usage (on the GPU m
 The machine's image has PyTorch, transformers and the training dependencies, but not the server's
 (fastapi, uvicorn) nor the openai client that ``serve_load`` needs: ``benchmarks/gpu_wheels.sh`` downloads
 them here into ``.whl``; the device call then carries ``.whl`` and begins with ``python3 -m pip install -q
---no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site``. Measured with it on an
-H200 on 2026-11-26: the first eight steps of the list then took 511 s, and the machine's start about 30 s.
+--no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site`` (then ``python3 -c
+"import fastapi, uvicorn, openai"`` shows at once whether the set is whole). On an H200 on 2026-11-26 (second
+lease) the steps took: env 6 s, bench_124m 36, bench_124m_chunked 34, micro 36 (first lease), profile_124m 22,
+bench_1b 101, vs_transformers 49, mhc_on_125m 132, mhc_off_125m 54, profile_mhc_125m 28, bench_124m_cdt 127,
+bench_124m_mb32 40, generation 130, serve_load 31, bench_124m_dropout 36; the machine's start about 30 s.
+So a 15-minute lease fits the list in two calls (``--budget 505``, then ``--from NAME`` with what is left).
 """
 
 from __future__ import annotations
@@ -44,25 +48,25 @@ STEPS: list[tuple[str, list[str], int, int]] = [
      180, 90),
     ("bench_124m_chunked", [PY, "-m", "lmforge", "bench", *GPT2_124M, *NO_DROPOUT, "model.lm_loss=chunked",
                             *GPT2_VOCAB, "--steps", "20", "--json"], 150, 60),
+    ("micro", [PY, "benchmarks/gpu_micro.py", "--json", "{out}/micro.json"], 120, 40),
+    ("profile_124m", [PY, "benchmarks/profile_step.py", *GPT2_124M, *NO_DROPOUT, *GPT2_VOCAB], 120, 60),
     ("bench_1b", [PY, "-m", "lmforge", "bench", *LLAMA_1B, "--steps", "10", "--json"], 200, 100),
-    ("generation", [PY, "benchmarks/generation_speed.py", "--device", "cuda", "--no-quality", "--sizes", "small",
-                    "--flavors", "gpt2", "--precisions", "fp32,bf16", "--rounds", "2"], 150, 60),
-    ("serve_load", [PY, "benchmarks/serve_load.py", "--device", "cuda", "--precision", "bf16"], 120, 50),
     ("vs_transformers", [PY, "-m", "lmforge", "bench", *GPT2_124M, *NO_DROPOUT, *GPT2_VOCAB, "--steps", "20",
                          "--compare-transformers", "--json"], 200, 120),
-    ("bench_124m_mb32", [PY, "-m", "lmforge", "bench", *GPT2_124M, *NO_DROPOUT, "training.micro_batch_size=32",
-                         *GPT2_VOCAB, "--steps", "20", "--json"], 120, 60),
     ("mhc_on_125m", [PY, "-m", "lmforge", "bench", *MHC_125M, "model.mhc_enabled=true", "--steps", "10", "--json"],
      200, 100),
     ("mhc_off_125m", [PY, "-m", "lmforge", "bench", *MHC_125M, "model.mhc_enabled=false", "--steps", "10",
                       "--json"], 150, 60),
-    ("profile_124m", [PY, "benchmarks/profile_step.py", *GPT2_124M, *NO_DROPOUT, *GPT2_VOCAB], 120, 60),
     ("profile_mhc_125m", [PY, "benchmarks/profile_step.py", *MHC_125M, "model.mhc_enabled=true"], 150, 60),
-    ("bench_124m_dropout", [PY, "-m", "lmforge", "bench", *GPT2_124M, *GPT2_VOCAB, "--steps", "20", "--json"], 120, 60),
     # Inductor's coordinate-descent tuning of its kernels' launch settings (longer compile)
     ("bench_124m_cdt", ["env", "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1", PY, "-m", "lmforge", "bench", *GPT2_124M,
                         *NO_DROPOUT, *GPT2_VOCAB, "--steps", "20", "--json"], 240, 120),
-    ("micro", [PY, "benchmarks/gpu_micro.py", "--json", "{out}/micro.json"], 120, 40),
+    ("bench_124m_mb32", [PY, "-m", "lmforge", "bench", *GPT2_124M, *NO_DROPOUT, "training.micro_batch_size=32",
+                         *GPT2_VOCAB, "--steps", "20", "--json"], 120, 60),
+    ("generation", [PY, "benchmarks/generation_speed.py", "--device", "cuda", "--no-quality", "--sizes", "small",
+                    "--flavors", "gpt2", "--precisions", "fp32,bf16", "--rounds", "2"], 150, 60),
+    ("serve_load", [PY, "benchmarks/serve_load.py", "--device", "cuda", "--precision", "bf16"], 120, 50),
+    ("bench_124m_dropout", [PY, "-m", "lmforge", "bench", *GPT2_124M, *GPT2_VOCAB, "--steps", "20", "--json"], 120, 60),
 ]
 
 
