@@ -559,6 +559,48 @@ def test_loss_gradients_and_metrics_equal_the_first_implementation(precision):
         torch.testing.assert_close(ours[name] / scale, ref[name] / scale, **tol, msg=name)
 
 
+def test_the_normed_projections_written_out_backward_equals_autograd():
+    """The eager coefficients' (flat @ phi.T) / RMS(flat) with its hand-written backward: gradcheck in fp64,
+    and against autograd of the same forward for a bf16 stream (mhc_stream_dtype=autocast) and leading
+    dimensions of any number, none included."""
+    from lmforge.models.mhc import _NormedProjection, _normed_projection
+
+    torch.manual_seed(0)
+    flat = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
+    phi = (0.3 * torch.randn(24, 16, dtype=torch.float64)).requires_grad_()
+    assert torch.autograd.gradcheck(lambda f, p: _NormedProjection.apply(f, p, 1e-6), (flat, phi))
+    for shape, dtype, tol in (((2, 3, 64), torch.bfloat16, 2e-2), ((64,), torch.float32, 1e-5)):
+        x = torch.randn(shape).to(dtype)
+        p = 0.1 * torch.randn(24, 64)
+        g = torch.randn(*shape[:-1], 24)
+        grads = []
+        for fn in (lambda a, b: _NormedProjection.apply(a, b, 1e-6),
+                   lambda a, b: (lambda proj, inv: proj * inv)(*_normed_projection(a, b, 1e-6))):
+            a, b = x.clone().requires_grad_(), p.clone().requires_grad_()
+            out = fn(a, b)
+            out.backward(g)
+            grads.append((out.detach(), a.grad.float(), b.grad))
+        for mine, ref in zip(*grads):
+            torch.testing.assert_close(mine, ref, rtol=tol, atol=tol)
+
+
+def test_an_mhc_layer_takes_a_stream_without_batch_dimensions():
+    """``[n, C]`` (one token) gives what ``[1, n, C]`` gives, forward and backward, in eager mode."""
+    torch.manual_seed(0)
+    layer = MHCLayer(hidden_dim=8, num_flows=4, index=1)
+    with torch.no_grad():
+        layer.phi.normal_(0, 0.1)
+    stream = torch.randn(4, 8)
+    results = []
+    for x in (stream.clone().requires_grad_(), stream.clone().unsqueeze(0).requires_grad_()):
+        out, _ = layer(x, lambda h: 2 * h)
+        out.sum().backward()
+        results.append((out.reshape(4, 8).detach(), x.grad.reshape(4, 8), layer.phi.grad.clone()))
+        layer.zero_grad()
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b)
+
+
 def test_sinkhorn_operator_checks_and_matches_unrolled_autograd():
     """opcheck (schema, fake tensor, autograd registration, AOT dispatch), fp64 gradcheck through the
     operator, and values and gradients equal to autograd through the unrolled rounds, peaked logits

@@ -154,26 +154,39 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
 
 
+def _check_vocab(logits: torch.Tensor, vocab: int) -> None:
+    if not 0 < vocab <= logits.shape[-1]:
+        raise ValueError(f"vocab must be in 1..{logits.shape[-1]} (the logits' width), got {vocab}")
+
+
 def _rows_in_torch(logits: torch.Tensor, labels: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_vocab(logits, vocab)
     x = logits[:, :vocab].to(_accumulation_dtype(logits.dtype))
     lse = torch.logsumexp(x, dim=-1)
-    picked = x.gather(1, labels.clamp(min=0).unsqueeze(1)).squeeze(1)
-    return torch.where(labels != IGNORE_INDEX, lse - picked, 0.0), lse
+    # A label outside the vocabulary (other than -100) gives a NaN loss, which the training loop's check
+    # stops on before the update: no host read here, and no silent clamp to a real token.
+    in_range = (labels >= 0) & (labels < vocab)
+    picked = x.gather(1, torch.where(in_range, labels, 0).unsqueeze(1)).squeeze(1)
+    loss = torch.where(in_range, lse - picked, torch.where(labels == IGNORE_INDEX, 0.0, float("nan")))
+    return loss.to(lse.dtype), lse
 
 
 def _rows_backward_in_torch(grad: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
                             vocab: int) -> torch.Tensor:
+    _check_vocab(logits, vocab)
     x = logits[:, :vocab].to(lse.dtype)
-    g = torch.where(labels != IGNORE_INDEX, grad.to(lse.dtype), 0.0).unsqueeze(1)
+    in_range = (labels >= 0) & (labels < vocab)
+    g = torch.where(labels == IGNORE_INDEX, 0.0, torch.where(in_range, grad.to(lse.dtype), float("nan"))).unsqueeze(1)
     d = torch.exp(x - lse.unsqueeze(1))
-    d.scatter_add_(1, labels.clamp(min=0).unsqueeze(1), torch.full_like(g, -1.0))
+    d.scatter_add_(1, torch.where(in_range, labels, 0).unsqueeze(1), torch.full_like(g, -1.0))
     return F.pad(d * g, (0, logits.shape[1] - vocab)).to(logits.dtype)
 
 
 @torch.library.custom_op("lmforge::cross_entropy_rows", mutates_args=())
 def cross_entropy_rows(logits: torch.Tensor, labels: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token cross-entropy of ``[N, padded]`` logits whose columns from ``vocab`` on are padding (they
-    take no probability): the loss (0 where the label is ``-100``) and the log-sum-exp, both ``[N]`` in fp32
+    take no probability): the loss (0 where the label is ``-100``, NaN where it is outside the vocabulary)
+    and the log-sum-exp, both ``[N]`` in fp32
     (fp64 for fp64 logits). The log-sum-exp is kept for the backward and has no gradient of its own. This
     implementation serves every device; on CUDA the Triton kernels of ``lmforge.models.losses_triton`` run
     instead, which never make a 32-bit copy of the logits."""
@@ -196,7 +209,7 @@ def _(logits: torch.Tensor, labels: torch.Tensor, vocab: int) -> tuple[torch.Ten
 
 @cross_entropy_rows_backward.register_fake
 def _(grad: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, vocab: int) -> torch.Tensor:
-    return torch.empty_like(logits)
+    return logits.new_empty(logits.shape)  # row-major, as both implementations return it
 
 
 def _kernels():
@@ -210,6 +223,7 @@ def _kernels():
 
 @cross_entropy_rows.register_kernel("cuda")
 def _(logits: torch.Tensor, labels: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_vocab(logits, vocab)
     kernels = _kernels()
     if kernels is None or not kernels.supports(logits):
         return _rows_in_torch(logits, labels, vocab)
@@ -218,6 +232,7 @@ def _(logits: torch.Tensor, labels: torch.Tensor, vocab: int) -> tuple[torch.Ten
 
 @cross_entropy_rows_backward.register_kernel("cuda")
 def _(grad: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, vocab: int) -> torch.Tensor:
+    _check_vocab(logits, vocab)
     kernels = _kernels()
     if kernels is None or not kernels.supports(logits):
         return _rows_backward_in_torch(grad, logits, labels, lse, vocab)

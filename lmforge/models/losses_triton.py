@@ -44,21 +44,23 @@ def _forward_kernel(x_ptr, labels_ptr, loss_ptr, lse_ptr, vocab, padded, row_str
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * row_stride
     cols = tl.arange(0, BLOCK)
-    # A running maximum and sum of exp(x - maximum): one exponential per logit. The first block has at
-    # least one real column (vocab >= 1), so the maximum is finite from the first iteration on.
+    # A running maximum and sum of exp(x - maximum): one exponential per logit. While every logit seen is
+    # -inf the maximum is too, and the shift uses 0 instead (exp(-inf - -inf) would be NaN).
     m = float("-inf")
     s = 0.0
     for start in range(0, padded, BLOCK):
         x = _load_row_block(base, start + cols, vocab, padded)
         m_new = tl.maximum(m, tl.max(x, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), axis=0)
         m = m_new
     lse = m + tl.log(s)
     label = tl.load(labels_ptr + row)
-    valid = label != IGNORE
-    picked = tl.load(base + tl.where(valid, label, 0)).to(tl.float32)
+    in_range = (label >= 0) & (label < vocab)
+    picked = tl.load(base + tl.where(in_range, label, 0)).to(tl.float32)
     tl.store(lse_ptr + row, lse)
-    tl.store(loss_ptr + row, tl.where(valid, lse - picked, 0.0))
+    # a label outside the vocabulary (other than IGNORE) gives NaN, which the training loop stops on
+    tl.store(loss_ptr + row, tl.where(in_range, lse - picked, tl.where(label == IGNORE, 0.0, float("nan"))))
 
 
 @triton.jit
@@ -66,7 +68,9 @@ def _backward_kernel(grad_ptr, x_ptr, labels_ptr, lse_ptr, out_ptr, vocab, padde
                      IGNORE: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     label = tl.load(labels_ptr + row)
-    g = tl.where(label != IGNORE, tl.load(grad_ptr + row).to(tl.float32), 0.0)
+    in_range = (label >= 0) & (label < vocab)
+    g = tl.load(grad_ptr + row).to(tl.float32)
+    g = tl.where(label == IGNORE, 0.0, tl.where(in_range, g, float("nan")))
     lse = tl.load(lse_ptr + row)
     base, out = x_ptr + row * row_stride, out_ptr + row * out_stride
     cols = tl.arange(0, BLOCK)
