@@ -394,3 +394,22 @@ def test_attention_of_varying_shapes_runs_without_cudnn_on_cuda(monkeypatch):
     documents = torch.tensor([[0, 0, 0, 1, 1, 1]])
     model.hidden_states(ids, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]), document_ids=documents)
     assert seen == ["cpu"] * model.config.n_layer
+
+
+@pytest.mark.parametrize("extra", [
+    {"flavor": "gpt2"},
+    {"flavor": "gpt2", "lm_loss": "logits"},
+    {"flavor": "llama", "mhc_enabled": True, "mhc_stream_dtype": "autocast"},
+], ids=["gpt2", "gpt2-logits-loss", "llama-mhc-bf16-stream"])
+def test_the_training_forward_compiles_to_one_graph(extra):
+    """A graph break inside the compiled training forward costs a second graph and the host between the two
+    on every GPU step (one at the loss did, on an H200): the forward with its loss, under bf16 autocast, is
+    one graph with no break, with either loss path and with mHC."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=300, n_positions=32, n_embd=32, n_layer=2, n_head=2, **extra)).train()
+    model.step_metrics = False
+    ids = torch.randint(0, 300, (2, 32))
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        explained = torch._dynamo.explain(model)({"input_ids": ids, "labels": ids})
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
