@@ -1,14 +1,12 @@
 """The LM-head cross-entropy: both paths (fused chunks; whole logits and the cross-entropy operator) equal
 the plain F.cross_entropy."""
 
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from lmforge.models.losses import _LinearCrossEntropy, chunk_rows, linear_cross_entropy
-from tests.train_helpers import REPO, run, subprocess_env
+from tests.train_helpers import check_under_triton_interpreter
 
 
 def _case(n: int, d: int, vocab: int, seed: int = 0):
@@ -185,8 +183,8 @@ def test_triton_cross_entropy_kernels_match_the_pytorch_implementation(tmp_path)
     """The CUDA kernels (run by Triton's interpreter on CPU tensors): per-token loss, log-sum-exp and the
     gradient against the PyTorch implementation, across the kernel's vocabulary blocks, with ignored tokens,
     a label in the last real column, extreme logits, and padded columns that must get exactly 0."""
-    script = tmp_path / "check.py"
-    script.write_text(
+    check_under_triton_interpreter(
+        tmp_path,
         "import torch\n"
         "_empty = torch.empty  # fresh outputs start as NaN: a column the kernels fail to write shows\n"
         "torch.empty = lambda *a, **k: _empty(*a, **k).fill_(float('nan'))\n"
@@ -220,8 +218,6 @@ def test_triton_cross_entropy_kernels_match_the_pytorch_implementation(tmp_path)
         "grad = losses_triton.cross_entropy_rows_backward(torch.ones(3), x, labels, lse, 8000)\n"
         "assert torch.isfinite(grad[0]).all() and torch.isnan(grad[1:, :8000]).all()\n"
         "print('kernels match')\n")
-    out = run([sys.executable, str(script)], cwd=REPO, env=subprocess_env(TRITON_INTERPRET="1"))
-    assert out.returncode == 0 and "kernels match" in out.stdout, out.stderr[-3000:]
 
 
 def test_triton_cross_entropy_kernels_build_for_hopper_with_vector_loads():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,8 @@ from lmforge.errors import LMForgeError
 from lmforge.models.gpt import GPT, GPTConfig, RLMModel
 from lmforge.models.mhc import MHCLayer, amax_gains, gain_tensors, sinkhorn_log
 from lmforge.train import train
-from tests.train_helpers import PEAK_FLOPS, REPO, lmforge_cmd, run, subprocess_env, torchrun, write_go_corpus
+from tests.train_helpers import (PEAK_FLOPS, REPO, check_under_triton_interpreter, lmforge_cmd, run, torchrun,
+                                 write_go_corpus)
 
 SIZES = dict(flavor="llama", vocab_size=97, n_positions=32, n_embd=32, n_layer=3, n_head=4)
 
@@ -759,8 +759,8 @@ def test_triton_kernels_match_the_vectorised_operator_under_the_interpreter(tmp_
     """The CUDA kernels, run by Triton's interpreter on CPU tensors (no GPU needed): values and
     gradients equal the vectorised implementation's for n = 2, 4, 8 and a token count that leaves a
     partial block."""
-    script = tmp_path / "check.py"
-    script.write_text(
+    check_under_triton_interpreter(
+        tmp_path,
         "import torch\n"
         "from lmforge.models import mhc_triton\n"
         "from lmforge.models.mhc import sinkhorn_log\n"
@@ -775,5 +775,3 @@ def test_triton_kernels_match_the_vectorised_operator_under_the_interpreter(tmp_
         "    torch.testing.assert_close(mhc_triton.sinkhorn_backward(w, x.detach(), iters), ref_grad,\n"
         "                               atol=1e-5, rtol=1e-4)\n"
         "print('kernels match')\n")
-    out = run([sys.executable, str(script)], cwd=REPO, env=subprocess_env(TRITON_INTERPRET="1"))
-    assert out.returncode == 0 and "kernels match" in out.stdout, out.stderr[-3000:]

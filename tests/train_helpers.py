@@ -118,6 +118,15 @@ def run(cmd: list[str], timeout: float = 300, **kw) -> subprocess.CompletedProce
                           **kw)
 
 
+def check_under_triton_interpreter(tmp_path: Path, code: str) -> None:
+    """Run ``code`` (a script that asserts and prints "kernels match" last) in a fresh process with
+    ``TRITON_INTERPRET=1``, where Triton kernels run on CPU tensors; fail with its stderr otherwise."""
+    script = tmp_path / "check_kernels.py"
+    script.write_text(code)
+    out = run([sys.executable, str(script)], cwd=REPO, env=subprocess_env(TRITON_INTERPRET="1"))
+    assert out.returncode == 0 and "kernels match" in out.stdout, out.stderr[-3000:]
+
+
 # What a rank of a 2-process gloo run sometimes dies of on an oversubscribed 2-core machine before any
 # step (SIGABRT from the C++ runtime, no Python traceback; seen in test_mhc and test_hrgc, ~1 run in 20
 # under pytest-xdist, never alone). Not lmforge's error to test: such a run is started once more.
