@@ -12,6 +12,10 @@ and at the 1.3B preset's (width 2048, 16 heads of 128).
    backend the device offers: flash, cuDNN, memory-efficient.
 4. **mHC's Sinkhorn operator** on the GPU (the Triton kernels): error against the unrolled reference
    in fp64, forward + backward, and its time against the unrolled eager rounds.
+5. **mHC's stream mixing** at ``rlm_mhc_125m``'s shapes (32 x 1024 tokens, 4 flows of 768, bf16 stream): each
+   Triton kernel alone (time, and GB/s for the bytes it must move), and ``H_res x + H_post^T y(H_pre x)``
+   forward + backward through the operators against the PyTorch mixing compiled by Inductor, with the
+   largest difference between the two.
 
 Times are CUDA-event medians over ``--repeats`` after warm-up; a matmul peak is measured first
 (``lmforge.device.measure_matmul_flops``). Usage:
@@ -182,6 +186,57 @@ def sinkhorn(tokens: int, repeats: int) -> list[dict]:
     return rows
 
 
+def mhc_mixing(tokens: int, flows: int, width: int, repeats: int) -> list[dict]:
+    from lmforge.models import mhc_triton
+    from lmforge.models.mhc import mhc_mix_in, mhc_mix_out, mix_in, mix_out
+
+    dev = "cuda"
+    x = torch.randn(tokens, flows, width, device=dev, dtype=torch.bfloat16)
+    h_pre = torch.rand(tokens, flows, device=dev)
+    h_post = 2 * torch.rand(tokens, flows, device=dev)
+    h_res = torch.softmax(torch.randn(tokens, flows, flows, device=dev), -1)
+    y = torch.randn(tokens, width, device=dev, dtype=torch.bfloat16)
+    g_out = torch.randn_like(x)
+    g_in = torch.randn_like(y)
+    s, v = x.numel() * 2, y.numel() * 2  # bytes of the stream and of one C-wide tensor (bf16)
+    rows = []
+    # each kernel alone, with the bytes it has to read and write (coefficients ignored: n^2 + 2n floats a token)
+    for name, fn, moved in (
+        ("mix_in", lambda: mhc_triton.mix_in(h_pre, x), s + v),
+        ("mix_out", lambda: mhc_triton.mix_out(h_res, x, h_post, y), 2 * s + v),
+        ("mix_in_backward", lambda: mhc_triton.mix_in_backward(g_in, h_pre, x), 2 * s + v),
+        ("mix_out_backward", lambda: mhc_triton.mix_out_backward(g_out, h_res, x, h_post, y), 3 * s + 2 * v),
+    ):
+        ms = time_ms(fn, repeats)
+        rows.append({"what": "mhc_mix_kernel", "kernel": name, "tokens": tokens, "ms": round(ms, 3),
+                     "gb_per_s": round(moved / ms / 1e6, 1)})
+
+    def sub_layer(ops):
+        def run(stream, a, b, c, y0):
+            x_in = (mhc_mix_in if ops else mix_in)(a, stream)
+            y1 = x_in * 0.5 + y0  # stands in for the sub-layer: one cheap op between the two mixings
+            return (mhc_mix_out if ops else mix_out)(c, stream, b, y1)
+        return run
+
+    results = {}
+    for name, fn in (("lmforge::mhc_mix_in/out (Triton)", sub_layer(True)),
+                     ("PyTorch mixing, compiled (Inductor)", torch.compile(sub_layer(False), fullgraph=True))):
+        inputs = [t.clone().requires_grad_() for t in (x, h_pre, h_post, h_res, y)]
+
+        def fwd_bwd():
+            out = fn(*inputs)
+            return out, torch.autograd.grad(out, inputs, g_out)
+
+        results[name] = fwd_bwd()
+        rows.append({"what": "mhc_mix_sub_layer", "via": name, "tokens": tokens,
+                     "ms_fwd_bwd": round(time_ms(fwd_bwd, repeats), 3)})
+    (a_out, a_grads), (b_out, b_grads) = results.values()
+    diffs = [((p.float() - q.float()).abs().max() / q.float().abs().max()).item()
+             for p, q in zip((a_out, *a_grads), (b_out, *b_grads))]
+    rows.append({"what": "mhc_mix_check", "max_rel_diff_out_and_grads": [float(f"{d:.2e}") for d in diffs]})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=20)
@@ -201,6 +256,7 @@ def main() -> None:
         lambda: attention(16, 12, 1024, 64, args.repeats),
         lambda: attention(8, 16, 2048, 128, args.repeats),
         lambda: sinkhorn(16 * 1024 * 2, args.repeats),
+        lambda: mhc_mixing(32 * 1024, 4, 768, args.repeats),
     ]
     for section in sections:
         try:

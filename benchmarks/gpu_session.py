@@ -38,6 +38,8 @@ NO_DROPOUT = ["model.embd_pdrop=0", "model.resid_pdrop=0", "model.attn_pdrop=0"]
 LLAMA_1B = ["rlm_mhc_1b", "model.mhc_enabled=false", "model.gradient_checkpointing=false",
             "training.micro_batch_size=8", "training.grad_accum_steps=1", "training.compile=true"]
 MHC_125M = ["rlm_mhc_125m", "training.compile=true", "model.mhc_stream_dtype=autocast"]
+# seed 002's 1.3B with mHC on, as bench_1b runs it with mHC off (a 4x wider stream: ~15 GB more activations)
+MHC_1B = [*LLAMA_1B[:1], *LLAMA_1B[2:], "model.mhc_stream_dtype=autocast", "model.mhc_enabled=true"]
 
 # name, command, the most seconds it may take, the fewest worth starting it with
 STEPS: list[tuple[str, list[str], int, int]] = [
@@ -58,6 +60,12 @@ STEPS: list[tuple[str, list[str], int, int]] = [
     ("mhc_off_125m", [PY, "-m", "lmforge", "bench", *MHC_125M, "model.mhc_enabled=false", "--steps", "10",
                       "--json"], 150, 60),
     ("profile_mhc_125m", [PY, "benchmarks/profile_step.py", *MHC_125M, "model.mhc_enabled=true"], 150, 60),
+    # the mixing as PyTorch ops fused by Inductor (the path before the Triton operators): the side-by-side
+    ("mhc_on_125m_torch", [PY, "-m", "lmforge", "bench", *MHC_125M, "model.mhc_enabled=true", "model.mhc_kernels=torch",
+                           "--steps", "10", "--json"], 200, 100),
+    # mHC's cost where the model is wider: its bytes grow with the width, the matmuls' work with its square
+    ("mhc_on_1b", [PY, "-m", "lmforge", "bench", *MHC_1B, "--steps", "10", "--json"], 240, 120),
+    ("profile_mhc_125m_off", [PY, "benchmarks/profile_step.py", *MHC_125M, "model.mhc_enabled=false"], 120, 60),
     # Inductor's coordinate-descent tuning of its kernels' launch settings (longer compile)
     ("bench_124m_cdt", ["env", "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1", PY, "-m", "lmforge", "bench", *GPT2_124M,
                         *NO_DROPOUT, *GPT2_VOCAB, "--steps", "20", "--json"], 240, 120),

@@ -14,7 +14,9 @@ kernels attention, everything else elementwise (norms, activations, adds, copies
 ``training.compile=true`` the ranges vanish inside the compiled graph and kernels are named after the ops they
 fuse: the logits path's cross-entropy (``log_softmax``, ``nll_loss``) still counts as loss, but the chunked
 path's softmax (amax, exp, sum) counts as elementwise and its matmuls as GEMM.
-``--trace`` writes the Chrome trace (open it in ``chrome://tracing`` or Perfetto).
+``--top N`` (default 15) lists the N kernels (operators on a CPU) with the most time, with their group and
+calls per step: what to fuse next. ``--trace`` writes the Chrome trace (open it in ``chrome://tracing`` or
+Perfetto).
 """
 
 from __future__ import annotations
@@ -50,9 +52,17 @@ def group_of(name: str, ancestors: list[str]) -> str:
     return "elementwise"
 
 
-def breakdown(prof, wall_us: float, on_gpu: bool) -> dict[str, float]:
-    """Microseconds per group over the profiled steps."""
+def breakdown(prof, wall_us: float, on_gpu: bool) -> tuple[dict[str, float], list[tuple[str, str, float, int]]]:
+    """Microseconds per group over the profiled steps, and every kernel (operator on a CPU) as (name, group,
+    microseconds, calls), the most time first."""
     times: dict[str, float] = defaultdict(float)
+    kernels: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+
+    def add(name: str, group: str, us: float) -> None:
+        times[group] += us
+        kernels[name, group][0] += us
+        kernels[name, group][1] += 1
+
     for event in prof.events():
         chain, parent = [], event.cpu_parent
         while parent is not None:
@@ -61,11 +71,13 @@ def breakdown(prof, wall_us: float, on_gpu: bool) -> dict[str, float]:
         ancestors = [*reversed(chain), event.name]
         if on_gpu:
             for kernel in event.kernels:  # the device work this operator launched itself
-                times[group_of(kernel.name, ancestors)] += kernel.duration
+                add(kernel.name, group_of(kernel.name, ancestors), kernel.duration)
         elif event.device_type == torch.autograd.DeviceType.CPU:
-            times[group_of(event.name, ancestors[:-1])] += event.self_cpu_time_total
+            add(event.name, group_of(event.name, ancestors[:-1]), event.self_cpu_time_total)
     times["idle"] = max(0.0, wall_us - sum(times.values()))
-    return {g: times.get(g, 0.0) for g in GROUPS}
+    ranked = sorted(((name, group, us, calls) for (name, group), (us, calls) in kernels.items()),
+                    key=lambda k: -k[2])
+    return {g: times.get(g, 0.0) for g in GROUPS}, ranked
 
 
 def main() -> None:
@@ -75,6 +87,7 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=8192, help="for recipes whose vocabulary comes from data")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--top", type=int, default=15, help="list this many kernels with the most time (0: none)")
     parser.add_argument("--trace", default=None, help="write the Chrome trace here")
     args = parser.parse_intermixed_args()
 
@@ -107,13 +120,21 @@ def main() -> None:
             wall_us = (time.perf_counter() - start) * 1e6
     if args.trace:
         prof.export_chrome_trace(args.trace)
-    times = breakdown(prof, wall_us, on_gpu)
+    times, ranked = breakdown(prof, wall_us, on_gpu)
     print(f"\n{'per step' if args.steps == 1 else f'per step (mean of {args.steps})'}: "
           f"{wall_us / args.steps / 1e3:.1f} ms wall ({'GPU kernels' if on_gpu else 'CPU operators, self time'})")
     print("| group | ms per step | share |")
     print("| --- | --- | --- |")
     for group in GROUPS:
         print(f"| {group} | {times[group] / args.steps / 1e3:.2f} | {100 * times[group] / wall_us:.1f}% |")
+    if args.top > 0:
+        print(f"\nthe {min(args.top, len(ranked))} {'kernels' if on_gpu else 'operators'} with the most time")
+        print("| name | group | ms per step | share | calls per step |")
+        print("| --- | --- | --- | --- | --- |")
+        for name, group, us, calls in ranked[:args.top]:
+            short = name if len(name) <= 90 else name[:87] + "..."
+            print(f"| `{short}` | {group} | {us / args.steps / 1e3:.2f} | {100 * us / wall_us:.1f}% | "
+                  f"{calls / args.steps:g} |")
 
 
 if __name__ == "__main__":

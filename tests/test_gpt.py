@@ -396,15 +396,21 @@ def test_attention_of_varying_shapes_runs_without_cudnn_on_cuda(monkeypatch):
     assert seen == ["cpu"] * model.config.n_layer
 
 
-@pytest.mark.parametrize("extra", [
-    {"flavor": "gpt2"},
-    {"flavor": "gpt2", "lm_loss": "logits"},
-    {"flavor": "llama", "mhc_enabled": True, "mhc_stream_dtype": "autocast"},
-], ids=["gpt2", "gpt2-logits-loss", "llama-mhc-bf16-stream"])
-def test_the_training_forward_compiles_to_one_graph(extra):
+@pytest.mark.parametrize("extra,mixing_operators", [
+    ({"flavor": "gpt2"}, False),
+    ({"flavor": "gpt2", "lm_loss": "logits"}, False),
+    ({"flavor": "llama", "mhc_enabled": True, "mhc_stream_dtype": "autocast"}, False),
+    ({"flavor": "llama", "mhc_enabled": True, "mhc_stream_dtype": "autocast"}, True),
+], ids=["gpt2", "gpt2-logits-loss", "llama-mhc-bf16-stream", "llama-mhc-mixing-operators"])
+def test_the_training_forward_compiles_to_one_graph(extra, mixing_operators, monkeypatch):
     """A graph break inside the compiled training forward costs a second graph and the host between the two
     on every GPU step (one at the loss did, on an H200): the forward with its loss, under bf16 autocast, is
-    one graph with no break, with either loss path and with mHC."""
+    one graph with no break, with either loss path and with mHC (its mixing as PyTorch ops, or as the
+    operators CUDA uses)."""
+    from lmforge.models.mhc import MHCLayer
+
+    if mixing_operators:
+        monkeypatch.setattr(MHCLayer, "uses_mixing_operators", lambda self, stream: True)
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=300, n_positions=32, n_embd=32, n_layer=2, n_head=2, **extra)).train()
     model.step_metrics = False

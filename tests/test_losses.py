@@ -256,7 +256,7 @@ def test_lm_loss_auto_picks_logits_only_for_bf16_on_cuda_where_it_can_be_built(m
     from lmforge.models import losses
     from lmforge.models.losses import lm_loss_path
 
-    monkeypatch.setattr(losses, "can_build_logits_kernels", lambda: True)
+    monkeypatch.setattr(losses, "can_build_triton_kernels", lambda: True)
     assert lm_loss_path("auto", "cuda", torch.bfloat16) == "logits"
     assert lm_loss_path("auto", "cuda", torch.float16) == "chunked"  # not measured; fp16 gradients underflow
     assert lm_loss_path("auto", "cuda", torch.float32) == "chunked"
@@ -266,7 +266,7 @@ def test_lm_loss_auto_picks_logits_only_for_bf16_on_cuda_where_it_can_be_built(m
     assert lm_loss_path("logits", "cpu", torch.float32) == "logits"
     with pytest.raises(ValueError, match="lm_loss must be one of"):
         lm_loss_path("fast", "cpu", torch.float32)
-    monkeypatch.setattr(losses, "can_build_logits_kernels", lambda: False)  # no Triton or no C compiler
+    monkeypatch.setattr(losses, "can_build_triton_kernels", lambda: False)  # no Triton or no C compiler
     assert lm_loss_path("auto", "cuda", torch.bfloat16) == "chunked"
 
 
@@ -283,17 +283,18 @@ def test_the_loss_path_resolves_inside_one_compiled_graph():
     torch.testing.assert_close(torch.compile(pick, fullgraph=True, backend="eager")(torch.zeros(2)), expected)
 
 
-def test_the_logits_kernels_need_triton_and_a_c_compiler(monkeypatch):
-    from lmforge.models import losses
+def test_the_triton_kernels_need_triton_and_a_c_compiler(monkeypatch):
+    from lmforge.models import triton_support
 
     def check(cc_env, on_path, triton):
-        losses._logits_toolchain_present.cache_clear()
+        triton_support._toolchain_present.cache_clear()
         monkeypatch.delenv("CC", raising=False)
         if cc_env:
             monkeypatch.setenv("CC", cc_env)
-        monkeypatch.setattr(losses.shutil, "which", lambda name: f"/usr/bin/{name}" if name in on_path else None)
-        monkeypatch.setattr(losses.importlib.util, "find_spec", lambda name: object() if triton else None)
-        return losses.can_build_logits_kernels()
+        monkeypatch.setattr(triton_support.shutil, "which",
+                            lambda name: f"/usr/bin/{name}" if name in on_path else None)
+        monkeypatch.setattr(triton_support.importlib.util, "find_spec", lambda name: object() if triton else None)
+        return triton_support.can_build_triton_kernels()
 
     try:
         assert check("", {"gcc"}, triton=True)
@@ -301,7 +302,7 @@ def test_the_logits_kernels_need_triton_and_a_c_compiler(monkeypatch):
         assert not check("", set(), triton=True)  # no C compiler
         assert not check("", {"cc"}, triton=False)  # no Triton
     finally:
-        losses._logits_toolchain_present.cache_clear()
+        triton_support._toolchain_present.cache_clear()
 
 
 def test_gpt_model_takes_its_loss_path_from_model_lm_loss(monkeypatch):

@@ -262,6 +262,7 @@ def test_kv_cache_decoding_matches_full_forward():
     ("mhc_flows", 0, "mhc_flows must be >= 1"),
     ("mhc_flows", -2, "mhc_flows must be >= 1"),
     ("mhc_sinkhorn_iters", 0, "mhc_sinkhorn_iters must be >= 1"),
+    ("mhc_kernels", "triton", "mhc_kernels must be one of auto, torch"),
     ("hidden_dim", 30, r"n_embd \(30\) must be divisible by model.n_head \(4\)"),
     ("head_dim", 16, r"head_dim=16 but hidden_dim / num_heads = 32 / 4"),
 ])
@@ -775,3 +776,187 @@ def test_triton_kernels_match_the_vectorised_operator_under_the_interpreter(tmp_
         "    torch.testing.assert_close(mhc_triton.sinkhorn_backward(w, x.detach(), iters), ref_grad,\n"
         "                               atol=1e-5, rtol=1e-4)\n"
         "print('kernels match')\n")
+
+
+# ---- The mixing as operators (Triton kernels on CUDA) -------------------------------------------
+
+def test_mixing_kernels_match_pytorch_under_the_interpreter(tmp_path):
+    """The CUDA mixing kernels, run by Triton's interpreter on CPU tensors: both forwards and both backwards
+    (every output, the coefficients' gradients summed over the channel blocks) against the PyTorch
+    implementation, for n = 1, 2, 4, 8, fp32 / bf16 / fp16 streams, a sub-layer output in another dtype, token
+    counts that leave partial blocks, a width that is not a multiple of the channel block, the first layer's
+    expanded stream (flow stride 0) and a stream sliced out of a wider one; outputs start NaN-filled, so a
+    value the kernels fail to write shows."""
+    check_under_triton_interpreter(
+        tmp_path,
+        "import torch\n"
+        "_empty = torch.empty\n"
+        "torch.empty = lambda *a, **k: _empty(*a, **k).fill_(float('nan'))\n"
+        "from lmforge.models import mhc_triton\n"
+        "from lmforge.models.mhc import (_mix_in_torch, _mix_in_backward_torch, _mix_out_torch,\n"
+        "                                _mix_out_backward_torch)\n"
+        "torch.manual_seed(0)\n"
+        "def close(a, b, loose):\n"
+        "    assert a.dtype == b.dtype and a.shape == b.shape and a.is_contiguous(), (a.dtype, b.dtype, a.shape)\n"
+        "    tol = dict(atol=3e-2, rtol=2e-2) if loose or a.dtype != torch.float32 else dict(atol=2e-5, rtol=1e-5)\n"
+        "    torch.testing.assert_close(a.float(), b.float(), **tol)\n"
+        "def check(x, y_dtype=torch.bfloat16):\n"
+        "    lead, (n, width) = x.shape[:-2], x.shape[-2:]\n"
+        "    loose = x.dtype != torch.float32\n"
+        "    h_pre, h_post, h_res = torch.rand(*lead, n), 2 * torch.rand(*lead, n), torch.rand(*lead, n, n)\n"
+        "    y = torch.randn(*lead, width).to(y_dtype)\n"
+        "    assert mhc_triton.mix_supported(x)\n"
+        "    close(mhc_triton.mix_in(h_pre, x), _mix_in_torch(h_pre, x), loose)\n"
+        "    close(mhc_triton.mix_out(h_res, x, h_post, y), _mix_out_torch(h_res, x, h_post, y), loose)\n"
+        "    g = torch.randn(*lead, width).to(x.dtype)\n"
+        "    for a, b in zip(mhc_triton.mix_in_backward(g, h_pre, x), _mix_in_backward_torch(g, h_pre, x)):\n"
+        "        close(a, b, loose)\n"
+        "    g = torch.randn(*lead, n, width).to(x.dtype)\n"
+        "    for a, b in zip(mhc_triton.mix_out_backward(g, h_res, x, h_post, y),\n"
+        "                    _mix_out_backward_torch(g, h_res, x, h_post, y)):\n"
+        "        close(a, b, loose or a.dtype != torch.float32 or y.dtype != torch.float32)\n"
+        "for lead, n, width, dtype in [((3, 5), 4, 200, torch.float32), ((13,), 2, 128, torch.bfloat16),\n"
+        "                              ((9,), 8, 70, torch.float16), ((2, 3), 1, 33, torch.float32),\n"
+        "                              ((1, 21), 4, 300, torch.bfloat16)]:\n"
+        "    check(torch.randn(*lead, n, width).to(dtype))\n"
+        "check(torch.randn(3, 7, 4, 96), y_dtype=torch.float32)\n"
+        "check(torch.randn(2, 6, 96).unsqueeze(-2).expand(2, 6, 4, 96))  # the first layer's stream\n"
+        "check(torch.randn(2, 6, 4, 160)[..., 16:144])  # channels contiguous, rows 160 apart\n"
+        "assert not mhc_triton.mix_supported(torch.randn(2, 3, 4, 8).transpose(0, 1))  # tokens do not flatten\n"
+        "assert not mhc_triton.mix_supported(torch.randn(2, 3, 8, dtype=torch.float64))\n"
+        "assert not mhc_triton.mix_supported(torch.randn(2, 3, 8))  # n = 3\n"
+        "print('kernels match')\n")
+
+
+def test_mixing_kernels_build_for_hopper_with_wide_loads():
+    """Triton compiles the four mixing kernels for an H100/H200 (sm_90) here, without a GPU, for a bf16 stream
+    at n = 4; the stream is read 16 bytes at a time (vector loads, or asynchronous 16-byte copies where Triton
+    pipelines the loop) and mix_out's backward takes the tensor-core product for the coefficients' gradient."""
+    import re
+
+    import triton
+    if tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 3):  # ASTSource took other arguments before
+        pytest.skip(f"the offline compile check needs Triton >= 3.3 (found {triton.__version__})")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from lmforge.models import mhc_triton as m
+
+    ints = ["i32"] * 4  # tokens, C, stride_t, stride_f
+    kernels = {
+        m._mix_in_kernel: (["*fp32", "*bf16", "*bf16"], m.MIX_BLOCK_T),
+        m._mix_in_backward_kernel: (["*bf16", "*fp32", "*bf16", "*fp32", "*bf16"], m.MIX_BLOCK_T),
+        m._mix_out_kernel: (["*fp32", "*bf16", "*fp32", "*bf16", "*bf16"], m.MIX_BLOCK_T),
+        m._mix_out_backward_kernel: (["*bf16", "*fp32", "*bf16", "*fp32", "*bf16", "*fp32", "*bf16", "*fp32",
+                                      "*bf16"], 4),
+    }
+    for kernel, (pointers, block_t) in kernels.items():
+        names = kernel.arg_names
+        constexprs = {"N": 4, "BLOCK_T": block_t, "BLOCK_C": m.MIX_BLOCK_C}
+        if "EXACT_DOT" in names:
+            constexprs["EXACT_DOT"] = False
+        signature = dict(zip(names, pointers + ints + ["constexpr"] * len(constexprs), strict=True))
+        # what the launcher specialises for a [tokens, 4, 768] stream: pointers, C and the strides divisible by 16
+        attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
+                 if name not in ("tokens", *constexprs)}
+        ptx = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+        wide = re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32|"
+                          r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)
+        assert wide, kernel.fn.__name__
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx  # d h_res on tensor cores
+
+
+def test_mixing_operators_pass_opcheck_and_match_the_pytorch_mixing():
+    """opcheck (schemas, fake kernels, autograd registration) of the four operators, an fp64 gradcheck through
+    both forwards, and values and gradients equal to ``mix_in`` / ``mix_out`` (the PyTorch path)."""
+    from lmforge.models.mhc import mhc_mix_in, mhc_mix_in_backward, mhc_mix_out, mhc_mix_out_backward, mix_in, mix_out
+
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(2, 3, 4, 8, dtype=dtype)
+        h_pre, h_post, h_res = torch.rand(2, 3, 4), torch.rand(2, 3, 4), torch.rand(2, 3, 4, 4)
+        y = torch.randn(2, 3, 8, dtype=dtype)
+        torch.library.opcheck(mhc_mix_in, (h_pre.requires_grad_(), x.requires_grad_()))
+        torch.library.opcheck(mhc_mix_out, (h_res.requires_grad_(), x, h_post.requires_grad_(), y.requires_grad_()))
+        torch.library.opcheck(mhc_mix_in_backward, (torch.randn(2, 3, 8, dtype=dtype), h_pre.detach(), x.detach()))
+        torch.library.opcheck(mhc_mix_out_backward, (torch.randn(2, 3, 4, 8, dtype=dtype), h_res.detach(), x.detach(),
+                                                     h_post.detach(), y.detach()))
+    x = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)
+    h = [torch.rand(*s, dtype=torch.float64, requires_grad=True) for s in ((3, 4), (3, 4, 4), (3, 4))]
+    y = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(mhc_mix_in, (h[0], x))
+    assert torch.autograd.gradcheck(mhc_mix_out, (h[1], x, h[2], y))
+    w = torch.randn(3, 4, 5, dtype=torch.float64)
+    for op, ref in ((lambda: mhc_mix_out(h[1], x, h[2], mhc_mix_in(h[0], x)),
+                     lambda: mix_out(h[1], x, h[2], mix_in(h[0], x))),):
+        ours = torch.autograd.grad((op() * w).sum(), [x, *h])
+        theirs = torch.autograd.grad((ref() * w).sum(), [x, *h])
+        torch.testing.assert_close(op(), ref())
+        for a, b in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(a, b)
+
+
+def test_the_layer_on_the_mixing_operators_equals_the_pytorch_path(monkeypatch):
+    """With the operators switched on (what CUDA with Triton does; here their PyTorch implementations run), a
+    perturbed mHC model gives the PyTorch path's loss, metrics and every gradient, eager and compiled (one graph,
+    each sub-layer's mixing two operator nodes); the fp32 coefficients reach the operators as they are, and a
+    bf16 stream comes back bf16."""
+    from lmforge.models import mhc
+
+    model = mhc_model(n_layer=2)
+    perturb(model)
+    ids = torch.randint(0, 97, (2, 16))
+    ref_loss, ref_metrics = model({"input_ids": ids, "labels": ids})
+    ref = grads_of(model, ref_loss)
+    seen = []
+    real_mix_out = mhc.mhc_mix_out
+
+    def recording_mix_out(h_res, stream, h_post, y):
+        seen.append((h_res.dtype, h_post.dtype, stream.dtype))
+        return real_mix_out(h_res, stream, h_post, y)
+
+    monkeypatch.setattr(MHCLayer, "uses_mixing_operators", lambda self, stream: True)
+    monkeypatch.setattr(mhc, "mhc_mix_out", recording_mix_out)
+    loss, metrics = model({"input_ids": ids, "labels": ids})
+    assert len(seen) == 4 and set(seen) == {(torch.float32, torch.float32, torch.float32)}
+    torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-6)
+    for key, value in ref_metrics.items():
+        torch.testing.assert_close(metrics[key], value, atol=1e-6, rtol=1e-6)
+    for name, grad in grads_of(model, loss).items():
+        torch.testing.assert_close(grad, ref[name], atol=1e-5, rtol=1e-4, msg=name)
+    monkeypatch.setattr(mhc, "mhc_mix_out", real_mix_out)
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    loss, _ = torch.compile(model, backend=backend, fullgraph=True)({"input_ids": ids, "labels": ids})
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    targets = [node.target for node in graphs[0].graph.nodes if node.op == "call_function"]
+    assert targets.count(torch.ops.lmforge.mhc_mix_in.default) == 4
+    assert targets.count(torch.ops.lmforge.mhc_mix_out.default) == 4
+    layer = model.blocks[0].hc_mlp
+    stream = torch.randn(2, 5, 4, 32).bfloat16()
+    out, _ = layer(stream, lambda x: x * 2)
+    assert out.dtype == torch.bfloat16
+
+
+def test_the_mixing_operators_run_on_cuda_with_triton_unless_told_otherwise(monkeypatch):
+    from types import SimpleNamespace
+
+    from lmforge.models import mhc
+
+    cuda, cpu = SimpleNamespace(device=torch.device("cuda")), SimpleNamespace(device=torch.device("cpu"))
+    monkeypatch.setattr(mhc, "can_build_triton_kernels", lambda: True)
+    assert MHCLayer(8).uses_mixing_operators(cuda)
+    assert not MHCLayer(8, kernels="torch").uses_mixing_operators(cuda)
+    assert not MHCLayer(8).uses_mixing_operators(cpu)
+    assert mhc_model(mhc_kernels="torch").blocks[1].hc_attn.kernels == "torch"
+    monkeypatch.setattr(mhc, "can_build_triton_kernels", lambda: False)  # no Triton or no C compiler
+    assert not MHCLayer(8).uses_mixing_operators(cuda)
+    with pytest.raises(ValueError, match="kernels must be one of auto, torch"):
+        MHCLayer(8, kernels="triton")

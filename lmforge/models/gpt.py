@@ -65,6 +65,7 @@ from lmforge.models.base import LMForgeModel
 from lmforge.models.losses import linear_cross_entropy, lm_loss_problem
 from lmforge.models.mhc import (
     UNHEALTHY_GAIN,
+    MHC_KERNELS,
     MHCLayer,
     MHCMetrics,
     gain_tensors,
@@ -121,6 +122,9 @@ class GPTConfig:
     # The n-flow stream's dtype: fp32 (the plain model's residual, whatever the autocast) or autocast
     # (bf16 under bf16 autocast, the paper's choice: half the stream's memory traffic, rounded flows).
     mhc_stream_dtype: str = "fp32"
+    # How the stream is mixed: auto (the Triton operators mhc_mix_in/mhc_mix_out on CUDA, PyTorch ops elsewhere)
+    # | torch (PyTorch ops everywhere: what Inductor fuses under torch.compile; for side-by-side figures).
+    mhc_kernels: str = "auto"
     # The LM head's loss (lmforge.models.losses): auto | chunked (fused chunks, no [tokens, vocab] logits
     # kept; the CPU's best) | logits (whole 16-bit logits, padded vocabulary, the cross-entropy operator; CUDA's).
     lm_loss: str = "auto"
@@ -185,6 +189,9 @@ class GPTConfig:
         check(self.mhc_stream_dtype in ("fp32", "autocast"),
               "model.mhc_stream_dtype must be fp32 or autocast (the training precision), "
               f"got {self.mhc_stream_dtype!r}")
+        check(self.mhc_kernels in MHC_KERNELS,
+              f"model.mhc_kernels must be one of {', '.join(MHC_KERNELS)} (auto: Triton kernels on CUDA), "
+              f"got {self.mhc_kernels!r}")
         check(lm_loss_problem(self.lm_loss) is None, lm_loss_problem(self.lm_loss) or "")
 
     @property
@@ -623,8 +630,9 @@ class Block(nn.Module):
         self.mlp = MLP(c)
         self.hc_attn = self.hc_mlp = None
         if c.mhc_enabled:
-            self.hc_attn = MHCLayer(c.n_embd, c.mhc_flows, c.mhc_sinkhorn_iters, index=2 * index)
-            self.hc_mlp = MHCLayer(c.n_embd, c.mhc_flows, c.mhc_sinkhorn_iters, index=2 * index + 1)
+            self.hc_attn = MHCLayer(c.n_embd, c.mhc_flows, c.mhc_sinkhorn_iters, index=2 * index, kernels=c.mhc_kernels)
+            self.hc_mlp = MHCLayer(c.n_embd, c.mhc_flows, c.mhc_sinkhorn_iters, index=2 * index + 1,
+                                   kernels=c.mhc_kernels)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 cache: KVCache | None, layer: int, docs: PackedDocuments | None = None) -> tuple[torch.Tensor, tuple]:

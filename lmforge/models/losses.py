@@ -28,13 +28,10 @@ kernels ~4 ms of it. The operator's kernels are not measured on a GPU yet.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import os
-import shutil
-
 import torch
 import torch.nn.functional as F
+
+from lmforge.models.triton_support import can_build_triton_kernels
 
 IGNORE_INDEX = -100
 LM_LOSS_PATHS = ("auto", "chunked", "logits")
@@ -121,31 +118,16 @@ def lm_loss_problem(value: str) -> str | None:
             f"elsewhere), got {value!r}")
 
 
-@functools.lru_cache(maxsize=None)
-def _logits_toolchain_present() -> bool:
-    has_cc = bool(os.environ.get("CC")) or any(shutil.which(c) for c in ("cc", "gcc", "clang"))
-    return has_cc and importlib.util.find_spec("triton") is not None
-
-
-@torch.compiler.assume_constant_result
-def can_build_logits_kernels() -> bool:
-    """Whether the logits path's Triton kernels can be built here: Triton, and the C compiler it builds its
-    launchers with (``$CC``, or ``cc``/``gcc``/``clang`` on the PATH). Asked inside the compiled model's
-    forward: Dynamo takes the answer as a constant, where tracing the file-system lookups would break the
-    graph in two at the loss (it did on an H200: a second graph and its launch gap every step)."""
-    return _logits_toolchain_present()
-
-
 def lm_loss_path(setting: str, device_type: str, dtype: torch.dtype) -> str:
     """``chunked`` or ``logits`` for ``setting`` (one of LM_LOSS_PATHS), on ``device_type`` with matmuls in
     ``dtype``. ``auto`` takes the logits path on CUDA with bf16 matmuls, when its kernels can be built there
-    (``can_build_logits_kernels``); everywhere else the chunked one: CPUs, where it measured best; MPS, fp16
+    (``can_build_triton_kernels``); everywhere else the chunked one: CPUs, where it measured best; MPS, fp16
     (its gradients would need the loss scale to stay out of fp16's underflow) and fp32, not measured."""
     if setting not in LM_LOSS_PATHS:
         raise ValueError(f"lm_loss must be one of {', '.join(LM_LOSS_PATHS)}, got {setting!r}")
     if setting != "auto":
         return setting
-    if device_type == "cuda" and dtype == torch.bfloat16 and can_build_logits_kernels():
+    if device_type == "cuda" and dtype == torch.bfloat16 and can_build_triton_kernels():
         return "logits"
     return "chunked"
 

@@ -19,8 +19,11 @@ By default (``model.mhc_stream_dtype=fp32``) the stream keeps the plain model's 
 bf16 autocast), so mHC on and off differ only in the connections; ``autocast`` stores it in the training
 precision (bf16), as the paper does to halve its memory traffic.
 Sinkhorn runs in the log domain, alternately normalising columns and rows, as one operator
-(``torch.ops.lmforge.sinkhorn``, a Triton kernel on CUDA). The mixing is a batched matmul in eager
-mode and a broadcast product that Inductor fuses under ``torch.compile`` (``mix_in`` / ``mix_out``).
+(``torch.ops.lmforge.sinkhorn``, a Triton kernel on CUDA). On CUDA the mixing is two operators per sub-layer,
+``torch.ops.lmforge.mhc_mix_in`` / ``mhc_mix_out`` (Triton kernels, ``mhc_triton``: each way one pass over the
+stream, the coefficients' gradients summed in the same pass); elsewhere, and with ``model.mhc_kernels=torch``,
+PyTorch ops: a batched matmul in eager mode and a broadcast product that Inductor fuses under
+``torch.compile`` (``mix_in`` / ``mix_out``).
 
 Initialisation (``phi = 0``, ``a = 0.01``): the block starts as the plain residual network. Every
 flow starts as a copy of the embedding and ``H_post = 1`` adds F's output to each, so the flows stay
@@ -48,6 +51,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from lmforge.models.triton_support import can_build_triton_kernels
 
 PRE_MAIN_SHARE = 0.7  # share of H_pre on a sub-layer's own flow at initialisation (n > 1)
 RES_OFF_DIAGONAL = -2.0  # initial static logit of H_res off the diagonal (diagonal 0): see the docstring
@@ -185,12 +190,16 @@ def amax_gains(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return a.sum(-1).amax(-1), a.sum(-2).amax(-1)
 
 
+MHC_KERNELS = ("auto", "torch")
+
+
 def mix_in(h_pre: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
-    """``H_pre x``: ``[..., n]`` weights, ``[..., n, C]`` stream -> ``[..., C]``.
+    """``H_pre x``: ``[..., n]`` weights, ``[..., n, C]`` stream -> ``[..., C]``, in PyTorch ops.
 
     Compiled, a broadcast product summed over the n flows: Inductor fuses it into one pass over the
     stream (its backward too), where a batched matmul of width n is an opaque kernel per token. Eager,
-    the matmul: the product would first write an n x C temporary."""
+    the matmul: the product would first write an n x C temporary. (On CUDA the layer uses the operator
+    ``mhc_mix_in`` instead, see ``MHCLayer``.)"""
     if torch.compiler.is_compiling():
         return (h_pre.unsqueeze(-1) * stream).sum(-2)
     return (h_pre.unsqueeze(-2) @ stream).squeeze(-2)
@@ -206,6 +215,140 @@ def mix_out(h_res: torch.Tensor, stream: torch.Tensor, h_post: torch.Tensor, y: 
     out = torch.baddbmm((h_post.unsqueeze(-1) * y.unsqueeze(-2)).reshape(-1, n, width), h_res.reshape(-1, n, n),
                         stream.reshape(-1, n, width))
     return out.reshape(stream.shape)
+
+
+# The mixing as operators (CUDA): one Triton kernel each way, fp32 coefficients read as they are and the
+# stream in its own dtype (``mhc_triton``). The PyTorch implementations below serve other devices and what
+# the kernels do not take (fp64, n not a power of two); they compute in fp32 (fp64 for fp64).
+
+
+def _acc(stream: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(stream.dtype, torch.float32)
+
+
+def _mix_in_torch(h_pre: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+    acc = _acc(stream)
+    return (h_pre.to(acc).unsqueeze(-2) @ stream.to(acc)).squeeze(-2).to(stream.dtype).contiguous()
+
+
+def _mix_in_backward_torch(grad: torch.Tensor, h_pre: torch.Tensor, stream: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    acc = _acc(stream)
+    g = grad.to(acc)
+    d_h = (stream.to(acc) @ g.unsqueeze(-1)).squeeze(-1)
+    d_x = h_pre.to(acc).unsqueeze(-1) * g.unsqueeze(-2)
+    return d_h.to(h_pre.dtype).contiguous(), d_x.to(stream.dtype).contiguous()
+
+
+def _mix_out_torch(h_res: torch.Tensor, stream: torch.Tensor, h_post: torch.Tensor, y: torch.Tensor
+                   ) -> torch.Tensor:
+    acc = _acc(stream)
+    out = h_res.to(acc) @ stream.to(acc) + h_post.to(acc).unsqueeze(-1) * y.to(acc).unsqueeze(-2)
+    return out.to(stream.dtype).contiguous()
+
+
+def _mix_out_backward_torch(grad: torch.Tensor, h_res: torch.Tensor, stream: torch.Tensor, h_post: torch.Tensor,
+                            y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    acc = _acc(stream)
+    g, x = grad.to(acc), stream.to(acc)
+    d_h_res = g @ x.transpose(-1, -2)
+    d_x = h_res.to(acc).transpose(-1, -2) @ g
+    d_h_post = (g @ y.to(acc).unsqueeze(-1)).squeeze(-1)
+    d_y = (h_post.to(acc).unsqueeze(-2) @ g).squeeze(-2)
+    return (d_h_res.to(h_res.dtype).contiguous(), d_x.to(stream.dtype).contiguous(),
+            d_h_post.to(h_post.dtype).contiguous(), d_y.to(y.dtype).contiguous())
+
+
+@torch.library.custom_op("lmforge::mhc_mix_in", mutates_args=())
+def mhc_mix_in(h_pre: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+    """``H_pre x`` (``mix_in``) as one operator, in the stream's dtype."""
+    return _mix_in_torch(h_pre, stream)
+
+
+@torch.library.custom_op("lmforge::mhc_mix_in_backward", mutates_args=())
+def mhc_mix_in_backward(grad: torch.Tensor, h_pre: torch.Tensor, stream: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of ``mhc_mix_in`` for ``h_pre`` and the stream, each in its input's dtype."""
+    return _mix_in_backward_torch(grad, h_pre, stream)
+
+
+@torch.library.custom_op("lmforge::mhc_mix_out", mutates_args=())
+def mhc_mix_out(h_res: torch.Tensor, stream: torch.Tensor, h_post: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``H_res x + H_post^T y`` (``mix_out``) as one operator, in the stream's dtype."""
+    return _mix_out_torch(h_res, stream, h_post, y)
+
+
+@torch.library.custom_op("lmforge::mhc_mix_out_backward", mutates_args=())
+def mhc_mix_out_backward(grad: torch.Tensor, h_res: torch.Tensor, stream: torch.Tensor, h_post: torch.Tensor,
+                         y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of ``mhc_mix_out`` for ``h_res``, the stream, ``h_post`` and ``y``, each in its input's dtype."""
+    return _mix_out_backward_torch(grad, h_res, stream, h_post, y)
+
+
+def _like(t: torch.Tensor, dtype: torch.dtype | None = None, shape=None) -> torch.Tensor:
+    return torch.empty(t.shape if shape is None else shape, dtype=t.dtype if dtype is None else dtype, device=t.device)
+
+
+@mhc_mix_in.register_fake
+def _(h_pre, stream):
+    return _like(stream, shape=stream.shape[:-2] + stream.shape[-1:])
+
+
+@mhc_mix_in_backward.register_fake
+def _(grad, h_pre, stream):
+    return _like(h_pre), _like(stream)
+
+
+@mhc_mix_out.register_fake
+def _(h_res, stream, h_post, y):
+    return _like(stream)
+
+
+@mhc_mix_out_backward.register_fake
+def _(grad, h_res, stream, h_post, y):
+    return _like(h_res), _like(stream), _like(h_post), _like(y)
+
+
+def _save_inputs(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+mhc_mix_in.register_autograd(lambda ctx, grad: mhc_mix_in_backward(grad, *ctx.saved_tensors),
+                             setup_context=_save_inputs)
+mhc_mix_out.register_autograd(lambda ctx, grad: mhc_mix_out_backward(grad, *ctx.saved_tensors),
+                              setup_context=_save_inputs)
+
+
+def _mix_kernels(stream: torch.Tensor):
+    """The Triton kernels' module when they take this stream (else None: the PyTorch implementation runs)."""
+    kernels = _triton()
+    return kernels if kernels is not None and kernels.mix_supported(stream) else None
+
+
+@mhc_mix_in.register_kernel("cuda")
+def _(h_pre, stream):
+    kernels = _mix_kernels(stream)
+    return kernels.mix_in(h_pre, stream) if kernels else _mix_in_torch(h_pre, stream)
+
+
+@mhc_mix_in_backward.register_kernel("cuda")
+def _(grad, h_pre, stream):
+    kernels = _mix_kernels(stream)
+    return kernels.mix_in_backward(grad, h_pre, stream) if kernels else _mix_in_backward_torch(grad, h_pre, stream)
+
+
+@mhc_mix_out.register_kernel("cuda")
+def _(h_res, stream, h_post, y):
+    kernels = _mix_kernels(stream)
+    return kernels.mix_out(h_res, stream, h_post, y) if kernels else _mix_out_torch(h_res, stream, h_post, y)
+
+
+@mhc_mix_out_backward.register_kernel("cuda")
+def _(grad, h_res, stream, h_post, y):
+    kernels = _mix_kernels(stream)
+    if kernels is None:
+        return _mix_out_backward_torch(grad, h_res, stream, h_post, y)
+    return kernels.mix_out_backward(grad, h_res, stream, h_post, y)
 
 
 def _normed_projection(flat: torch.Tensor, phi: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -260,12 +403,14 @@ class MHCLayer(nn.Module):
     """
 
     def __init__(self, hidden_dim: int, num_flows: int = 4, sinkhorn_iters: int = 20, index: int = 0,
-                 eps: float = 1e-6):
+                 eps: float = 1e-6, kernels: str = "auto"):
         super().__init__()
         if num_flows < 1 or sinkhorn_iters < 1:
             raise ValueError(f"num_flows ({num_flows}) and sinkhorn_iters ({sinkhorn_iters}) must be >= 1")
+        if kernels not in MHC_KERNELS:
+            raise ValueError(f"kernels must be one of {', '.join(MHC_KERNELS)}, got {kernels!r}")
         n = num_flows
-        self.flows, self.sinkhorn_iters, self.eps = n, sinkhorn_iters, eps
+        self.flows, self.sinkhorn_iters, self.eps, self.kernels = n, sinkhorn_iters, eps, kernels
         self.phi = nn.Parameter(torch.zeros(n * n + 2 * n, n * hidden_dim))  # rows [pre | post | res]
         self.alpha = nn.Parameter(torch.full((3,), ALPHA_INIT))  # pre, post, res
         self.b_pre = nn.Parameter(torch.empty(n))
@@ -313,12 +458,21 @@ class MHCLayer(nn.Module):
         detached coefficients (for the Amax metrics; views, free when unused)."""
         h_pre, h_post, h_res = self.coefficients(stream)
         dtype, device = stream.dtype, stream.device.type
+        if self.uses_mixing_operators(stream):  # fp32 coefficients, the stream's dtype in and out
+            y = sublayer(mhc_mix_in(h_pre, stream))
+            return mhc_mix_out(h_res, stream, h_post, y), (h_pre[0].detach(), h_post[0].detach(), h_res[0].detach())
         with torch.autocast(device, enabled=False):  # mix at the stream's precision, not autocast's
             x_in = mix_in(h_pre.to(dtype), stream)
         y = sublayer(x_in)
         with torch.autocast(device, enabled=False):
             out = mix_out(h_res.to(dtype), stream, h_post.to(dtype), y.to(dtype))
         return out, (h_pre[0].detach(), h_post[0].detach(), h_res[0].detach())
+
+    def uses_mixing_operators(self, stream: torch.Tensor) -> bool:
+        """Whether the stream is mixed by the operators ``mhc_mix_in`` / ``mhc_mix_out`` (Triton kernels): on
+        CUDA where Triton can build them, unless ``kernels="torch"``. Elsewhere PyTorch ops mix it, which
+        Inductor fuses under ``torch.compile`` (what CPUs measured best with)."""
+        return self.kernels == "auto" and stream.device.type == "cuda" and can_build_triton_kernels()
 
     @torch.no_grad()
     def get_connection_matrix(self, stream: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,17 +1,28 @@
-"""Triton kernels of ``torch.ops.lmforge.sinkhorn`` (``lmforge.models.mhc``) for CUDA.
+"""Triton kernels of mHC (``lmforge.models.mhc``) for CUDA: the Sinkhorn projection and the stream's mixing.
 
-One program normalises ``BLOCK`` tokens; each token's n x n log-matrix stays in registers through
-all the rounds, so the forward reads the logits once and writes the matrix once. The backward
-recomputes the rounds from the logits, parks each round's normalisers (``2 n`` floats per round and
-token) in a scratch buffer that lives for that one call, and runs back through the rounds with the
-same formulas as the vectorised implementation. Importing this module needs Triton; where it is
-missing ``lmforge.models.mhc`` uses the vectorised implementation. ``TRITON_INTERPRET=1`` runs the
+**Sinkhorn** (``torch.ops.lmforge.sinkhorn``). One program normalises ``BLOCK`` tokens; each token's n x n
+log-matrix stays in registers through all the rounds, so the forward reads the logits once and writes the
+matrix once. The backward recomputes the rounds from the logits, parks each round's normalisers (``2 n``
+floats per round and token) in a scratch buffer that lives for that one call, and runs back through the
+rounds with the same formulas as the vectorised implementation.
+
+**Mixing** (``torch.ops.lmforge.mhc_mix_in`` / ``mhc_mix_out`` and their backwards). The n-flow stream
+``[tokens, n, C]`` is read a tile of ``BLOCK_T`` tokens x n flows x ``BLOCK_C`` channels at a time, in its own
+dtype, and mixed in fp32 registers with the fp32 coefficients: each forward is one pass over the stream
+(``mix_out`` also writes it), each backward one pass over the stream and its gradient that also sums the
+coefficients' gradients over the channels. Inductor's fusion of the same products (a sum over a dimension of
+width n, and per-token reductions over C for the coefficients' gradients) took ~31 ms of a 125M step on an
+H200 where the bytes moved are ~8 ms (``benchmarks/RESULTS.md``).
+
+Importing this module needs Triton; where it is missing ``lmforge.models.mhc`` uses the PyTorch
+implementations. ``TRITON_INTERPRET=1`` runs the
 kernels on CPU tensors (how the tests check them without a GPU).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 import triton
@@ -107,3 +118,221 @@ def sinkhorn_backward(grad: torch.Tensor, logits: torch.Tensor, iters: int) -> t
     with _on(x.device):
         _backward_kernel[(triton.cdiv(tokens, BLOCK),)](g, x, out, norms, tokens, ITERS=iters, N=n, BLOCK_T=BLOCK)
     return out.to(logits.dtype)
+
+
+# The mixing kernels. A tile is [BLOCK_T tokens, n flows, BLOCK_C channels]; the stream's flows and tokens
+# may have any strides (the first layer's stream is one embedding expanded n times: flow stride 0), its
+# channels stride 1. BLOCK_C = 128 bf16 channels is 256 bytes per flow row: 16-byte loads.
+# Register use compiled for sm_90 (ptxas -v, 4 warps, n = 4, bf16): 48 / 85 / 80 / 96 per thread for mix_in /
+# mix_out / their backwards, no spills; mix_out's backward takes 16 // n tokens, the rows tl.dot needs.
+MIX_BLOCK_T, MIX_BLOCK_C = 8, 128
+
+
+def mix_supported(stream: torch.Tensor) -> bool:
+    """n a power of two (Triton's block shapes), channels contiguous, at most fp32 (fp64: PyTorch), and a bf16
+    stream only on GPUs whose tensor cores take bf16 (compute capability 8 and up: tl.dot)."""
+    n = stream.shape[-2]
+    if stream.dtype == torch.bfloat16 and stream.is_cuda and torch.cuda.get_device_capability(stream.device)[0] < 8:
+        return False
+    return (n & (n - 1) == 0 and stream.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and stream.stride(-1) == 1 and _token_stride(stream) is not None)
+
+
+def _token_stride(stream: torch.Tensor) -> int | None:
+    """The one stride that steps through every token of ``[..., n, C]`` (the leading dims flattened), or None
+    when the leading dims do not flatten to one strided dim."""
+    lead = stream.shape[:-2]
+    if len(lead) == 0:
+        return 0
+    stride = None
+    for size, step in zip(reversed(lead), reversed(stream.stride()[:-2])):
+        if size == 1:
+            continue
+        if stride is None:
+            stride, expected = step, step * size
+        elif step != expected:
+            return None
+        else:
+            expected = step * size
+    return stride if stride is not None else 0
+
+
+@triton.jit
+def _stream_tile(x_ptr, t, c, tokens, C, stride_t, stride_f, N: tl.constexpr):
+    f = tl.arange(0, N)
+    offs = t.to(tl.int64)[:, None, None] * stride_t + f[None, :, None] * stride_f + c[None, None, :]
+    mask = ((t < tokens)[:, None] & (c < C)[None, :])[:, None, :]
+    return tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _vector(h_ptr, t, tokens, N: tl.constexpr):
+    f = tl.arange(0, N)
+    return tl.load(h_ptr + t.to(tl.int64)[:, None] * N + f[None, :], mask=(t < tokens)[:, None],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _mix_in_kernel(h_ptr, x_ptr, out_ptr, tokens, C, stride_t, stride_f, N: tl.constexpr, BLOCK_T: tl.constexpr,
+                   BLOCK_C: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    x = _stream_tile(x_ptr, t, c, tokens, C, stride_t, stride_f, N)
+    out = tl.sum(_vector(h_ptr, t, tokens, N)[:, :, None] * x, axis=1)
+    mask = (t < tokens)[:, None] & (c < C)[None, :]
+    tl.store(out_ptr + t.to(tl.int64)[:, None] * C + c[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _mix_in_backward_kernel(g_ptr, h_ptr, x_ptr, dh_ptr, dx_ptr, tokens, C, stride_t, stride_f, N: tl.constexpr,
+                            BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    # d stream[t, j, c] = h_pre[t, j] * g[t, c];  d h_pre[t, j] = sum_c g[t, c] * stream[t, j, c]
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    f = tl.arange(0, N)
+    h = _vector(h_ptr, t, tokens, N)
+    dh = tl.zeros([BLOCK_T, N], dtype=tl.float32)
+    rows = t.to(tl.int64)
+    for start in range(0, C, BLOCK_C):
+        c = start + tl.arange(0, BLOCK_C)
+        mask = (t < tokens)[:, None] & (c < C)[None, :]
+        g = tl.load(g_ptr + rows[:, None] * C + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = _stream_tile(x_ptr, t, c, tokens, C, stride_t, stride_f, N)
+        dh += tl.sum(x * g[:, None, :], axis=2)
+        dx_offs = rows[:, None, None] * (N * C) + f[None, :, None] * C + c[None, None, :]
+        tl.store(dx_ptr + dx_offs, (h[:, :, None] * g[:, None, :]).to(dx_ptr.dtype.element_ty), mask=mask[:, None, :])
+    tl.store(dh_ptr + rows[:, None] * N + f[None, :], dh.to(dh_ptr.dtype.element_ty), mask=(t < tokens)[:, None])
+
+
+@triton.jit
+def _mix_out_kernel(h_res_ptr, x_ptr, h_post_ptr, y_ptr, out_ptr, tokens, C, stride_t, stride_f, N: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    # out[t, i, c] = sum_j h_res[t, i, j] * stream[t, j, c] + h_post[t, i] * y[t, c]
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    f = tl.arange(0, N)
+    rows = t.to(tl.int64)
+    mask = (t < tokens)[:, None] & (c < C)[None, :]
+    y = tl.load(y_ptr + rows[:, None] * C + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    out = _vector(h_post_ptr, t, tokens, N)[:, :, None] * y[:, None, :]
+    for j in tl.static_range(N):  # column j of H_res times flow j
+        x_j = tl.load(x_ptr + rows[:, None] * stride_t + j * stride_f + c[None, :], mask=mask, other=0.0)
+        h_col = tl.load(h_res_ptr + rows[:, None] * (N * N) + f[None, :] * N + j, mask=(t < tokens)[:, None],
+                        other=0.0).to(tl.float32)
+        out += h_col[:, :, None] * x_j.to(tl.float32)[:, None, :]
+    out_offs = rows[:, None, None] * (N * C) + f[None, :, None] * C + c[None, None, :]
+    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=mask[:, None, :])
+
+
+@triton.jit
+def _mix_out_backward_kernel(g_ptr, h_res_ptr, x_ptr, h_post_ptr, y_ptr, dh_res_ptr, dx_ptr, dh_post_ptr, dy_ptr,
+                             tokens, C, stride_t, stride_f, N: tl.constexpr, BLOCK_T: tl.constexpr,
+                             BLOCK_C: tl.constexpr, EXACT_DOT: tl.constexpr):
+    # with g = d out:  d stream[t, j, c] = sum_i h_res[t, i, j] g[t, i, c];  d y[t, c] = sum_i h_post[t, i] g[t, i, c]
+    #                  d h_res[t, i, j] = sum_c g[t, i, c] stream[t, j, c];  d h_post[t, i] = sum_c g[t, i, c] y[t, c]
+    # d h_res is a tensor-core product of the tile's (token, flow) rows: [BLOCK_T * N, C] x [C, BLOCK_T * N], of
+    # which the N x N blocks on the diagonal are wanted (the rest pairs different tokens and is dropped). It
+    # accumulates in 16 registers per thread where per-token sums took ~60. EXACT_DOT: the product in fp32 FMAs
+    # (an fp32 stream, where tensor cores would round to tf32; and Triton's interpreter, whose bf16 tl.dot
+    # returns garbage in 3.9), else on tensor cores in the stream's 16-bit dtype, accumulating in fp32.
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    f = tl.arange(0, N)
+    rows = t.to(tl.int64)
+    live = (t < tokens)[:, None]
+    r = tl.arange(0, BLOCK_T * N)  # the tile's (token, flow) rows
+    r_token = tl.program_id(0) * BLOCK_T + r // N
+    r_live = (r_token < tokens)[:, None]
+    h_post = _vector(h_post_ptr, t, tokens, N)
+    dh_res = tl.zeros([BLOCK_T * N, BLOCK_T * N], dtype=tl.float32)
+    dh_post = tl.zeros([BLOCK_T, N], dtype=tl.float32)
+    for start in range(0, C, BLOCK_C):
+        c = start + tl.arange(0, BLOCK_C)
+        mask = live & (c < C)[None, :]
+        y = tl.load(y_ptr + rows[:, None] * C + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        g_offs = rows[:, None, None] * (N * C) + f[None, :, None] * C + c[None, None, :]
+        g = tl.load(g_ptr + g_offs, mask=mask[:, None, :], other=0.0)
+        x_offs = rows[:, None, None] * stride_t + f[None, :, None] * stride_f + c[None, None, :]
+        x_rows = tl.reshape(tl.load(x_ptr + x_offs, mask=mask[:, None, :], other=0.0), [BLOCK_T * N, BLOCK_C])
+        g_rows = tl.reshape(g, [BLOCK_T * N, BLOCK_C])
+        if EXACT_DOT:
+            dh_res = tl.dot(g_rows.to(tl.float32), tl.trans(x_rows.to(tl.float32)), dh_res, input_precision="ieee")
+        else:
+            dh_res = tl.dot(g_rows.to(x_rows.dtype), tl.trans(x_rows), dh_res)
+        g = g.to(tl.float32)
+        dy = tl.sum(h_post[:, :, None] * g, axis=1)
+        tl.store(dy_ptr + rows[:, None] * C + c[None, :], dy.to(dy_ptr.dtype.element_ty), mask=mask)
+        dh_post += tl.sum(g * y[:, None, :], axis=2)
+        for j in tl.static_range(N):  # column j of H_res: flow j of the stream's gradient
+            h_col = tl.load(h_res_ptr + rows[:, None] * (N * N) + f[None, :] * N + j, mask=live,
+                            other=0.0).to(tl.float32)
+            tl.store(dx_ptr + rows[:, None] * (N * C) + j * C + c[None, :],
+                     tl.sum(h_col[:, :, None] * g, axis=1).to(dx_ptr.dtype.element_ty), mask=mask)
+    s = tl.arange(0, BLOCK_T * N)
+    same_token = (r // N)[:, None] == (s // N)[None, :]
+    dh_offs = r_token.to(tl.int64)[:, None] * (N * N) + (r % N)[:, None] * N + (s % N)[None, :]
+    tl.store(dh_res_ptr + dh_offs, dh_res.to(dh_res_ptr.dtype.element_ty), mask=same_token & r_live)
+    tl.store(dh_post_ptr + rows[:, None] * N + f[None, :], dh_post.to(dh_post_ptr.dtype.element_ty), mask=live)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _geometry(stream: torch.Tensor) -> tuple[int, int, int, int, int]:
+    n, width = stream.shape[-2:]
+    return stream.numel() // (n * width) if stream.numel() else 0, n, width, _token_stride(stream), stream.stride(-2)
+
+
+def mix_in(h_pre: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+    """``[..., n]`` coefficients, ``[..., n, C]`` stream -> ``[..., C]`` in the stream's dtype."""
+    tokens, n, width, stride_t, stride_f = _geometry(stream)
+    out = torch.empty(stream.shape[:-2] + (width,), dtype=stream.dtype, device=stream.device)
+    if tokens:
+        grid = (triton.cdiv(tokens, MIX_BLOCK_T), triton.cdiv(width, MIX_BLOCK_C))
+        with _on(stream.device):
+            _mix_in_kernel[grid](h_pre.contiguous(), stream, out, tokens, width, stride_t, stride_f, N=n,
+                                 BLOCK_T=MIX_BLOCK_T, BLOCK_C=MIX_BLOCK_C)
+    return out
+
+
+def mix_in_backward(grad: torch.Tensor, h_pre: torch.Tensor, stream: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of ``mix_in`` for the coefficients (their dtype) and the stream (its dtype, contiguous)."""
+    tokens, n, width, stride_t, stride_f = _geometry(stream)
+    d_h = torch.empty(h_pre.shape, dtype=h_pre.dtype, device=h_pre.device)
+    d_x = torch.empty(stream.shape, dtype=stream.dtype, device=stream.device)
+    if tokens:
+        with _on(stream.device):
+            _mix_in_backward_kernel[(triton.cdiv(tokens, MIX_BLOCK_T),)](
+                grad.contiguous(), h_pre.contiguous(), stream, d_h, d_x, tokens, width, stride_t, stride_f, N=n,
+                BLOCK_T=MIX_BLOCK_T, BLOCK_C=MIX_BLOCK_C)
+    return d_h, d_x
+
+
+def mix_out(h_res: torch.Tensor, stream: torch.Tensor, h_post: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``H_res x + H_post^T y`` -> ``[..., n, C]`` in the stream's dtype (contiguous)."""
+    tokens, n, width, stride_t, stride_f = _geometry(stream)
+    out = torch.empty(stream.shape, dtype=stream.dtype, device=stream.device)
+    if tokens:
+        grid = (triton.cdiv(tokens, MIX_BLOCK_T), triton.cdiv(width, MIX_BLOCK_C))
+        with _on(stream.device):
+            _mix_out_kernel[grid](h_res.contiguous(), stream, h_post.contiguous(), y.contiguous(), out, tokens, width,
+                                  stride_t, stride_f, N=n, BLOCK_T=MIX_BLOCK_T, BLOCK_C=MIX_BLOCK_C)
+    return out
+
+
+def mix_out_backward(grad: torch.Tensor, h_res: torch.Tensor, stream: torch.Tensor, h_post: torch.Tensor,
+                     y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of ``mix_out`` for ``h_res``, the stream, ``h_post`` and ``y``, each in its input's dtype."""
+    tokens, n, width, stride_t, stride_f = _geometry(stream)
+    block_t = max(1, 16 // n)  # tl.dot takes 16 rows at least
+    d_h_res = torch.empty(h_res.shape, dtype=h_res.dtype, device=h_res.device)
+    d_x = torch.empty(stream.shape, dtype=stream.dtype, device=stream.device)
+    d_h_post = torch.empty(h_post.shape, dtype=h_post.dtype, device=h_post.device)
+    d_y = torch.empty(y.shape, dtype=y.dtype, device=y.device)
+    if tokens:
+        with _on(stream.device):
+            _mix_out_backward_kernel[(triton.cdiv(tokens, block_t),)](
+                grad.to(stream.dtype).contiguous(), h_res.contiguous(), stream, h_post.contiguous(), y.contiguous(),
+                d_h_res, d_x, d_h_post, d_y, tokens, width, stride_t, stride_f, N=n, BLOCK_T=block_t,
+                BLOCK_C=MIX_BLOCK_C, EXACT_DOT=stream.dtype == torch.float32 or _interpreting())
+    return d_h_res, d_x, d_h_post, d_y
