@@ -12,10 +12,11 @@ and at the 1.3B preset's (width 2048, 16 heads of 128).
    backend the device offers: flash, cuDNN, memory-efficient.
 4. **mHC's Sinkhorn operator** on the GPU (the Triton kernels): error against the unrolled reference
    in fp64, forward + backward, and its time against the unrolled eager rounds.
-5. **mHC's stream mixing** at ``rlm_mhc_125m``'s shapes (32 x 1024 tokens, 4 flows of 768, bf16 stream): each
-   Triton kernel alone (time, and GB/s for the bytes it must move), and ``H_res x + H_post^T y(H_pre x)``
-   forward + backward through the operators against the PyTorch mixing compiled by Inductor, with the
-   largest difference between the two.
+5. **mHC's sub-layer work** at ``rlm_mhc_125m``'s shapes (32 x 1024 tokens, 4 flows of 768, bf16 stream): each
+   Triton kernel alone (time, and GB/s for the bytes it must move), and one sub-layer's mHC work (coefficients
+   and mixing, around a cheap stand-in for attention) forward + backward through the operators
+   (``model.mhc_kernels=auto``) against the PyTorch ops compiled by Inductor (``torch``), with the relative
+   difference of the output and of every gradient.
 
 Times are CUDA-event medians over ``--repeats`` after warm-up; a matmul peak is measured first
 (``lmforge.device.measure_matmul_flops``). Usage:
@@ -186,54 +187,67 @@ def sinkhorn(tokens: int, repeats: int) -> list[dict]:
     return rows
 
 
-def mhc_mixing(tokens: int, flows: int, width: int, repeats: int) -> list[dict]:
+def mhc_sub_layer(tokens: int, flows: int, width: int, repeats: int) -> list[dict]:
     from lmforge.models import mhc_triton
-    from lmforge.models.mhc import mhc_mix_in, mhc_mix_out, mix_in, mix_out
+    from lmforge.models.mhc import MHCLayer
 
     dev = "cuda"
+    torch.manual_seed(0)
     x = torch.randn(tokens, flows, width, device=dev, dtype=torch.bfloat16)
+    phi = 0.02 * torch.randn(flows * flows + 2 * flows, flows * width, device=dev)
     h_pre = torch.rand(tokens, flows, device=dev)
     h_post = 2 * torch.rand(tokens, flows, device=dev)
     h_res = torch.softmax(torch.randn(tokens, flows, flows, device=dev), -1)
     y = torch.randn(tokens, width, device=dev, dtype=torch.bfloat16)
     g_out = torch.randn_like(x)
     g_in = torch.randn_like(y)
+    d_proj = torch.randn(tokens, phi.shape[0], device=dev)
+    coef = torch.randn(tokens, 1, device=dev)
     s, v = x.numel() * 2, y.numel() * 2  # bytes of the stream and of one C-wide tensor (bf16)
     rows = []
-    # each kernel alone, with the bytes it has to read and write (coefficients ignored: n^2 + 2n floats a token)
+    # each kernel alone, with the bytes it has to read and write (coefficients and phi left out: small)
     for name, fn, moved in (
+        ("projection", lambda: mhc_triton.projection(x, phi, 1e-6), s),
         ("mix_in", lambda: mhc_triton.mix_in(h_pre, x), s + v),
+        ("mix_in_grad_h", lambda: mhc_triton.mix_in_grad_h(g_in, h_pre, x), s + v),
+        ("pre_backward", lambda: mhc_triton.pre_backward(g_in, x, h_pre, d_proj, coef, phi), 2 * s + v),
         ("mix_out", lambda: mhc_triton.mix_out(h_res, x, h_post, y), 2 * s + v),
-        ("mix_in_backward", lambda: mhc_triton.mix_in_backward(g_in, h_pre, x), 2 * s + v),
         ("mix_out_backward", lambda: mhc_triton.mix_out_backward(g_out, h_res, x, h_post, y), 3 * s + 2 * v),
     ):
         ms = time_ms(fn, repeats)
-        rows.append({"what": "mhc_mix_kernel", "kernel": name, "tokens": tokens, "ms": round(ms, 3),
+        rows.append({"what": "mhc_kernel", "kernel": name, "tokens": tokens, "ms": round(ms, 3),
                      "gb_per_s": round(moved / ms / 1e6, 1)})
 
-    def sub_layer(ops):
-        def run(stream, a, b, c, y0):
-            x_in = (mhc_mix_in if ops else mix_in)(a, stream)
-            y1 = x_in * 0.5 + y0  # stands in for the sub-layer: one cheap op between the two mixings
-            return (mhc_mix_out if ops else mix_out)(c, stream, b, y1)
-        return run
-
+    # one whole sub-layer's mHC work around a cheap stand-in for attention / MLP, forward + backward: the
+    # operators (model.mhc_kernels=auto) against the PyTorch ops compiled by Inductor (mhc_kernels=torch)
     results = {}
-    for name, fn in (("lmforge::mhc_mix_in/out (Triton)", sub_layer(True)),
-                     ("PyTorch mixing, compiled (Inductor)", torch.compile(sub_layer(False), fullgraph=True))):
-        inputs = [t.clone().requires_grad_() for t in (x, h_pre, h_post, h_res, y)]
+    for kernels in ("auto", "torch"):
+        torch.manual_seed(1)
+        layer = MHCLayer(width, flows, index=1, kernels=kernels).to(dev)
+        with torch.no_grad():
+            layer.phi.normal_(0, 0.02)
+            layer.alpha.fill_(1.0)
+        stream = x.clone().requires_grad_()
+        params = [stream, *layer.parameters()]
+
+        def step(stream):
+            out, _ = layer(stream, lambda t: t * 0.5 + y)
+            return out
+
+        fn = step if kernels == "auto" else torch.compile(step, fullgraph=True)
 
         def fwd_bwd():
-            out = fn(*inputs)
-            return out, torch.autograd.grad(out, inputs, g_out)
+            out = fn(stream)
+            return out, torch.autograd.grad(out, params, g_out)
 
-        results[name] = fwd_bwd()
-        rows.append({"what": "mhc_mix_sub_layer", "via": name, "tokens": tokens,
+        results[kernels] = fwd_bwd()
+        rows.append({"what": "mhc_sub_layer", "kernels": kernels, "tokens": tokens,
                      "ms_fwd_bwd": round(time_ms(fwd_bwd, repeats), 3)})
     (a_out, a_grads), (b_out, b_grads) = results.values()
-    diffs = [((p.float() - q.float()).abs().max() / q.float().abs().max()).item()
+    diffs = [((p.float() - q.float()).norm() / q.float().norm()).item()
              for p, q in zip((a_out, *a_grads), (b_out, *b_grads))]
-    rows.append({"what": "mhc_mix_check", "max_rel_diff_out_and_grads": [float(f"{d:.2e}") for d in diffs]})
+    rows.append({"what": "mhc_sub_layer_check", "rel_diff_out_stream_phi_alpha_bpre_bpost_bres":
+                 [float(f"{d:.2e}") for d in diffs]})
     return rows
 
 
@@ -256,7 +270,7 @@ def main() -> None:
         lambda: attention(16, 12, 1024, 64, args.repeats),
         lambda: attention(8, 16, 2048, 128, args.repeats),
         lambda: sinkhorn(16 * 1024 * 2, args.repeats),
-        lambda: mhc_mixing(32 * 1024, 4, 768, args.repeats),
+        lambda: mhc_sub_layer(32 * 1024, 4, 768, args.repeats),
     ]
     for section in sections:
         try:

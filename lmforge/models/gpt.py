@@ -122,7 +122,7 @@ class GPTConfig:
     # The n-flow stream's dtype: fp32 (the plain model's residual, whatever the autocast) or autocast
     # (bf16 under bf16 autocast, the paper's choice: half the stream's memory traffic, rounded flows).
     mhc_stream_dtype: str = "fp32"
-    # How the stream is mixed: auto (the Triton operators mhc_mix_in/mhc_mix_out on CUDA, PyTorch ops elsewhere)
+    # mHC's kernels: auto (the Triton operators mhc_pre / mhc_mix_out on CUDA, PyTorch ops elsewhere)
     # | torch (PyTorch ops everywhere: what Inductor fuses under torch.compile; for side-by-side figures).
     mhc_kernels: str = "auto"
     # The LM head's loss (lmforge.models.losses): auto | chunked (fused chunks, no [tokens, vocab] logits

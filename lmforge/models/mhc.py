@@ -19,11 +19,11 @@ By default (``model.mhc_stream_dtype=fp32``) the stream keeps the plain model's 
 bf16 autocast), so mHC on and off differ only in the connections; ``autocast`` stores it in the training
 precision (bf16), as the paper does to halve its memory traffic.
 Sinkhorn runs in the log domain, alternately normalising columns and rows, as one operator
-(``torch.ops.lmforge.sinkhorn``, a Triton kernel on CUDA). On CUDA the mixing is two operators per sub-layer,
-``torch.ops.lmforge.mhc_mix_in`` / ``mhc_mix_out`` (Triton kernels, ``mhc_triton``: each way one pass over the
-stream, the coefficients' gradients summed in the same pass); elsewhere, and with ``model.mhc_kernels=torch``,
-PyTorch ops: a batched matmul in eager mode and a broadcast product that Inductor fuses under
-``torch.compile`` (``mix_in`` / ``mix_out``).
+(``torch.ops.lmforge.sinkhorn``, a Triton kernel on CUDA). On CUDA a sub-layer's mHC work is two operators,
+``torch.ops.lmforge.mhc_pre`` (the coefficients and ``H_pre x``) and ``mhc_mix_out``, with Triton kernels
+(``mhc_triton``) that read the stream once per product and sum the coefficients' gradients in the same passes;
+elsewhere, and with ``model.mhc_kernels=torch``, PyTorch ops: the mixing a batched matmul in eager mode and a
+broadcast product that Inductor fuses under ``torch.compile`` (``mix_in`` / ``mix_out``).
 
 Initialisation (``phi = 0``, ``a = 0.01``): the block starts as the plain residual network. Every
 flow starts as a copy of the embedding and ``H_post = 1`` adds F's output to each, so the flows stay
@@ -199,7 +199,7 @@ def mix_in(h_pre: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
     Compiled, a broadcast product summed over the n flows: Inductor fuses it into one pass over the
     stream (its backward too), where a batched matmul of width n is an opaque kernel per token. Eager,
     the matmul: the product would first write an n x C temporary. (On CUDA the layer uses the operator
-    ``mhc_mix_in`` instead, see ``MHCLayer``.)"""
+    ``mhc_pre`` instead, see ``MHCLayer``.)"""
     if torch.compiler.is_compiling():
         return (h_pre.unsqueeze(-1) * stream).sum(-2)
     return (h_pre.unsqueeze(-2) @ stream).squeeze(-2)
@@ -217,27 +217,14 @@ def mix_out(h_res: torch.Tensor, stream: torch.Tensor, h_post: torch.Tensor, y: 
     return out.reshape(stream.shape)
 
 
-# The mixing as operators (CUDA): one Triton kernel each way, fp32 coefficients read as they are and the
-# stream in its own dtype (``mhc_triton``). The PyTorch implementations below serve other devices and what
-# the kernels do not take (fp64, n not a power of two); they compute in fp32 (fp64 for fp64).
+# The sub-layer as two operators (CUDA): ``mhc_pre`` (the coefficients and H_pre x) and ``mhc_mix_out``, each
+# with Triton kernels (``mhc_triton``) that take the fp32 coefficients as they are and the stream in its own
+# dtype. The PyTorch implementations serve other devices and what the kernels do not take (fp64, n not a power
+# of two); the mixing's compute in fp32 (fp64 for fp64).
 
 
 def _acc(stream: torch.Tensor) -> torch.dtype:
     return torch.promote_types(stream.dtype, torch.float32)
-
-
-def _mix_in_torch(h_pre: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
-    acc = _acc(stream)
-    return (h_pre.to(acc).unsqueeze(-2) @ stream.to(acc)).squeeze(-2).to(stream.dtype).contiguous()
-
-
-def _mix_in_backward_torch(grad: torch.Tensor, h_pre: torch.Tensor, stream: torch.Tensor
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    acc = _acc(stream)
-    g = grad.to(acc)
-    d_h = (stream.to(acc) @ g.unsqueeze(-1)).squeeze(-1)
-    d_x = h_pre.to(acc).unsqueeze(-1) * g.unsqueeze(-2)
-    return d_h.to(h_pre.dtype).contiguous(), d_x.to(stream.dtype).contiguous()
 
 
 def _mix_out_torch(h_res: torch.Tensor, stream: torch.Tensor, h_post: torch.Tensor, y: torch.Tensor
@@ -259,19 +246,6 @@ def _mix_out_backward_torch(grad: torch.Tensor, h_res: torch.Tensor, stream: tor
             d_h_post.to(h_post.dtype).contiguous(), d_y.to(y.dtype).contiguous())
 
 
-@torch.library.custom_op("lmforge::mhc_mix_in", mutates_args=())
-def mhc_mix_in(h_pre: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
-    """``H_pre x`` (``mix_in``) as one operator, in the stream's dtype."""
-    return _mix_in_torch(h_pre, stream)
-
-
-@torch.library.custom_op("lmforge::mhc_mix_in_backward", mutates_args=())
-def mhc_mix_in_backward(grad: torch.Tensor, h_pre: torch.Tensor, stream: torch.Tensor
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of ``mhc_mix_in`` for ``h_pre`` and the stream, each in its input's dtype."""
-    return _mix_in_backward_torch(grad, h_pre, stream)
-
-
 @torch.library.custom_op("lmforge::mhc_mix_out", mutates_args=())
 def mhc_mix_out(h_res: torch.Tensor, stream: torch.Tensor, h_post: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``H_res x + H_post^T y`` (``mix_out``) as one operator, in the stream's dtype."""
@@ -289,16 +263,6 @@ def _like(t: torch.Tensor, dtype: torch.dtype | None = None, shape=None) -> torc
     return torch.empty(t.shape if shape is None else shape, dtype=t.dtype if dtype is None else dtype, device=t.device)
 
 
-@mhc_mix_in.register_fake
-def _(h_pre, stream):
-    return _like(stream, shape=stream.shape[:-2] + stream.shape[-1:])
-
-
-@mhc_mix_in_backward.register_fake
-def _(grad, h_pre, stream):
-    return _like(h_pre), _like(stream)
-
-
 @mhc_mix_out.register_fake
 def _(h_res, stream, h_post, y):
     return _like(stream)
@@ -313,8 +277,6 @@ def _save_inputs(ctx, inputs, output) -> None:
     ctx.save_for_backward(*inputs)
 
 
-mhc_mix_in.register_autograd(lambda ctx, grad: mhc_mix_in_backward(grad, *ctx.saved_tensors),
-                             setup_context=_save_inputs)
 mhc_mix_out.register_autograd(lambda ctx, grad: mhc_mix_out_backward(grad, *ctx.saved_tensors),
                               setup_context=_save_inputs)
 
@@ -323,18 +285,6 @@ def _mix_kernels(stream: torch.Tensor):
     """The Triton kernels' module when they take this stream (else None: the PyTorch implementation runs)."""
     kernels = _triton()
     return kernels if kernels is not None and kernels.mix_supported(stream) else None
-
-
-@mhc_mix_in.register_kernel("cuda")
-def _(h_pre, stream):
-    kernels = _mix_kernels(stream)
-    return kernels.mix_in(h_pre, stream) if kernels else _mix_in_torch(h_pre, stream)
-
-
-@mhc_mix_in_backward.register_kernel("cuda")
-def _(grad, h_pre, stream):
-    kernels = _mix_kernels(stream)
-    return kernels.mix_in_backward(grad, h_pre, stream) if kernels else _mix_in_backward_torch(grad, h_pre, stream)
 
 
 @mhc_mix_out.register_kernel("cuda")
@@ -395,6 +345,151 @@ class _NormedProjection(torch.autograd.Function):
         return grad_flat, grad_phi.to(ctx.phi_dtype), None
 
 
+def _coefficients_from(dynamic: torch.Tensor, alpha: torch.Tensor, b_pre: torch.Tensor, b_post: torch.Tensor,
+                       b_res: torch.Tensor, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``H_pre``, ``H_post``, ``H_res`` from the dynamic part ``[..., n*n + 2n]`` and the static terms."""
+    n, acc = b_pre.shape[0], torch.promote_types(dynamic.dtype, torch.float32)  # fp32 (fp64 for gradcheck)
+    d_pre, d_post, d_res = dynamic.split([n, n, n * n], dim=-1)
+    alpha = alpha.to(acc)
+    h_pre = torch.sigmoid(alpha[0] * d_pre + b_pre.to(acc))
+    h_post = 2.0 * torch.sigmoid(alpha[1] * d_post + b_post.to(acc))
+    h_res = sinkhorn_log(alpha[2] * d_res.unflatten(-1, (n, n)) + b_res.to(acc), iters)
+    return h_pre, h_post, h_res
+
+
+def _coefficients_backward(dynamic: torch.Tensor, alpha: torch.Tensor, b_pre: torch.Tensor, b_post: torch.Tensor,
+                           b_res: torch.Tensor, iters: int, d_h_pre: torch.Tensor, d_h_post: torch.Tensor,
+                           d_h_res: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Gradients of ``_coefficients_from`` for ``dynamic``, ``alpha``, ``b_pre``, ``b_post``, ``b_res`` (each in its
+    input's dtype), written out."""
+    n, acc = b_pre.shape[0], torch.promote_types(dynamic.dtype, torch.float32)
+    d_pre, d_post, d_res = dynamic.split([n, n, n * n], dim=-1)
+    a = alpha.to(acc)
+    s_pre = torch.sigmoid(a[0] * d_pre + b_pre.to(acc))
+    s_post = torch.sigmoid(a[1] * d_post + b_post.to(acc))
+    z_pre = d_h_pre * s_pre * (1 - s_pre)  # through the sigmoids (H_post = 2 sigmoid)
+    z_post = d_h_post * 2 * s_post * (1 - s_post)
+    z_res = sinkhorn_backward(d_h_res.contiguous(), (a[2] * d_res.unflatten(-1, (n, n)) + b_res.to(acc)).contiguous(),
+                              iters).flatten(-2)
+    lead = tuple(range(dynamic.dim() - 1))
+    d_alpha = torch.stack([(z_pre * d_pre).sum(), (z_post * d_post).sum(), (z_res * d_res).sum()])
+    d_dynamic = torch.cat([a[0] * z_pre, a[1] * z_post, a[2] * z_res], dim=-1)
+    return (d_dynamic.to(dynamic.dtype), d_alpha.to(alpha.dtype), z_pre.sum(lead).to(b_pre.dtype),
+            z_post.sum(lead).to(b_post.dtype), z_res.sum(lead).unflatten(-1, (n, n)).to(b_res.dtype))
+
+
+def _flat(stream: torch.Tensor) -> torch.Tensor:
+    """The ``[..., n*C]`` stream the coefficients read: a 16-bit stream as it is, others in fp32 (fp64 stays)."""
+    flat = stream.flatten(-2)
+    return flat if flat.dtype in (torch.bfloat16, torch.float16, torch.float64) else flat.float()
+
+
+@torch.library.custom_op("lmforge::mhc_pre", mutates_args=())
+def mhc_pre(stream: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, b_pre: torch.Tensor, b_post: torch.Tensor,
+            b_res: torch.Tensor, iters: int, eps: float
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The first half of an mHC sub-layer as one operator: the coefficients (``MHCLayer.coefficients``) and
+    ``H_pre x``. Returns ``H_pre x`` (the stream's dtype), ``H_pre``, ``H_post``, ``H_res`` (fp32), and the
+    projection and ``1 / RMS`` its backward reuses. On CUDA one Triton pass reads the stream for the projection
+    and its RMS, one more for ``H_pre x``; the backward reads it twice (``H_pre``'s gradient, then the stream's
+    and phi's together), where separate operators would also write, and then add, a second gradient of it."""
+    return _pre(stream, phi, alpha, b_pre, b_post, b_res, iters, eps, None)
+
+
+def _pre(stream, phi, alpha, b_pre, b_post, b_res, iters, eps, kernels):
+    with torch.autocast(stream.device.type, enabled=False):
+        if kernels is None:
+            proj, inv_rms = _normed_projection(_flat(stream), phi, eps)
+        else:
+            proj, inv_rms = kernels.projection(stream, phi, eps)
+        h_pre, h_post, h_res = _coefficients_from(proj * inv_rms, alpha, b_pre, b_post, b_res, iters)
+        if kernels is None:
+            acc = _acc(stream)
+            x_in = (h_pre.to(acc).unsqueeze(-2) @ stream.to(acc)).squeeze(-2).to(stream.dtype)
+        else:
+            x_in = kernels.mix_in(h_pre, stream)
+    return x_in.contiguous(), h_pre, h_post, h_res, proj, inv_rms
+
+
+@torch.library.custom_op("lmforge::mhc_pre_backward", mutates_args=())
+def mhc_pre_backward(d_x_in: torch.Tensor, d_h_pre: torch.Tensor, d_h_post: torch.Tensor, d_h_res: torch.Tensor,
+                     stream: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, b_pre: torch.Tensor,
+                     b_post: torch.Tensor, b_res: torch.Tensor, proj: torch.Tensor, inv_rms: torch.Tensor,
+                     h_pre: torch.Tensor, iters: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of ``mhc_pre`` for the stream, phi, alpha, b_pre, b_post and b_res (each in its dtype)."""
+    return _pre_backward(d_x_in, d_h_pre, d_h_post, d_h_res, stream, phi, alpha, b_pre, b_post, b_res, proj,
+                         inv_rms, h_pre, iters, None)
+
+
+def _pre_backward(d_x_in, d_h_pre, d_h_post, d_h_res, stream, phi, alpha, b_pre, b_post, b_res, proj, inv_rms,
+                  h_pre, iters, kernels):
+    with torch.autocast(stream.device.type, enabled=False):
+        # H_pre's gradient through H_pre x (one read of the stream), then back through the coefficients'
+        # small graph ([tokens, n*n + 2n] tensors; autograd cannot run inside an operator's implementation)
+        if kernels is None:
+            acc = _acc(stream)
+            d_h = (stream.to(acc) @ d_x_in.to(acc).unsqueeze(-1)).squeeze(-1)
+        else:
+            d_h = kernels.mix_in_grad_h(d_x_in, h_pre, stream)
+        d_dynamic, *d_statics = _coefficients_backward(proj * inv_rms, alpha, b_pre, b_post, b_res, iters,
+                                                       d_h.to(h_pre.dtype) + d_h_pre, d_h_post, d_h_res)
+        # through (flat @ phi.T) * inv_rms, inv_rms = (sum(flat^2) / width + eps)^(-1/2): see _NormedProjection
+        d_proj = d_dynamic * inv_rms
+        coef = (d_dynamic * proj).sum(-1, keepdim=True) * inv_rms.pow(3) / -(stream.shape[-2] * stream.shape[-1])
+        if kernels is None:
+            flat = _flat(stream)
+            d_proj_16 = d_proj.to(flat.dtype)
+            d_flat = d_proj_16 @ phi.to(flat.dtype) + coef.to(flat.dtype) * flat
+            d_x = d_flat.unflatten(-1, stream.shape[-2:]) + h_pre.to(flat.dtype).unsqueeze(-1) * d_x_in.to(
+                flat.dtype).unsqueeze(-2)
+            d_phi = d_proj_16.reshape(-1, d_proj.shape[-1]).t() @ flat.reshape(-1, flat.shape[-1])
+        else:
+            d_x, d_phi = kernels.pre_backward(d_x_in, stream, h_pre, d_proj, coef, phi)
+    return (d_x.to(stream.dtype).contiguous(), d_phi.to(phi.dtype), *(g.to(t.dtype) for g, t in
+                                                                      zip(d_statics, (alpha, b_pre, b_post, b_res))))
+
+
+@mhc_pre.register_fake
+def _(stream, phi, alpha, b_pre, b_post, b_res, iters, eps):
+    lead, n, acc = stream.shape[:-2], stream.shape[-2], _acc(stream)
+    return (_like(stream, shape=lead + stream.shape[-1:]), _like(stream, acc, lead + (n,)),
+            _like(stream, acc, lead + (n,)), _like(stream, acc, lead + (n, n)),
+            _like(stream, acc, lead + (phi.shape[0],)), _like(stream, acc, lead + (1,)))
+
+
+@mhc_pre_backward.register_fake
+def _(d_x_in, d_h_pre, d_h_post, d_h_res, stream, phi, alpha, b_pre, b_post, b_res, proj, inv_rms, h_pre, iters):
+    return _like(stream), _like(phi), _like(alpha), _like(b_pre), _like(b_post), _like(b_res)
+
+
+def _pre_setup_context(ctx, inputs, output) -> None:
+    stream, phi, alpha, b_pre, b_post, b_res, iters, _ = inputs
+    _, h_pre, _, _, proj, inv_rms = output
+    ctx.save_for_backward(stream, phi, alpha, b_pre, b_post, b_res, proj, inv_rms, h_pre)
+    ctx.iters = iters
+    ctx.mark_non_differentiable(proj, inv_rms)
+
+
+def _pre_autograd(ctx, d_x_in, d_h_pre, d_h_post, d_h_res, _d_proj, _d_inv_rms):
+    grads = mhc_pre_backward(d_x_in, d_h_pre, d_h_post, d_h_res, *ctx.saved_tensors, ctx.iters)
+    return (*grads, None, None)
+
+
+mhc_pre.register_autograd(_pre_autograd, setup_context=_pre_setup_context)
+
+
+@mhc_pre.register_kernel("cuda")
+def _(stream, phi, alpha, b_pre, b_post, b_res, iters, eps):
+    return _pre(stream, phi, alpha, b_pre, b_post, b_res, iters, eps, _mix_kernels(stream))
+
+
+@mhc_pre_backward.register_kernel("cuda")
+def _(d_x_in, d_h_pre, d_h_post, d_h_res, stream, phi, alpha, b_pre, b_post, b_res, proj, inv_rms, h_pre, iters):
+    return _pre_backward(d_x_in, d_h_pre, d_h_post, d_h_res, stream, phi, alpha, b_pre, b_post, b_res, proj,
+                         inv_rms, h_pre, iters, _mix_kernels(stream))
+
+
 class MHCLayer(nn.Module):
     """The mHC coefficients and stream update around one sub-layer (attention or MLP).
 
@@ -435,32 +530,26 @@ class MHCLayer(nn.Module):
 
     def coefficients(self, stream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[..., n, C]`` stream -> ``H_pre [..., n]``, ``H_post [..., n]``, ``H_res [..., n, n]`` (fp32)."""
-        n = self.flows
         with torch.autocast(stream.device.type, enabled=False):
-            flat = stream.flatten(-2)
-            if flat.dtype not in (torch.bfloat16, torch.float16):
-                flat = flat.float()
+            flat = _flat(stream)
             if torch.compiler.is_compiling():  # Inductor derives the backward and fuses it (measured faster)
                 proj, inv_rms = _normed_projection(flat, self.phi, self.eps)
                 dynamic = proj * inv_rms
             else:
                 dynamic = _NormedProjection.apply(flat, self.phi, self.eps)
-            d_pre, d_post, d_res = dynamic.split([n, n, n * n], dim=-1)
-            alpha = self.alpha.float()
-            h_pre = torch.sigmoid(alpha[0] * d_pre + self.b_pre.float())
-            h_post = 2.0 * torch.sigmoid(alpha[1] * d_post + self.b_post.float())
-            h_res = sinkhorn_log(alpha[2] * d_res.unflatten(-1, (n, n)) + self.b_res.float(), self.sinkhorn_iters)
-        return h_pre, h_post, h_res
+            return _coefficients_from(dynamic, self.alpha, self.b_pre, self.b_post, self.b_res, self.sinkhorn_iters)
 
     def forward(self, stream: torch.Tensor, sublayer: Callable[[torch.Tensor], torch.Tensor]
                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """Run ``sublayer`` on the mixed stream; return the new stream and the first sequence's
         detached coefficients (for the Amax metrics; views, free when unused)."""
+        if self.uses_mixing_operators(stream):  # fp32 coefficients, the stream's dtype in and out
+            x_in, h_pre, h_post, h_res, _, _ = mhc_pre(stream, self.phi, self.alpha, self.b_pre, self.b_post,
+                                                       self.b_res, self.sinkhorn_iters, self.eps)
+            out = mhc_mix_out(h_res, stream, h_post, sublayer(x_in))
+            return out, (h_pre[0].detach(), h_post[0].detach(), h_res[0].detach())
         h_pre, h_post, h_res = self.coefficients(stream)
         dtype, device = stream.dtype, stream.device.type
-        if self.uses_mixing_operators(stream):  # fp32 coefficients, the stream's dtype in and out
-            y = sublayer(mhc_mix_in(h_pre, stream))
-            return mhc_mix_out(h_res, stream, h_post, y), (h_pre[0].detach(), h_post[0].detach(), h_res[0].detach())
         with torch.autocast(device, enabled=False):  # mix at the stream's precision, not autocast's
             x_in = mix_in(h_pre.to(dtype), stream)
         y = sublayer(x_in)
@@ -469,7 +558,7 @@ class MHCLayer(nn.Module):
         return out, (h_pre[0].detach(), h_post[0].detach(), h_res[0].detach())
 
     def uses_mixing_operators(self, stream: torch.Tensor) -> bool:
-        """Whether the stream is mixed by the operators ``mhc_mix_in`` / ``mhc_mix_out`` (Triton kernels): on
+        """Whether the sub-layer runs on the operators ``mhc_pre`` / ``mhc_mix_out`` (Triton kernels): on
         CUDA where Triton can build them, unless ``kernels="torch"``. Elsewhere PyTorch ops mix it, which
         Inductor fuses under ``torch.compile`` (what CPUs measured best with)."""
         return self.kernels == "auto" and stream.device.type == "cuda" and can_build_triton_kernels()

@@ -6,17 +6,21 @@ matrix once. The backward recomputes the rounds from the logits, parks each roun
 floats per round and token) in a scratch buffer that lives for that one call, and runs back through the
 rounds with the same formulas as the vectorised implementation.
 
-**Mixing** (``torch.ops.lmforge.mhc_mix_in`` / ``mhc_mix_out`` and their backwards). The n-flow stream
-``[tokens, n, C]`` is read a tile of ``BLOCK_T`` tokens x n flows x ``BLOCK_C`` channels at a time, in its own
-dtype, and mixed in fp32 registers with the fp32 coefficients: each forward is one pass over the stream
-(``mix_out`` also writes it), each backward one pass over the stream and its gradient that also sums the
-coefficients' gradients over the channels. Inductor's fusion of the same products (a sum over a dimension of
-width n, and per-token reductions over C for the coefficients' gradients) took ~31 ms of a 125M step on an
-H200 where the bytes moved are ~8 ms (``benchmarks/RESULTS.md``).
+**A sub-layer's mHC work** (``torch.ops.lmforge.mhc_pre`` / ``mhc_mix_out`` and their backwards). The n-flow
+stream ``[tokens, n, C]`` is read in tiles of tokens x flows x channels, in its own dtype, and mixed in fp32
+registers with the fp32 coefficients; the small products over the channels (the dynamic coefficients'
+projection, the coefficients' gradients) run on tensor cores with ``tl.dot``. Counting passes over the stream
+(S: 201 MB at ``rlm_mhc_125m``'s 32 x 1024 tokens, bf16): forward, the projection with the stream's RMS (S),
+``H_pre x`` (S), ``H_res x + H_post^T y`` (2 S: read and write); backward, ``mix_out``'s (3 S: its gradient and
+the stream read, the stream's gradient written, with ``H_res``'s, ``H_post``'s and ``y``'s), ``H_pre``'s
+gradient (S), the stream's and phi's gradients through ``H_pre x`` and the projection (2 S), and autograd's sum
+of the stream's two gradients (3 S). 13 S per sub-layer, ~63 GB per 125M step, ~13 ms at an H200's 4.8 TB/s;
+Inductor's fusion of the PyTorch ops took ~31 ms of elementwise work on top of the plain model's
+(``benchmarks/RESULTS.md``), not counting the projection's narrow matmuls.
 
 Importing this module needs Triton; where it is missing ``lmforge.models.mhc`` uses the PyTorch
-implementations. ``TRITON_INTERPRET=1`` runs the
-kernels on CPU tensors (how the tests check them without a GPU).
+implementations. ``TRITON_INTERPRET=1`` runs the kernels on CPU tensors (how the tests check them without a
+GPU).
 """
 
 from __future__ import annotations
@@ -123,8 +127,9 @@ def sinkhorn_backward(grad: torch.Tensor, logits: torch.Tensor, iters: int) -> t
 # The mixing kernels. A tile is [BLOCK_T tokens, n flows, BLOCK_C channels]; the stream's flows and tokens
 # may have any strides (the first layer's stream is one embedding expanded n times: flow stride 0), its
 # channels stride 1. BLOCK_C = 128 bf16 channels is 256 bytes per flow row: 16-byte loads.
-# Register use compiled for sm_90 (ptxas -v, 4 warps, n = 4, bf16): 48 / 85 / 80 / 96 per thread for mix_in /
-# mix_out / their backwards, no spills; mix_out's backward takes 16 // n tokens, the rows tl.dot needs.
+# Register use compiled for sm_90 (ptxas -v, 4 warps, n = 4, bf16): 48 / 64 / 85 / 96 a thread for mix_in, H_pre's
+# gradient, mix_out and mix_out's backward, no spills; mix_out's backward takes 16 // n tokens, the rows tl.dot
+# needs.
 MIX_BLOCK_T, MIX_BLOCK_C = 8, 128
 
 
@@ -184,12 +189,12 @@ def _mix_in_kernel(h_ptr, x_ptr, out_ptr, tokens, C, stride_t, stride_f, N: tl.c
 
 
 @triton.jit
-def _mix_in_backward_kernel(g_ptr, h_ptr, x_ptr, dh_ptr, dx_ptr, tokens, C, stride_t, stride_f, N: tl.constexpr,
-                            BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    # d stream[t, j, c] = h_pre[t, j] * g[t, c];  d h_pre[t, j] = sum_c g[t, c] * stream[t, j, c]
+def _mix_in_grad_h_kernel(g_ptr, x_ptr, dh_ptr, tokens, C, stride_t, stride_f, N: tl.constexpr, BLOCK_T: tl.constexpr,
+                          BLOCK_C: tl.constexpr):
+    # d h_pre[t, j] = sum_c g[t, c] * stream[t, j, c] (the stream's own gradient through H_pre x is written by
+    # _pre_backward_kernel, with the coefficients' part, in one pass)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     f = tl.arange(0, N)
-    h = _vector(h_ptr, t, tokens, N)
     dh = tl.zeros([BLOCK_T, N], dtype=tl.float32)
     rows = t.to(tl.int64)
     for start in range(0, C, BLOCK_C):
@@ -198,9 +203,7 @@ def _mix_in_backward_kernel(g_ptr, h_ptr, x_ptr, dh_ptr, dx_ptr, tokens, C, stri
         g = tl.load(g_ptr + rows[:, None] * C + c[None, :], mask=mask, other=0.0).to(tl.float32)
         x = _stream_tile(x_ptr, t, c, tokens, C, stride_t, stride_f, N)
         dh += tl.sum(x * g[:, None, :], axis=2)
-        dx_offs = rows[:, None, None] * (N * C) + f[None, :, None] * C + c[None, None, :]
-        tl.store(dx_ptr + dx_offs, (h[:, :, None] * g[:, None, :]).to(dx_ptr.dtype.element_ty), mask=mask[:, None, :])
-    tl.store(dh_ptr + rows[:, None] * N + f[None, :], dh.to(dh_ptr.dtype.element_ty), mask=(t < tokens)[:, None])
+    tl.store(dh_ptr + rows[:, None] * N + f[None, :], dh, mask=(t < tokens)[:, None])
 
 
 @triton.jit
@@ -294,18 +297,16 @@ def mix_in(h_pre: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def mix_in_backward(grad: torch.Tensor, h_pre: torch.Tensor, stream: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of ``mix_in`` for the coefficients (their dtype) and the stream (its dtype, contiguous)."""
+def mix_in_grad_h(grad: torch.Tensor, h_pre: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+    """``H_pre``'s gradient (fp32) through ``H_pre x``, given that of ``H_pre x``: one read of the stream."""
     tokens, n, width, stride_t, stride_f = _geometry(stream)
-    d_h = torch.empty(h_pre.shape, dtype=h_pre.dtype, device=h_pre.device)
-    d_x = torch.empty(stream.shape, dtype=stream.dtype, device=stream.device)
+    d_h = torch.empty(h_pre.shape, dtype=torch.float32, device=h_pre.device)
     if tokens:
         with _on(stream.device):
-            _mix_in_backward_kernel[(triton.cdiv(tokens, MIX_BLOCK_T),)](
-                grad.contiguous(), h_pre.contiguous(), stream, d_h, d_x, tokens, width, stride_t, stride_f, N=n,
-                BLOCK_T=MIX_BLOCK_T, BLOCK_C=MIX_BLOCK_C)
-    return d_h, d_x
+            _mix_in_grad_h_kernel[(triton.cdiv(tokens, MIX_BLOCK_T),)](
+                grad.contiguous(), stream, d_h, tokens, width, stride_t, stride_f, N=n, BLOCK_T=MIX_BLOCK_T,
+                BLOCK_C=MIX_BLOCK_C)
+    return d_h
 
 
 def mix_out(h_res: torch.Tensor, stream: torch.Tensor, h_post: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -336,3 +337,124 @@ def mix_out_backward(grad: torch.Tensor, h_res: torch.Tensor, stream: torch.Tens
                 d_h_res, d_x, d_h_post, d_y, tokens, width, stride_t, stride_f, N=n, BLOCK_T=block_t,
                 BLOCK_C=MIX_BLOCK_C, EXACT_DOT=stream.dtype == torch.float32 or _interpreting())
     return d_h_res, d_x, d_h_post, d_y
+
+
+# mhc_pre: the dynamic coefficients' projection (with the stream's RMS) and the stream's gradient from the
+# coefficients and from H_pre x, in one pass each.
+# Compiled for sm_90 (n = 4, bf16, ptxas -v): the projection 64 registers a thread (8 warps; wgmma), the backward
+# 98 (8 warps, 2 pipeline stages; 3 stages took 155), no spills.
+PROJ_BLOCK_T, PROJ_BLOCK_C = 64, 64
+PRE_BACKWARD_BLOCK_T, PRE_BACKWARD_BLOCK_C = 16, 128
+PRE_BACKWARD_GROUPS = 64  # token groups of the backward: partial sums of d phi, [groups, m, n C] fp32
+
+
+def projection_width(rows: int) -> int:
+    """The projection's ``n*n + 2n`` rows padded for tl.dot: a power of two, at least 16."""
+    return max(16, triton.next_power_of_2(rows))
+
+
+@triton.jit
+def _projection_kernel(x_ptr, phi_ptr, proj_ptr, inv_rms_ptr, tokens, C, stride_t, stride_f, M, eps,
+                       N: tl.constexpr, MP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+                       EXACT_DOT: tl.constexpr):
+    # proj[t, m] = sum_k flat[t, k] phi[m, k] and inv_rms[t] = (sum_k flat[t, k]^2 / (N C) + eps)^(-1/2), where
+    # flat[t, f C + c] = stream[t, f, c]: one read of the stream. The 16-bit path rounds phi to the stream's
+    # dtype, as the PyTorch path's F.linear does, and accumulates in fp32.
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows = t.to(tl.int64)
+    live = t < tokens
+    m = tl.arange(0, MP)
+    acc = tl.zeros([BLOCK_T, MP], dtype=tl.float32)
+    sumsq = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for f in tl.static_range(N):
+        for start in range(0, C, BLOCK_C):
+            c = start + tl.arange(0, BLOCK_C)
+            x = tl.load(x_ptr + rows[:, None] * stride_t + f * stride_f + c[None, :],
+                        mask=live[:, None] & (c < C)[None, :], other=0.0)
+            w = tl.load(phi_ptr + m[None, :] * (N * C) + f * C + c[:, None],
+                        mask=(m < M)[None, :] & (c < C)[:, None], other=0.0)  # [BLOCK_C, MP]: phi transposed
+            xf = x.to(tl.float32)
+            sumsq += tl.sum(xf * xf, axis=1)
+            if EXACT_DOT:
+                acc = tl.dot(xf, w.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, w.to(x.dtype), acc)
+    tl.store(proj_ptr + rows[:, None] * M + m[None, :], acc, mask=live[:, None] & (m < M)[None, :])
+    tl.store(inv_rms_ptr + rows, 1.0 / tl.sqrt(sumsq / (N * C) + eps), mask=live)
+
+
+@triton.jit
+def _pre_backward_kernel(g_ptr, x_ptr, h_ptr, dproj_ptr, coef_ptr, phi_ptr, dx_ptr, dphi_ptr, tokens, C,
+                         stride_t, stride_f, M, N: tl.constexpr, MP: tl.constexpr, BLOCK_T: tl.constexpr,
+                         BLOCK_C: tl.constexpr, EXACT_DOT: tl.constexpr):
+    # d stream[t, f, c] = h_pre[t, f] g[t, c] + sum_m dproj[t, m] phi[m, f C + c] + coef[t] stream[t, f, c]
+    # d phi[m, f C + c] = sum_t dproj[t, m] stream[t, f, c]
+    # One program owns one flow's block of channels for the tokens of its group (every GROUPS-th block of
+    # BLOCK_T tokens): phi's columns are read once, and d phi's partial sum stays in registers until the end.
+    cblocks = tl.cdiv(C, BLOCK_C)
+    f = tl.program_id(0) // cblocks
+    c = (tl.program_id(0) % cblocks) * BLOCK_C + tl.arange(0, BLOCK_C)
+    group, groups = tl.program_id(1), tl.num_programs(1)
+    m = tl.arange(0, MP)
+    cmask = c < C
+    w = tl.load(phi_ptr + m[:, None] * (N * C) + f * C + c[None, :], mask=(m < M)[:, None] & cmask[None, :],
+                other=0.0)  # [MP, BLOCK_C], kept in the dtype its product takes
+    w = w.to(tl.float32 if EXACT_DOT else dx_ptr.dtype.element_ty)
+    dphi = tl.zeros([MP, BLOCK_C], dtype=tl.float32)
+    for block in range(group, tl.cdiv(tokens, BLOCK_T), groups):
+        t = block * BLOCK_T + tl.arange(0, BLOCK_T)
+        rows = t.to(tl.int64)
+        live = t < tokens
+        mask = live[:, None] & cmask[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_t + f * stride_f + c[None, :], mask=mask, other=0.0)
+        g = tl.load(g_ptr + rows[:, None] * C + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        dp = tl.load(dproj_ptr + rows[:, None] * M + m[None, :], mask=live[:, None] & (m < M)[None, :], other=0.0)
+        h = tl.load(h_ptr + rows * N + f, mask=live, other=0.0)
+        coef = tl.load(coef_ptr + rows, mask=live, other=0.0)
+        if EXACT_DOT:
+            through_phi = tl.dot(dp, w, input_precision="ieee")
+            dphi = tl.dot(tl.trans(dp), x.to(tl.float32), dphi, input_precision="ieee")
+        else:
+            through_phi = tl.dot(dp.to(x.dtype), w)
+            dphi = tl.dot(tl.trans(dp.to(x.dtype)), x, dphi)
+        dx = h[:, None] * g + through_phi + coef[:, None] * x.to(tl.float32)
+        tl.store(dx_ptr + rows[:, None] * (N * C) + f * C + c[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(dphi_ptr + group.to(tl.int64) * (MP * N * C) + m[:, None] * (N * C) + f * C + c[None, :], dphi,
+             mask=cmask[None, :])
+
+
+def projection(stream: torch.Tensor, phi: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``flat @ phi.T`` and ``1 / RMS(flat)`` (fp32, ``[..., m]`` and ``[..., 1]``) for the flattened stream."""
+    tokens, n, width, stride_t, stride_f = _geometry(stream)
+    rows = phi.shape[0]
+    proj = torch.empty(stream.shape[:-2] + (rows,), dtype=torch.float32, device=stream.device)
+    inv_rms = torch.empty(stream.shape[:-2] + (1,), dtype=torch.float32, device=stream.device)
+    if tokens:
+        with _on(stream.device):
+            _projection_kernel[(triton.cdiv(tokens, PROJ_BLOCK_T),)](
+                stream, phi.contiguous(), proj, inv_rms, tokens, width, stride_t, stride_f, rows, eps, N=n,
+                MP=projection_width(rows), BLOCK_T=PROJ_BLOCK_T, BLOCK_C=PROJ_BLOCK_C,
+                EXACT_DOT=stream.dtype == torch.float32 or _interpreting(), num_warps=8)
+    return proj, inv_rms
+
+
+def pre_backward(grad: torch.Tensor, stream: torch.Tensor, h_pre: torch.Tensor, d_proj: torch.Tensor,
+                 coef: torch.Tensor, phi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stream's gradient (its dtype, contiguous) through ``H_pre x`` and the normed projection, given the
+    gradient of ``H_pre x`` (``grad``), the projection's (``d_proj``, fp32, already times ``1 / RMS``) and the
+    per-token factor of the stream's own term (``coef``); and phi's gradient (fp32)."""
+    tokens, n, width, stride_t, stride_f = _geometry(stream)
+    rows, mp = phi.shape[0], projection_width(phi.shape[0])
+    d_x = torch.empty(stream.shape, dtype=stream.dtype, device=stream.device)
+    groups = max(1, min(PRE_BACKWARD_GROUPS, triton.cdiv(tokens, PRE_BACKWARD_BLOCK_T)))
+    partial = torch.empty(groups, mp, n * width, dtype=torch.float32, device=stream.device)
+    if not tokens:
+        return d_x, torch.zeros(phi.shape, dtype=torch.float32, device=phi.device)
+    grid = (n * triton.cdiv(width, PRE_BACKWARD_BLOCK_C), groups)
+    with _on(stream.device):
+        _pre_backward_kernel[grid](
+            grad.contiguous(), stream, h_pre.contiguous(), d_proj.contiguous(), coef.contiguous(), phi.contiguous(),
+            d_x, partial, tokens, width, stride_t, stride_f, rows, N=n, MP=mp, BLOCK_T=PRE_BACKWARD_BLOCK_T,
+            BLOCK_C=PRE_BACKWARD_BLOCK_C, EXACT_DOT=stream.dtype == torch.float32 or _interpreting(), num_warps=8,
+            num_stages=2)
+    return d_x, partial[:, :rows].sum(0)
