@@ -281,9 +281,9 @@ def main() -> None:
             print(row, flush=True)
         rows += new
         torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        if args.json:  # after every section: a run cut short by its time limit keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,10 @@ them here into ``.whl``; the device call then carries ``.whl`` and begins with `
 lease) the steps took: env 6 s, bench_124m 36, bench_124m_chunked 34, micro 36 (first lease), profile_124m 22,
 bench_1b 101, vs_transformers 49, mhc_on_125m 132, mhc_off_125m 54, profile_mhc_125m 28, bench_124m_cdt 127,
 bench_124m_mb32 40, generation 130, serve_load 31, bench_124m_dropout 36; the machine's start about 30 s.
-So a 15-minute lease fits the list in two calls (``--budget 505``, then ``--from NAME`` with what is left).
+Steps added since (not yet timed): profile_1b, mhc_on_125m_torch (~130, like mhc_on_125m), mhc_on_1b,
+profile_mhc_125m_off; micro has one more section. A 15-minute lease fits the list down to about
+profile_mhc_125m_off in two calls (``--budget 505``, then ``--from NAME`` with what is left); the steps after it
+were measured on both leases.
 """
 
 from __future__ import annotations
@@ -50,9 +53,10 @@ STEPS: list[tuple[str, list[str], int, int]] = [
      180, 90),
     ("bench_124m_chunked", [PY, "-m", "lmforge", "bench", *GPT2_124M, *NO_DROPOUT, "model.lm_loss=chunked",
                             *GPT2_VOCAB, "--steps", "20", "--json"], 150, 60),
-    ("micro", [PY, "benchmarks/gpu_micro.py", "--json", "{out}/micro.json"], 120, 40),
+    ("micro", [PY, "benchmarks/gpu_micro.py", "--json", "{out}/micro.json"], 240, 40),
     ("profile_124m", [PY, "benchmarks/profile_step.py", *GPT2_124M, *NO_DROPOUT, *GPT2_VOCAB], 120, 60),
     ("bench_1b", [PY, "-m", "lmforge", "bench", *LLAMA_1B, "--steps", "10", "--json"], 200, 100),
+    ("profile_1b", [PY, "benchmarks/profile_step.py", *LLAMA_1B, "--steps", "3", "--warmup", "2"], 200, 100),
     ("vs_transformers", [PY, "-m", "lmforge", "bench", *GPT2_124M, *NO_DROPOUT, *GPT2_VOCAB, "--steps", "20",
                          "--compare-transformers", "--json"], 200, 120),
     ("mhc_on_125m", [PY, "-m", "lmforge", "bench", *MHC_125M, "model.mhc_enabled=true", "--steps", "10", "--json"],

@@ -800,7 +800,7 @@ def test_mhc_kernels_match_pytorch_under_the_interpreter(tmp_path):
         "    scale = b.float().abs().max().item()\n"
         "    tol = dict(atol=3e-2 * scale, rtol=3e-2) if loose else dict(atol=2e-5 * max(scale, 1), rtol=1e-5)\n"
         "    torch.testing.assert_close(a.float(), b.float(), **tol)\n"
-        "def check(x, y_dtype=torch.bfloat16):\n"
+        "def check(x, y_dtype=torch.bfloat16, mix_out=True):\n"
         "    lead, (n, width) = x.shape[:-2], x.shape[-2:]\n"
         "    loose = x.dtype != torch.float32\n"
         "    assert mhc_triton.mix_supported(x)\n"
@@ -813,6 +813,8 @@ def test_mhc_kernels_match_pytorch_under_the_interpreter(tmp_path):
         "    saved = (x, *statics, ref[4], ref[5], ref[1], 20)\n"
         "    for a, b in zip(_pre_backward(*grads, *saved, mhc_triton), _pre_backward(*grads, *saved, None)):\n"
         "        close(a, b, loose)\n"
+        "    if not mix_out:\n"
+        "        return\n"
         "    h_post, h_res = ref[2], ref[3]\n"
         "    y = torch.randn(*lead, width).to(y_dtype)\n"
         "    close(mhc_triton.mix_out(h_res, x, h_post, y), _mix_out_torch(h_res, x, h_post, y), loose)\n"
@@ -827,16 +829,20 @@ def test_mhc_kernels_match_pytorch_under_the_interpreter(tmp_path):
         "check(torch.randn(3, 7, 4, 96), y_dtype=torch.float32)\n"
         "check(torch.randn(2, 6, 96).unsqueeze(-2).expand(2, 6, 4, 96))  # the first layer's stream\n"
         "check(torch.randn(2, 6, 4, 160)[..., 16:144])  # channels contiguous, rows 160 apart\n"
+        "check(torch.randn(1100, 4, 32), mix_out=False)  # phi's gradient: 64 token groups, 5 with 2 blocks\n"
         "assert not mhc_triton.mix_supported(torch.randn(2, 3, 4, 8).transpose(0, 1))  # tokens do not flatten\n"
         "assert not mhc_triton.mix_supported(torch.randn(2, 3, 8, dtype=torch.float64))\n"
         "assert not mhc_triton.mix_supported(torch.randn(2, 3, 8))  # n = 3\n"
+        "assert not mhc_triton.mix_supported(torch.randn(2, 16, 8))  # n = 16: more shared memory than a GPU has\n"
         "print('kernels match')\n")
 
 
 def test_mhc_kernels_build_for_hopper_with_wide_loads():
     """Triton compiles the six kernels of a sub-layer's mHC work for an H100/H200 (sm_90) here, without a GPU,
-    for a bf16 stream at n = 4; each reads the stream 16 bytes at a time (vector loads, or asynchronous 16-byte
-    copies where Triton pipelines the loop), and the small products over the channels run on tensor cores."""
+    with the launch settings lmforge uses, for a bf16 stream: at n = 4 each reads the stream 16 bytes at a time
+    (vector loads, or asynchronous 16-byte copies where Triton pipelines the loop) and the small products over
+    the channels run on tensor cores; at every n the kernels take (n = 1, 2, 4, 8) the shared memory fits sm_90's
+    227 KB, and at n = 4 (the most they take there) sm_75's 64 KB in fp16."""
     import re
 
     import triton
@@ -848,33 +854,47 @@ def test_mhc_kernels_build_for_hopper_with_wide_loads():
     from lmforge.models import mhc_triton as m
 
     geometry = ["i32"] * 4  # tokens, C, stride_t, stride_f
-    blocks = {"BLOCK_T": m.MIX_BLOCK_T, "BLOCK_C": m.MIX_BLOCK_C}
+    mix = {"BLOCK_T": m.MIX_BLOCK_T, "BLOCK_C": m.MIX_BLOCK_C}
     mma = r"\bw?gmma\.mma_async\S*bf16|\bmma\.sync\S*bf16"  # Hopper's warpgroup MMA, or the warp-level one
-    kernels = [  # kernel, argument types before the constexprs, constexprs, uses tensor cores
-        (m._mix_in_kernel, ["*fp32", "*bf16", "*bf16", *geometry], blocks, False),
-        (m._mix_in_grad_h_kernel, ["*bf16", "*bf16", "*fp32", *geometry], blocks, False),
-        (m._mix_out_kernel, ["*fp32", "*bf16", "*fp32", "*bf16", "*bf16", *geometry], blocks, False),
-        (m._mix_out_backward_kernel, ["*bf16", "*fp32", "*bf16", "*fp32", "*bf16", "*fp32", "*bf16", "*fp32",
-                                      "*bf16", *geometry], {"BLOCK_T": 4, "BLOCK_C": m.MIX_BLOCK_C}, True),
-        (m._projection_kernel, ["*bf16", "*fp32", "*fp32", "*fp32", *geometry, "i32", "fp32"],
-         {"MP": 32, "BLOCK_T": m.PROJ_BLOCK_T, "BLOCK_C": m.PROJ_BLOCK_C}, True),
-        (m._pre_backward_kernel, ["*bf16", "*bf16", "*fp32", "*fp32", "*fp32", "*fp32", "*bf16", "*fp32", *geometry,
-                                  "i32"], {"MP": 32, "BLOCK_T": m.PRE_BACKWARD_BLOCK_T,
-                                           "BLOCK_C": m.PRE_BACKWARD_BLOCK_C}, True),
-    ]
-    for kernel, types, sizes, tensor_cores in kernels:
+
+    def kernels(n, s):  # kernel, argument types (s: the stream's), constexprs, launch options, uses tensor cores
+        mp = m.projection_width(n * n + 2 * n)
+        return [
+            (m._mix_in_kernel, ["*fp32", s, s, *geometry], mix, {}, False),
+            (m._mix_in_grad_h_kernel, [s, s, "*fp32", *geometry], mix, {}, False),
+            (m._mix_out_kernel, ["*fp32", s, "*fp32", s, s, *geometry], mix, {}, False),
+            (m._mix_out_backward_kernel, [s, "*fp32", s, "*fp32", s, "*fp32", s, "*fp32", s, *geometry],
+             {"BLOCK_T": max(1, 16 // n), "BLOCK_C": m.MIX_BLOCK_C}, {}, True),
+            (m._projection_kernel, [s, "*fp32", "*fp32", "*fp32", *geometry, "i32", "fp32"],
+             {"MP": mp, "BLOCK_T": m.PROJ_BLOCK_T, "BLOCK_C": m.PROJ_BLOCK_C}, {"num_warps": m.PROJ_WARPS}, True),
+            (m._pre_backward_kernel, [s, s, "*fp32", "*fp32", "*fp32", "*fp32", s, "*fp32", *geometry, "i32"],
+             {"MP": mp, "BLOCK_T": m.PRE_BACKWARD_BLOCK_T, "BLOCK_C": m.PRE_BACKWARD_BLOCK_C},
+             {"num_warps": m.PRE_BACKWARD_WARPS, "num_stages": m.PRE_BACKWARD_STAGES}, True),
+        ]
+
+    def build(kernel, types, sizes, options, n, capability):
         names = kernel.arg_names
-        constexprs = {"N": 4, **sizes, **({"EXACT_DOT": False} if "EXACT_DOT" in names else {})}
+        constexprs = {"N": n, **sizes, **({"EXACT_DOT": False} if "EXACT_DOT" in names else {})}
         signature = dict(zip(names, types + ["constexpr"] * len(constexprs), strict=True))
-        # what the launcher specialises for a [tokens, 4, 768] stream: pointers, C and the strides divisible by 16
+        # what the launcher specialises for a [tokens, n, 768] stream: pointers, C and the strides divisible by 16
         attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
                  if name not in ("tokens", "M", "eps", *constexprs)}
-        ptx = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
-                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+        return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", capability, 32), options={"num_warps": 4, **options})
+
+    for kernel, types, sizes, options, tensor_cores in kernels(4, "*bf16"):
+        compiled = build(kernel, types, sizes, options, 4, 90)
+        ptx = compiled.asm["ptx"]
         wide = re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32|"
                           r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)
         assert wide, kernel.fn.__name__
         assert bool(re.search(mma, ptx)) == tensor_cores, kernel.fn.__name__
+    for n, stream, capability, limit in [(1, "*bf16", 90, 227 << 10), (2, "*bf16", 90, 227 << 10),
+                                         (m.MAX_FLOWS, "*bf16", 90, 227 << 10), (m.MAX_FLOWS, "*fp32", 90, 227 << 10),
+                                         (m.MAX_FLOWS_BEFORE_AMPERE, "*fp16", 75, 64 << 10)]:
+        for kernel, types, sizes, options, _ in kernels(n, stream):
+            shared = build(kernel, types, sizes, options, n, capability).metadata.shared
+            assert shared <= limit, (kernel.fn.__name__, n, stream, capability, shared)
 
 
 def test_mhc_operators_pass_opcheck_and_gradcheck():
@@ -913,16 +933,25 @@ def test_mhc_operators_pass_opcheck_and_gradcheck():
 
 def test_the_layer_on_the_mixing_operators_equals_the_pytorch_path(monkeypatch):
     """With the operators switched on (what CUDA with Triton does; here their PyTorch implementations run), a
-    perturbed mHC model gives the PyTorch path's loss, metrics and every gradient, eager and compiled (one graph,
-    each sub-layer two operator nodes); the fp32 coefficients reach the operators as they are, and a bf16 stream
-    comes back bf16."""
+    perturbed mHC model gives the PyTorch path's loss, metrics and every gradient: eager, under bf16 autocast
+    (the operators keep the fp32 stream in fp32), and compiled (one graph, each sub-layer two operator nodes; the
+    AOT-traced backward too); the fp32 coefficients reach the operators as they are, a bf16 stream comes back
+    bf16, and a stream without batch dimensions goes through forward and backward."""
     from lmforge.models import mhc
 
+    operators = [False]
+    monkeypatch.setattr(MHCLayer, "uses_mixing_operators", lambda self, stream: operators[0])
     model = mhc_model(n_layer=2)
     perturb(model)
     ids = torch.randint(0, 97, (2, 16))
-    ref_loss, ref_metrics = model({"input_ids": ids, "labels": ids})
-    ref = grads_of(model, ref_loss)
+
+    def run(ops, autocast=False, compiled=None):
+        operators[0] = ops
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss, metrics = (model if compiled is None else compiled)({"input_ids": ids, "labels": ids})
+        return loss, metrics, grads_of(model, loss)
+
+    ref_loss, ref_metrics, ref = run(False)
     seen = []
     real_mix_out = mhc.mhc_mix_out
 
@@ -930,16 +959,20 @@ def test_the_layer_on_the_mixing_operators_equals_the_pytorch_path(monkeypatch):
         seen.append((h_res.dtype, h_post.dtype, stream.dtype))
         return real_mix_out(h_res, stream, h_post, y)
 
-    monkeypatch.setattr(MHCLayer, "uses_mixing_operators", lambda self, stream: True)
     monkeypatch.setattr(mhc, "mhc_mix_out", recording_mix_out)
-    loss, metrics = model({"input_ids": ids, "labels": ids})
+    loss, metrics, grads = run(True)
     assert len(seen) == 4 and set(seen) == {(torch.float32, torch.float32, torch.float32)}
+    monkeypatch.setattr(mhc, "mhc_mix_out", real_mix_out)
     torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-6)
     for key, value in ref_metrics.items():
         torch.testing.assert_close(metrics[key], value, atol=1e-6, rtol=1e-6)
-    for name, grad in grads_of(model, loss).items():
+    for name, grad in grads.items():
         torch.testing.assert_close(grad, ref[name], atol=1e-5, rtol=1e-4, msg=name)
-    monkeypatch.setattr(mhc, "mhc_mix_out", real_mix_out)
+    auto_loss, _, auto_ref = run(False, autocast=True)
+    loss, _, grads = run(True, autocast=True)
+    torch.testing.assert_close(loss, auto_loss, atol=1e-5, rtol=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, auto_ref[name], atol=1e-4, rtol=1e-3, msg=name)
 
     graphs = []
 
@@ -948,15 +981,29 @@ def test_the_layer_on_the_mixing_operators_equals_the_pytorch_path(monkeypatch):
         return gm.forward
 
     torch._dynamo.reset()
-    loss, _ = torch.compile(model, backend=backend, fullgraph=True)({"input_ids": ids, "labels": ids})
+    loss, _, _ = run(True, compiled=torch.compile(model, backend=backend, fullgraph=True))
     torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
     targets = [node.target for node in graphs[0].graph.nodes if node.op == "call_function"]
     assert targets.count(torch.ops.lmforge.mhc_pre.default) == 4
     assert targets.count(torch.ops.lmforge.mhc_mix_out.default) == 4
+    torch._dynamo.reset()
+    loss, _, grads = run(True, compiled=torch.compile(model, backend="aot_eager", fullgraph=True))
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref[name], atol=1e-5, rtol=1e-4, msg=name)
+
+    operators[0] = True
     layer = model.blocks[0].hc_mlp
-    stream = torch.randn(2, 5, 4, 32).bfloat16()
-    out, _ = layer(stream, lambda x: x * 2)
+    out, _ = layer(torch.randn(2, 5, 4, 32).bfloat16(), lambda x: x * 2)
     assert out.dtype == torch.bfloat16
+    results = []
+    for ops in (True, False):
+        operators[0] = ops
+        stream = torch.randn(4, 32, generator=torch.Generator().manual_seed(3)).requires_grad_()
+        out, _ = layer(stream, torch.tanh)
+        results.append((out, *torch.autograd.grad((out * out).sum(), [stream, *layer.parameters()])))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
 def test_the_mixing_operators_run_on_cuda_with_triton_unless_told_otherwise(monkeypatch):

@@ -230,7 +230,8 @@ def _acc(stream: torch.Tensor) -> torch.dtype:
 def _mix_out_torch(h_res: torch.Tensor, stream: torch.Tensor, h_post: torch.Tensor, y: torch.Tensor
                    ) -> torch.Tensor:
     acc = _acc(stream)
-    out = h_res.to(acc) @ stream.to(acc) + h_post.to(acc).unsqueeze(-1) * y.to(acc).unsqueeze(-2)
+    with torch.autocast(stream.device.type, enabled=False):  # an eager operator still sees autocast
+        out = h_res.to(acc) @ stream.to(acc) + h_post.to(acc).unsqueeze(-1) * y.to(acc).unsqueeze(-2)
     return out.to(stream.dtype).contiguous()
 
 
@@ -238,10 +239,11 @@ def _mix_out_backward_torch(grad: torch.Tensor, h_res: torch.Tensor, stream: tor
                             y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     acc = _acc(stream)
     g, x = grad.to(acc), stream.to(acc)
-    d_h_res = g @ x.transpose(-1, -2)
-    d_x = h_res.to(acc).transpose(-1, -2) @ g
-    d_h_post = (g @ y.to(acc).unsqueeze(-1)).squeeze(-1)
-    d_y = (h_post.to(acc).unsqueeze(-2) @ g).squeeze(-2)
+    with torch.autocast(stream.device.type, enabled=False):
+        d_h_res = g @ x.transpose(-1, -2)
+        d_x = h_res.to(acc).transpose(-1, -2) @ g
+        d_h_post = (g @ y.to(acc).unsqueeze(-1)).squeeze(-1)
+        d_y = (h_post.to(acc).unsqueeze(-2) @ g).squeeze(-2)
     return (d_h_res.to(h_res.dtype).contiguous(), d_x.to(stream.dtype).contiguous(),
             d_h_post.to(h_post.dtype).contiguous(), d_y.to(y.dtype).contiguous())
 
@@ -371,11 +373,11 @@ def _coefficients_backward(dynamic: torch.Tensor, alpha: torch.Tensor, b_pre: to
     z_post = d_h_post * 2 * s_post * (1 - s_post)
     z_res = sinkhorn_backward(d_h_res.contiguous(), (a[2] * d_res.unflatten(-1, (n, n)) + b_res.to(acc)).contiguous(),
                               iters).flatten(-2)
-    lead = tuple(range(dynamic.dim() - 1))
     d_alpha = torch.stack([(z_pre * d_pre).sum(), (z_post * d_post).sum(), (z_res * d_res).sum()])
     d_dynamic = torch.cat([a[0] * z_pre, a[1] * z_post, a[2] * z_res], dim=-1)
-    return (d_dynamic.to(dynamic.dtype), d_alpha.to(alpha.dtype), z_pre.sum(lead).to(b_pre.dtype),
-            z_post.sum(lead).to(b_post.dtype), z_res.sum(lead).unflatten(-1, (n, n)).to(b_res.dtype))
+    d_b_pre, d_b_post, d_b_res = (z.reshape(-1, z.shape[-1]).sum(0) for z in (z_pre, z_post, z_res))  # over tokens
+    return (d_dynamic.to(dynamic.dtype), d_alpha.to(alpha.dtype), d_b_pre.to(b_pre.dtype), d_b_post.to(b_post.dtype),
+            d_b_res.unflatten(-1, (n, n)).to(b_res.dtype))
 
 
 def _flat(stream: torch.Tensor) -> torch.Tensor:

@@ -133,13 +133,21 @@ def sinkhorn_backward(grad: torch.Tensor, logits: torch.Tensor, iters: int) -> t
 MIX_BLOCK_T, MIX_BLOCK_C = 8, 128
 
 
+MAX_FLOWS = 8  # the projection's and its backward's tiles hold all n*n + 2n rows: 16 flows need ~300 KB of
+MAX_FLOWS_BEFORE_AMPERE = 4  # shared memory on sm_90 (227 KB there), 8 flows ~80 KB on sm_75 (64 KB there)
+
+
 def mix_supported(stream: torch.Tensor) -> bool:
-    """n a power of two (Triton's block shapes), channels contiguous, at most fp32 (fp64: PyTorch), and a bf16
-    stream only on GPUs whose tensor cores take bf16 (compute capability 8 and up: tl.dot)."""
+    """n a power of two (Triton's block shapes) of at most MAX_FLOWS, channels contiguous, at most fp32 (fp64:
+    PyTorch); before Ampere (compute capability 8), fp16 or fp32 (tl.dot takes no bf16 there) and at most
+    MAX_FLOWS_BEFORE_AMPERE flows (less shared memory)."""
     n = stream.shape[-2]
-    if stream.dtype == torch.bfloat16 and stream.is_cuda and torch.cuda.get_device_capability(stream.device)[0] < 8:
-        return False
-    return (n & (n - 1) == 0 and stream.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    most = MAX_FLOWS
+    if stream.is_cuda and torch.cuda.get_device_capability(stream.device)[0] < 8:
+        if stream.dtype == torch.bfloat16:
+            return False
+        most = MAX_FLOWS_BEFORE_AMPERE
+    return (n & (n - 1) == 0 and n <= most and stream.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and stream.stride(-1) == 1 and _token_stride(stream) is not None)
 
 
@@ -343,8 +351,8 @@ def mix_out_backward(grad: torch.Tensor, h_res: torch.Tensor, stream: torch.Tens
 # coefficients and from H_pre x, in one pass each.
 # Compiled for sm_90 (n = 4, bf16, ptxas -v): the projection 64 registers a thread (8 warps; wgmma), the backward
 # 98 (8 warps, 2 pipeline stages; 3 stages took 155), no spills.
-PROJ_BLOCK_T, PROJ_BLOCK_C = 64, 64
-PRE_BACKWARD_BLOCK_T, PRE_BACKWARD_BLOCK_C = 16, 128
+PROJ_BLOCK_T, PROJ_BLOCK_C, PROJ_WARPS = 64, 64, 8
+PRE_BACKWARD_BLOCK_T, PRE_BACKWARD_BLOCK_C, PRE_BACKWARD_WARPS, PRE_BACKWARD_STAGES = 16, 128, 8, 2
 PRE_BACKWARD_GROUPS = 64  # token groups of the backward: partial sums of d phi, [groups, m, n C] fp32
 
 
@@ -434,7 +442,7 @@ def projection(stream: torch.Tensor, phi: torch.Tensor, eps: float) -> tuple[tor
             _projection_kernel[(triton.cdiv(tokens, PROJ_BLOCK_T),)](
                 stream, phi.contiguous(), proj, inv_rms, tokens, width, stride_t, stride_f, rows, eps, N=n,
                 MP=projection_width(rows), BLOCK_T=PROJ_BLOCK_T, BLOCK_C=PROJ_BLOCK_C,
-                EXACT_DOT=stream.dtype == torch.float32 or _interpreting(), num_warps=8)
+                EXACT_DOT=stream.dtype == torch.float32 or _interpreting(), num_warps=PROJ_WARPS)
     return proj, inv_rms
 
 
@@ -455,6 +463,6 @@ def pre_backward(grad: torch.Tensor, stream: torch.Tensor, h_pre: torch.Tensor, 
         _pre_backward_kernel[grid](
             grad.contiguous(), stream, h_pre.contiguous(), d_proj.contiguous(), coef.contiguous(), phi.contiguous(),
             d_x, partial, tokens, width, stride_t, stride_f, rows, N=n, MP=mp, BLOCK_T=PRE_BACKWARD_BLOCK_T,
-            BLOCK_C=PRE_BACKWARD_BLOCK_C, EXACT_DOT=stream.dtype == torch.float32 or _interpreting(), num_warps=8,
-            num_stages=2)
+            BLOCK_C=PRE_BACKWARD_BLOCK_C, EXACT_DOT=stream.dtype == torch.float32 or _interpreting(),
+            num_warps=PRE_BACKWARD_WARPS, num_stages=PRE_BACKWARD_STAGES)
     return d_x, partial[:, :rows].sum(0)
