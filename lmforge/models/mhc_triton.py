@@ -242,9 +242,8 @@ def _mix_out_backward_kernel(g_ptr, h_res_ptr, x_ptr, h_post_ptr, y_ptr, dh_res_
     #                  d h_res[t, i, j] = sum_c g[t, i, c] stream[t, j, c];  d h_post[t, i] = sum_c g[t, i, c] y[t, c]
     # d h_res is a tensor-core product of the tile's (token, flow) rows: [BLOCK_T * N, C] x [C, BLOCK_T * N], of
     # which the N x N blocks on the diagonal are wanted (the rest pairs different tokens and is dropped). It
-    # accumulates in 16 registers per thread where per-token sums took ~60. EXACT_DOT: the product in fp32 FMAs
-    # (an fp32 stream, where tensor cores would round to tf32; and Triton's interpreter, whose bf16 tl.dot
-    # returns garbage in 3.9), else on tensor cores in the stream's 16-bit dtype, accumulating in fp32.
+    # accumulates in 16 registers per thread where per-token sums took ~60. EXACT_DOT (see _exact_dot): the
+    # product in fp32 FMAs, else on tensor cores in the stream's 16-bit dtype, accumulating in fp32.
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     f = tl.arange(0, N)
     rows = t.to(tl.int64)
@@ -284,8 +283,12 @@ def _mix_out_backward_kernel(g_ptr, h_res_ptr, x_ptr, h_post_ptr, y_ptr, dh_res_
     tl.store(dh_post_ptr + rows[:, None] * N + f[None, :], dh_post.to(dh_post_ptr.dtype.element_ty), mask=live)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+def _exact_dot(stream: torch.Tensor) -> bool:
+    """The kernels' products over the channels in fp32 FMAs rather than on tensor cores: for an fp32 stream (tensor
+    cores would round it to tf32), and for a bf16 one under Triton's interpreter, whose bf16 tl.dot returns garbage
+    (3.9; an fp16 stream takes the tensor-core code there, which is how the tests run it)."""
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
+    return stream.dtype == torch.float32 or (interpreting and stream.dtype == torch.bfloat16)
 
 
 def _geometry(stream: torch.Tensor) -> tuple[int, int, int, int, int]:
@@ -343,7 +346,7 @@ def mix_out_backward(grad: torch.Tensor, h_res: torch.Tensor, stream: torch.Tens
             _mix_out_backward_kernel[(triton.cdiv(tokens, block_t),)](
                 grad.to(stream.dtype).contiguous(), h_res.contiguous(), stream, h_post.contiguous(), y.contiguous(),
                 d_h_res, d_x, d_h_post, d_y, tokens, width, stride_t, stride_f, N=n, BLOCK_T=block_t,
-                BLOCK_C=MIX_BLOCK_C, EXACT_DOT=stream.dtype == torch.float32 or _interpreting())
+                BLOCK_C=MIX_BLOCK_C, EXACT_DOT=_exact_dot(stream))
     return d_h_res, d_x, d_h_post, d_y
 
 
@@ -442,7 +445,7 @@ def projection(stream: torch.Tensor, phi: torch.Tensor, eps: float) -> tuple[tor
             _projection_kernel[(triton.cdiv(tokens, PROJ_BLOCK_T),)](
                 stream, phi.contiguous(), proj, inv_rms, tokens, width, stride_t, stride_f, rows, eps, N=n,
                 MP=projection_width(rows), BLOCK_T=PROJ_BLOCK_T, BLOCK_C=PROJ_BLOCK_C,
-                EXACT_DOT=stream.dtype == torch.float32 or _interpreting(), num_warps=PROJ_WARPS)
+                EXACT_DOT=_exact_dot(stream), num_warps=PROJ_WARPS)
     return proj, inv_rms
 
 
@@ -463,6 +466,6 @@ def pre_backward(grad: torch.Tensor, stream: torch.Tensor, h_pre: torch.Tensor, 
         _pre_backward_kernel[grid](
             grad.contiguous(), stream, h_pre.contiguous(), d_proj.contiguous(), coef.contiguous(), phi.contiguous(),
             d_x, partial, tokens, width, stride_t, stride_f, rows, N=n, MP=mp, BLOCK_T=PRE_BACKWARD_BLOCK_T,
-            BLOCK_C=PRE_BACKWARD_BLOCK_C, EXACT_DOT=stream.dtype == torch.float32 or _interpreting(),
+            BLOCK_C=PRE_BACKWARD_BLOCK_C, EXACT_DOT=_exact_dot(stream),
             num_warps=PRE_BACKWARD_WARPS, num_stages=PRE_BACKWARD_STAGES)
     return d_x, partial[:, :rows].sum(0)
