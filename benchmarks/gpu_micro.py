@@ -210,7 +210,7 @@ def mhc_sub_layer(tokens: int, flows: int, width: int, repeats: int) -> list[dic
         ("projection", lambda: mhc_triton.projection(x, phi, 1e-6), s),
         ("mix_in", lambda: mhc_triton.mix_in(h_pre, x), s + v),
         ("mix_in_grad_h", lambda: mhc_triton.mix_in_grad_h(g_in, h_pre, x), s + v),
-        ("pre_backward", lambda: mhc_triton.pre_backward(g_in, x, h_pre, d_proj, coef, phi), 2 * s + v),
+        ("pre_backward", lambda: mhc_triton.pre_backward(g_in, x, h_pre, d_proj, coef, phi, g_out), 3 * s + v),
         ("mix_out", lambda: mhc_triton.mix_out(h_res, x, h_post, y), 2 * s + v),
         ("mix_out_backward", lambda: mhc_triton.mix_out_backward(g_out, h_res, x, h_post, y), 3 * s + 2 * v),
     ):

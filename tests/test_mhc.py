@@ -800,7 +800,7 @@ def test_mhc_kernels_match_pytorch_under_the_interpreter(tmp_path):
         "    scale, rel = b.float().abs().max().item(), 3e-2 if loose == torch.bfloat16 else 4e-3\n"
         "    tol = dict(atol=rel * scale, rtol=rel) if loose else dict(atol=2e-5 * max(scale, 1), rtol=1e-5)\n"
         "    torch.testing.assert_close(a.float(), b.float(), **tol)\n"
-        "def check(x, y_dtype=torch.bfloat16, mix_out=True):\n"
+        "def check(x, y_dtype=torch.bfloat16, mix_out=True, accumulate=True):\n"
         "    lead, (n, width) = x.shape[:-2], x.shape[-2:]\n"
         "    loose = x.dtype if x.dtype != torch.float32 else None\n"
         "    assert mhc_triton.mix_supported(x)\n"
@@ -810,6 +810,7 @@ def test_mhc_kernels_match_pytorch_under_the_interpreter(tmp_path):
         "    for a, b in zip(_pre(x, *statics, 20, 1e-6, mhc_triton), ref):\n"
         "        close(a, b, loose)\n"
         "    grads = [torch.randn(t.shape).to(t.dtype) for t in ref[:4]]\n"
+        "    grads.append(torch.randn(x.shape).to(x.dtype) if accumulate else None)  # mix_out's stream gradient\n"
         "    saved = (x, *statics, ref[4], ref[5], ref[1], 20)\n"
         "    for a, b in zip(_pre_backward(*grads, *saved, mhc_triton), _pre_backward(*grads, *saved, None)):\n"
         "        close(a, b, loose)\n"
@@ -826,7 +827,7 @@ def test_mhc_kernels_match_pytorch_under_the_interpreter(tmp_path):
         "                              ((9,), 8, 70, torch.float16), ((2, 3), 1, 33, torch.float32),\n"
         "                              ((1, 70), 4, 300, torch.bfloat16)]:\n"
         "    check(torch.randn(*lead, n, width).to(dtype))\n"
-        "check(torch.randn(3, 7, 4, 96), y_dtype=torch.float32)\n"
+        "check(torch.randn(3, 7, 4, 96), y_dtype=torch.float32, accumulate=False)\n"
         "check(torch.randn(2, 6, 96).unsqueeze(-2).expand(2, 6, 4, 96))  # the first layer's stream\n"
         "check(torch.randn(2, 6, 4, 160)[..., 16:144])  # channels contiguous, rows 160 apart\n"
         "for dtype in (torch.float32, torch.float16):  # phi's gradient: 64 token groups, 5 with 2 blocks\n"
@@ -868,14 +869,15 @@ def test_mhc_kernels_build_for_hopper_with_wide_loads():
              {"BLOCK_T": max(1, 16 // n), "BLOCK_C": m.MIX_BLOCK_C}, {}, True),
             (m._projection_kernel, [s, "*fp32", "*fp32", "*fp32", *geometry, "i32", "fp32"],
              {"MP": mp, "BLOCK_T": m.PROJ_BLOCK_T, "BLOCK_C": m.PROJ_BLOCK_C}, {"num_warps": m.PROJ_WARPS}, True),
-            (m._pre_backward_kernel, [s, s, "*fp32", "*fp32", "*fp32", "*fp32", s, "*fp32", *geometry, "i32"],
+            (m._pre_backward_kernel, [s, s, "*fp32", "*fp32", "*fp32", "*fp32", s, s, "*fp32", *geometry, "i32"],
              {"MP": mp, "BLOCK_T": m.PRE_BACKWARD_BLOCK_T, "BLOCK_C": m.PRE_BACKWARD_BLOCK_C},
              {"num_warps": m.PRE_BACKWARD_WARPS, "num_stages": m.PRE_BACKWARD_STAGES}, True),
         ]
 
     def build(kernel, types, sizes, options, n, capability):
         names = kernel.arg_names
-        constexprs = {"N": n, **sizes, **({"EXACT_DOT": False} if "EXACT_DOT" in names else {})}
+        flags = {"EXACT_DOT": False, "ACCUMULATE": True}  # tensor cores; mix_out's stream gradient added (the layer's)
+        constexprs = {"N": n, **sizes, **{flag: value for flag, value in flags.items() if flag in names}}
         signature = dict(zip(names, types + ["constexpr"] * len(constexprs), strict=True))
         # what the launcher specialises for a [tokens, n, 768] stream: pointers, C and the strides divisible by 16
         attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
@@ -917,7 +919,8 @@ def test_mhc_operators_pass_opcheck_and_gradcheck():
         torch.library.opcheck(mhc_pre, pre_args)
         out = mhc_pre(*pre_args)
         grads = [torch.randn_like(t) for t in out[:4]]
-        torch.library.opcheck(mhc_pre_backward, (*grads, x.detach(), *(t.detach() for t in pre_args[1:6]),
+        torch.library.opcheck(mhc_pre_backward, (*grads, torch.randn_like(x), x.detach(),
+                                                 *(t.detach() for t in pre_args[1:6]),
                                                  out[4].detach(), out[5].detach(), out[1].detach(), 5))
         h_post, h_res = out[2].detach().requires_grad_(), out[3].detach().requires_grad_()
         y = torch.randn(2, 3, 8, dtype=dtype, requires_grad=True)
@@ -936,8 +939,9 @@ def test_the_layer_on_the_mixing_operators_equals_the_pytorch_path(monkeypatch):
     """With the operators switched on (what CUDA with Triton does; here their PyTorch implementations run), a
     perturbed mHC model gives the PyTorch path's loss, metrics and every gradient: eager, under bf16 autocast
     (the operators keep the fp32 stream in fp32), and compiled (one graph, each sub-layer two operator nodes; the
-    AOT-traced backward too); the fp32 coefficients reach the operators as they are, a bf16 stream comes back
-    bf16, and a stream without batch dimensions goes through forward and backward."""
+    AOT-traced backward too); the fp32 coefficients reach the operators as they are, mhc_mix_out's gradient of the
+    stream reaches mhc_pre's backward (which adds it), a bf16 stream comes back bf16, and a stream without batch
+    dimensions goes through forward and backward."""
     from lmforge.models import mhc
 
     operators = [False]
@@ -960,10 +964,20 @@ def test_the_layer_on_the_mixing_operators_equals_the_pytorch_path(monkeypatch):
         seen.append((h_res.dtype, h_post.dtype, stream.dtype))
         return real_mix_out(h_res, stream, h_post, y)
 
+    real_pre_backward = mhc.mhc_pre_backward
+    added = []
+
+    def recording_pre_backward(*args):
+        added.append(args[4] is not None)  # mhc_mix_out's gradient of the stream, added in the same pass
+        return real_pre_backward(*args)
+
     monkeypatch.setattr(mhc, "mhc_mix_out", recording_mix_out)
+    monkeypatch.setattr(mhc, "mhc_pre_backward", recording_pre_backward)
     loss, metrics, grads = run(True)
     assert len(seen) == 4 and set(seen) == {(torch.float32, torch.float32, torch.float32)}
+    assert added == [True] * 4
     monkeypatch.setattr(mhc, "mhc_mix_out", real_mix_out)
+    monkeypatch.setattr(mhc, "mhc_pre_backward", real_pre_backward)
     torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-6)
     for key, value in ref_metrics.items():
         torch.testing.assert_close(metrics[key], value, atol=1e-6, rtol=1e-6)
@@ -984,7 +998,8 @@ def test_the_layer_on_the_mixing_operators_equals_the_pytorch_path(monkeypatch):
     torch._dynamo.reset()
     loss, _, _ = run(True, compiled=torch.compile(model, backend=backend, fullgraph=True))
     torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
-    targets = [node.target for node in graphs[0].graph.nodes if node.op == "call_function"]
+    targets = [node.target for graph in graphs[0].modules() if isinstance(graph, torch.fx.GraphModule)
+               for node in graph.graph.nodes if node.op == "call_function"]  # mhc_pre: in its Function's graph
     assert targets.count(torch.ops.lmforge.mhc_pre.default) == 4
     assert targets.count(torch.ops.lmforge.mhc_mix_out.default) == 4
     torch._dynamo.reset()

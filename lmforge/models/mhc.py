@@ -394,7 +394,9 @@ def mhc_pre(stream: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, b_pre:
     ``H_pre x``. Returns ``H_pre x`` (the stream's dtype), ``H_pre``, ``H_post``, ``H_res`` (fp32), and the
     projection and ``1 / RMS`` its backward reuses. On CUDA one Triton pass reads the stream for the projection
     and its RMS, one more for ``H_pre x``; the backward reads it twice (``H_pre``'s gradient, then the stream's
-    and phi's together), where separate operators would also write, and then add, a second gradient of it."""
+    and phi's together), where separate operators would also write, and then add, a second gradient of it.
+    ``MHCLayer`` calls it through ``_PreAndStream``, whose backward also adds ``mhc_mix_out``'s gradient of the
+    stream in that same pass."""
     return _pre(stream, phi, alpha, b_pre, b_post, b_res, iters, eps, None)
 
 
@@ -415,17 +417,18 @@ def _pre(stream, phi, alpha, b_pre, b_post, b_res, iters, eps, kernels):
 
 @torch.library.custom_op("lmforge::mhc_pre_backward", mutates_args=())
 def mhc_pre_backward(d_x_in: torch.Tensor, d_h_pre: torch.Tensor, d_h_post: torch.Tensor, d_h_res: torch.Tensor,
-                     stream: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, b_pre: torch.Tensor,
-                     b_post: torch.Tensor, b_res: torch.Tensor, proj: torch.Tensor, inv_rms: torch.Tensor,
-                     h_pre: torch.Tensor, iters: int
+                     d_stream: torch.Tensor | None, stream: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor,
+                     b_pre: torch.Tensor, b_post: torch.Tensor, b_res: torch.Tensor, proj: torch.Tensor,
+                     inv_rms: torch.Tensor, h_pre: torch.Tensor, iters: int
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of ``mhc_pre`` for the stream, phi, alpha, b_pre, b_post and b_res (each in its dtype)."""
-    return _pre_backward(d_x_in, d_h_pre, d_h_post, d_h_res, stream, phi, alpha, b_pre, b_post, b_res, proj,
-                         inv_rms, h_pre, iters, None)
+    """Gradients of ``mhc_pre`` for the stream, phi, alpha, b_pre, b_post and b_res (each in its dtype); the
+    stream's plus ``d_stream`` (its gradient from elsewhere, or None)."""
+    return _pre_backward(d_x_in, d_h_pre, d_h_post, d_h_res, d_stream, stream, phi, alpha, b_pre, b_post, b_res,
+                         proj, inv_rms, h_pre, iters, None)
 
 
-def _pre_backward(d_x_in, d_h_pre, d_h_post, d_h_res, stream, phi, alpha, b_pre, b_post, b_res, proj, inv_rms,
-                  h_pre, iters, kernels):
+def _pre_backward(d_x_in, d_h_pre, d_h_post, d_h_res, d_stream, stream, phi, alpha, b_pre, b_post, b_res, proj,
+                  inv_rms, h_pre, iters, kernels):
     with torch.autocast(stream.device.type, enabled=False):
         # H_pre's gradient through H_pre x (one read of the stream), then back through the coefficients'
         # small graph ([tokens, n*n + 2n] tensors; autograd cannot run inside an operator's implementation)
@@ -445,9 +448,11 @@ def _pre_backward(d_x_in, d_h_pre, d_h_post, d_h_res, stream, phi, alpha, b_pre,
             d_flat = d_proj_16 @ phi.to(flat.dtype) + coef.to(flat.dtype) * flat
             d_x = d_flat.unflatten(-1, stream.shape[-2:]) + h_pre.to(flat.dtype).unsqueeze(-1) * d_x_in.to(
                 flat.dtype).unsqueeze(-2)
+            if d_stream is not None:
+                d_x = d_x + d_stream
             d_phi = d_proj_16.reshape(-1, d_proj.shape[-1]).t() @ flat.reshape(-1, flat.shape[-1])
         else:
-            d_x, d_phi = kernels.pre_backward(d_x_in, stream, h_pre, d_proj, coef, phi)
+            d_x, d_phi = kernels.pre_backward(d_x_in, stream, h_pre, d_proj, coef, phi, d_stream)
     return (d_x.to(stream.dtype).contiguous(), d_phi.to(phi.dtype), *(g.to(t.dtype) for g, t in
                                                                       zip(d_statics, (alpha, b_pre, b_post, b_res))))
 
@@ -461,7 +466,8 @@ def _(stream, phi, alpha, b_pre, b_post, b_res, iters, eps):
 
 
 @mhc_pre_backward.register_fake
-def _(d_x_in, d_h_pre, d_h_post, d_h_res, stream, phi, alpha, b_pre, b_post, b_res, proj, inv_rms, h_pre, iters):
+def _(d_x_in, d_h_pre, d_h_post, d_h_res, d_stream, stream, phi, alpha, b_pre, b_post, b_res, proj, inv_rms, h_pre,
+      iters):
     return _like(stream), _like(phi), _like(alpha), _like(b_pre), _like(b_post), _like(b_res)
 
 
@@ -474,11 +480,30 @@ def _pre_setup_context(ctx, inputs, output) -> None:
 
 
 def _pre_autograd(ctx, d_x_in, d_h_pre, d_h_post, d_h_res, _d_proj, _d_inv_rms):
-    grads = mhc_pre_backward(d_x_in, d_h_pre, d_h_post, d_h_res, *ctx.saved_tensors, ctx.iters)
+    grads = mhc_pre_backward(d_x_in, d_h_pre, d_h_post, d_h_res, None, *ctx.saved_tensors, ctx.iters)
     return (*grads, None, None)
 
 
 mhc_pre.register_autograd(_pre_autograd, setup_context=_pre_setup_context)
+
+
+class _PreAndStream(torch.autograd.Function):
+    """``mhc_pre`` that also hands the stream on (a view), for ``mhc_mix_out``: the stream then has one consumer
+    in the autograd graph, and ``mhc_mix_out``'s gradient of it reaches ``mhc_pre_backward``, which adds it in
+    the pass that writes the stream's gradient (one read of it), where autograd would add the two gradients in a
+    pass of its own (two reads and a write of the stream's size)."""
+
+    @staticmethod
+    def forward(ctx, stream, phi, alpha, b_pre, b_post, b_res, iters: int, eps: float):
+        x_in, h_pre, h_post, h_res, proj, inv_rms = mhc_pre(stream, phi, alpha, b_pre, b_post, b_res, iters, eps)
+        ctx.save_for_backward(stream, phi, alpha, b_pre, b_post, b_res, proj, inv_rms, h_pre)
+        ctx.iters = iters
+        return x_in, h_pre, h_post, h_res, stream.view_as(stream)
+
+    @staticmethod
+    def backward(ctx, d_x_in, d_h_pre, d_h_post, d_h_res, d_stream):
+        grads = mhc_pre_backward(d_x_in, d_h_pre, d_h_post, d_h_res, d_stream, *ctx.saved_tensors, ctx.iters)
+        return (*grads, None, None)
 
 
 @mhc_pre.register_kernel("cuda")
@@ -487,9 +512,10 @@ def _(stream, phi, alpha, b_pre, b_post, b_res, iters, eps):
 
 
 @mhc_pre_backward.register_kernel("cuda")
-def _(d_x_in, d_h_pre, d_h_post, d_h_res, stream, phi, alpha, b_pre, b_post, b_res, proj, inv_rms, h_pre, iters):
-    return _pre_backward(d_x_in, d_h_pre, d_h_post, d_h_res, stream, phi, alpha, b_pre, b_post, b_res, proj,
-                         inv_rms, h_pre, iters, _mix_kernels(stream))
+def _(d_x_in, d_h_pre, d_h_post, d_h_res, d_stream, stream, phi, alpha, b_pre, b_post, b_res, proj, inv_rms, h_pre,
+      iters):
+    return _pre_backward(d_x_in, d_h_pre, d_h_post, d_h_res, d_stream, stream, phi, alpha, b_pre, b_post, b_res,
+                         proj, inv_rms, h_pre, iters, _mix_kernels(stream))
 
 
 class MHCLayer(nn.Module):
@@ -546,8 +572,9 @@ class MHCLayer(nn.Module):
         """Run ``sublayer`` on the mixed stream; return the new stream and the first sequence's
         detached coefficients (for the Amax metrics; views, free when unused)."""
         if self.uses_mixing_operators(stream):  # fp32 coefficients, the stream's dtype in and out
-            x_in, h_pre, h_post, h_res, _, _ = mhc_pre(stream, self.phi, self.alpha, self.b_pre, self.b_post,
-                                                       self.b_res, self.sinkhorn_iters, self.eps)
+            x_in, h_pre, h_post, h_res, stream = _PreAndStream.apply(stream, self.phi, self.alpha, self.b_pre,
+                                                                     self.b_post, self.b_res, self.sinkhorn_iters,
+                                                                     self.eps)
             out = mhc_mix_out(h_res, stream, h_post, sublayer(x_in))
             return out, (h_pre[0].detach(), h_post[0].detach(), h_res[0].detach())
         h_pre, h_post, h_res = self.coefficients(stream)

@@ -13,9 +13,10 @@ projection, the coefficients' gradients) run on tensor cores with ``tl.dot``. Co
 (S: 201 MB at ``rlm_mhc_125m``'s 32 x 1024 tokens, bf16): forward, the projection with the stream's RMS (S),
 ``H_pre x`` (S), ``H_res x + H_post^T y`` (2 S: read and write); backward, ``mix_out``'s (3 S: its gradient and
 the stream read, the stream's gradient written, with ``H_res``'s, ``H_post``'s and ``y``'s), ``H_pre``'s
-gradient (S), the stream's and phi's gradients through ``H_pre x`` and the projection (2 S), and autograd's sum
-of the stream's two gradients (3 S). 13 S per sub-layer, ~63 GB per 125M step, ~13 ms at an H200's 4.8 TB/s;
-Inductor's fusion of the PyTorch ops took ~31 ms of elementwise work on top of the plain model's
+gradient (S), and the stream's gradient through ``H_pre x`` and the projection plus ``mix_out``'s, with phi's
+(3 S: the stream and ``mix_out``'s gradient read, the sum written; autograd would have added the two gradients
+in a pass of 3 S more). 11 S per sub-layer, ~53 GB per 125M step, ~11 ms at an H200's 4.8 TB/s; Inductor's
+fusion of the PyTorch ops took ~31 ms of elementwise work on top of the plain model's
 (``benchmarks/RESULTS.md``), not counting the projection's narrow matmuls.
 
 Importing this module needs Triton; where it is missing ``lmforge.models.mhc`` uses the PyTorch
@@ -395,10 +396,11 @@ def _projection_kernel(x_ptr, phi_ptr, proj_ptr, inv_rms_ptr, tokens, C, stride_
 
 
 @triton.jit
-def _pre_backward_kernel(g_ptr, x_ptr, h_ptr, dproj_ptr, coef_ptr, phi_ptr, dx_ptr, dphi_ptr, tokens, C,
+def _pre_backward_kernel(g_ptr, x_ptr, h_ptr, dproj_ptr, coef_ptr, phi_ptr, acc_ptr, dx_ptr, dphi_ptr, tokens, C,
                          stride_t, stride_f, M, N: tl.constexpr, MP: tl.constexpr, BLOCK_T: tl.constexpr,
-                         BLOCK_C: tl.constexpr, EXACT_DOT: tl.constexpr):
+                         BLOCK_C: tl.constexpr, EXACT_DOT: tl.constexpr, ACCUMULATE: tl.constexpr):
     # d stream[t, f, c] = h_pre[t, f] g[t, c] + sum_m dproj[t, m] phi[m, f C + c] + coef[t] stream[t, f, c]
+    #                     (+ acc[t, f, c]: the stream's gradient from mix_out, when ACCUMULATE)
     # d phi[m, f C + c] = sum_t dproj[t, m] stream[t, f, c]
     # One program owns one flow's block of channels for the tokens of its group (every GROUPS-th block of
     # BLOCK_T tokens): phi's columns are read once, and d phi's partial sum stays in registers until the end.
@@ -429,7 +431,10 @@ def _pre_backward_kernel(g_ptr, x_ptr, h_ptr, dproj_ptr, coef_ptr, phi_ptr, dx_p
             through_phi = tl.dot(dp.to(x.dtype), w)
             dphi = tl.dot(tl.trans(dp.to(x.dtype)), x, dphi)
         dx = h[:, None] * g + through_phi + coef[:, None] * x.to(tl.float32)
-        tl.store(dx_ptr + rows[:, None] * (N * C) + f * C + c[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        out_offs = rows[:, None] * (N * C) + f * C + c[None, :]
+        if ACCUMULATE:
+            dx += tl.load(acc_ptr + out_offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + out_offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
     tl.store(dphi_ptr + group.to(tl.int64) * (MP * N * C) + m[:, None] * (N * C) + f * C + c[None, :], dphi,
              mask=cmask[None, :])
 
@@ -450,10 +455,12 @@ def projection(stream: torch.Tensor, phi: torch.Tensor, eps: float) -> tuple[tor
 
 
 def pre_backward(grad: torch.Tensor, stream: torch.Tensor, h_pre: torch.Tensor, d_proj: torch.Tensor,
-                 coef: torch.Tensor, phi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 coef: torch.Tensor, phi: torch.Tensor, accumulate: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The stream's gradient (its dtype, contiguous) through ``H_pre x`` and the normed projection, given the
     gradient of ``H_pre x`` (``grad``), the projection's (``d_proj``, fp32, already times ``1 / RMS``) and the
-    per-token factor of the stream's own term (``coef``); and phi's gradient (fp32)."""
+    per-token factor of the stream's own term (``coef``), plus ``accumulate`` (the stream's gradient from
+    elsewhere) when given; and phi's gradient (fp32)."""
     tokens, n, width, stride_t, stride_f = _geometry(stream)
     rows, mp = phi.shape[0], projection_width(phi.shape[0])
     d_x = torch.empty(stream.shape, dtype=stream.dtype, device=stream.device)
@@ -465,7 +472,8 @@ def pre_backward(grad: torch.Tensor, stream: torch.Tensor, h_pre: torch.Tensor, 
     with _on(stream.device):
         _pre_backward_kernel[grid](
             grad.contiguous(), stream, h_pre.contiguous(), d_proj.contiguous(), coef.contiguous(), phi.contiguous(),
-            d_x, partial, tokens, width, stride_t, stride_f, rows, N=n, MP=mp, BLOCK_T=PRE_BACKWARD_BLOCK_T,
+            d_x if accumulate is None else accumulate.contiguous(), d_x, partial, tokens, width, stride_t, stride_f,
+            rows, N=n, MP=mp, BLOCK_T=PRE_BACKWARD_BLOCK_T, ACCUMULATE=accumulate is not None,
             BLOCK_C=PRE_BACKWARD_BLOCK_C, EXACT_DOT=_exact_dot(stream),
             num_warps=PRE_BACKWARD_WARPS, num_stages=PRE_BACKWARD_STAGES)
     return d_x, partial[:, :rows].sum(0)
