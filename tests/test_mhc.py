@@ -231,7 +231,11 @@ def test_save_load_round_trip_gives_identical_logits(tmp_path):
     assert torch.equal(loaded.logits(ids), model.logits(ids))
 
 
-def test_activation_checkpointing_covers_the_stream_and_keeps_gradients():
+@pytest.mark.parametrize("operators", [False, True], ids=["pytorch-ops", "mhc-operators"])
+def test_activation_checkpointing_covers_the_stream_and_keeps_gradients(operators, monkeypatch):
+    """Recomputing each block in the backward gives the same gradients, with the mixing as PyTorch ops and as the
+    operators CUDA uses (their PyTorch implementations here)."""
+    monkeypatch.setattr(MHCLayer, "uses_mixing_operators", lambda self, stream: operators)
     model = mhc_model()
     perturb(model)
     ids = torch.randint(0, 97, (2, 16))
@@ -246,7 +250,9 @@ def test_activation_checkpointing_covers_the_stream_and_keeps_gradients():
         torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-5)
 
 
-def test_kv_cache_decoding_matches_full_forward():
+@pytest.mark.parametrize("operators", [False, True], ids=["pytorch-ops", "mhc-operators"])
+def test_kv_cache_decoding_matches_full_forward(operators, monkeypatch):
+    monkeypatch.setattr(MHCLayer, "uses_mixing_operators", lambda self, stream: operators)
     model = mhc_model()
     perturb(model)
     model.eval()
