@@ -845,6 +845,37 @@ def test_mhc_kernels_match_pytorch_under_the_interpreter(tmp_path):
         "print('kernels match')\n")
 
 
+def test_a_model_on_the_triton_kernels_equals_the_pytorch_path_under_the_interpreter(tmp_path):
+    """End to end: a perturbed 2-layer mHC model whose operators run the Triton kernels (Triton's interpreter, on
+    CPU tensors: the operators' CPU implementations swapped for the CUDA ones) gives the PyTorch path's loss and
+    every gradient, with the first layer's expanded stream, mix_out's stream gradient added inside mhc_pre's
+    backward, and activation checkpointing."""
+    check_under_triton_interpreter(
+        tmp_path,
+        "import torch\n"
+        "from lmforge.models import mhc, mhc_triton\n"
+        "from tests.test_mhc import grads_of, mhc_model, perturb\n"
+        "mhc.mhc_pre.register_kernel('cpu')(lambda *a: mhc._pre(*a, mhc_triton))\n"
+        "mhc.mhc_pre_backward.register_kernel('cpu')(lambda *a: mhc._pre_backward(*a, mhc_triton))\n"
+        "mhc.mhc_mix_out.register_kernel('cpu')(mhc_triton.mix_out)\n"
+        "mhc.mhc_mix_out_backward.register_kernel('cpu')(mhc_triton.mix_out_backward)\n"
+        "model = mhc_model(n_layer=2)\n"
+        "perturb(model)\n"
+        "ids = torch.randint(0, 97, (2, 16))\n"
+        "results = []\n"
+        "for operators, checkpointing in ((False, False), (True, False), (True, True)):\n"
+        "    mhc.MHCLayer.uses_mixing_operators = lambda self, stream: operators\n"
+        "    model.set_activation_checkpointing(checkpointing)\n"
+        "    loss, _ = model({'input_ids': ids, 'labels': ids})\n"
+        "    results.append((loss, grads_of(model, loss)))\n"
+        "(ref_loss, ref), *others = results\n"
+        "for loss, grads in others:\n"
+        "    torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-6)\n"
+        "    for name, grad in grads.items():\n"
+        "        torch.testing.assert_close(grad, ref[name], atol=1e-5, rtol=1e-4, msg=name)\n"
+        "print('kernels match')\n")
+
+
 def test_mhc_kernels_build_for_hopper_with_wide_loads():
     """Triton compiles the six kernels of a sub-layer's mHC work for an H100/H200 (sm_90) here, without a GPU,
     with the launch settings lmforge uses, for a bf16 stream: at n = 4 each reads the stream 16 bytes at a time
@@ -925,9 +956,9 @@ def test_mhc_operators_pass_opcheck_and_gradcheck():
         torch.library.opcheck(mhc_pre, pre_args)
         out = mhc_pre(*pre_args)
         grads = [torch.randn_like(t) for t in out[:4]]
-        torch.library.opcheck(mhc_pre_backward, (*grads, torch.randn_like(x), x.detach(),
-                                                 *(t.detach() for t in pre_args[1:6]),
-                                                 out[4].detach(), out[5].detach(), out[1].detach(), 5))
+        for d_stream in (torch.randn_like(x), None):  # mhc_mix_out's gradient of the stream, added; or none
+            torch.library.opcheck(mhc_pre_backward, (*grads, d_stream, x.detach(), *(t.detach() for t in pre_args[1:6]),
+                                                     out[4].detach(), out[5].detach(), out[1].detach(), 5))
         h_post, h_res = out[2].detach().requires_grad_(), out[3].detach().requires_grad_()
         y = torch.randn(2, 3, 8, dtype=dtype, requires_grad=True)
         torch.library.opcheck(mhc_mix_out, (h_res, x, h_post, y))
