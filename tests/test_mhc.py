@@ -976,7 +976,7 @@ def test_the_layer_on_the_mixing_operators_equals_the_pytorch_path(monkeypatch):
     """With the operators switched on (what CUDA with Triton does; here their PyTorch implementations run), a
     perturbed mHC model gives the PyTorch path's loss, metrics and every gradient: eager, under bf16 autocast
     (the operators keep the fp32 stream in fp32), and compiled (one graph, each sub-layer two operator nodes; the
-    AOT-traced backward too); the fp32 coefficients reach the operators as they are, mhc_mix_out's gradient of the
+    Inductor-compiled forward and backward too); the fp32 coefficients reach the operators as they are, mhc_mix_out's gradient of the
     stream reaches mhc_pre's backward (which adds it), a bf16 stream comes back bf16, and a stream without batch
     dimensions goes through forward and backward."""
     from lmforge.models import mhc
@@ -1040,7 +1040,7 @@ def test_the_layer_on_the_mixing_operators_equals_the_pytorch_path(monkeypatch):
     assert targets.count(torch.ops.lmforge.mhc_pre.default) == 4
     assert targets.count(torch.ops.lmforge.mhc_mix_out.default) == 4
     torch._dynamo.reset()
-    loss, _, grads = run(True, compiled=torch.compile(model, backend="aot_eager", fullgraph=True))
+    loss, _, grads = run(True, compiled=torch.compile(model, fullgraph=True))
     torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, ref[name], atol=1e-5, rtol=1e-4, msg=name)
