@@ -305,6 +305,53 @@ def test_the_triton_kernels_need_triton_and_a_c_compiler(monkeypatch):
         triton_support._toolchain_present.cache_clear()
 
 
+def test_a_triton_kernel_that_fails_on_the_gpu_names_the_setting_that_avoids_it(monkeypatch):
+    """A Triton failure inside the CUDA implementations of lmforge's operators (its compiler, ptxas, a kernel
+    needing more shared memory than the GPU has) is an LMForgeError naming the kernels and the setting that avoids
+    them; any other error (CUDA out of memory, a bad input) passes through as it was. The CUDA implementations are
+    called directly on CPU tensors with kernels that fail."""
+    from types import SimpleNamespace
+
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    from lmforge.errors import LMForgeError
+    from lmforge.models import losses, mhc
+
+    def failing(error):
+        def kernel(*args, **kwargs):
+            raise error
+        return kernel
+
+    logits, labels = torch.randn(4, 128), torch.tensor([1, 2, -100, 3])
+    for error in (OutOfResources(300000, 232448, "shared memory"), CompilationError("", None, "unsupported")):
+        kernels = SimpleNamespace(supports=lambda x: True, cross_entropy_rows=failing(error),
+                                  cross_entropy_rows_backward=failing(error))
+        monkeypatch.setattr(losses, "_kernels", lambda: kernels)
+        with pytest.raises(LMForgeError, match=f"The logits loss's Triton kernels failed on this GPU \\("
+                                               f"{type(error).__name__}.*model.lm_loss=chunked"):
+            losses._rows_cuda(logits, labels, 100)
+        with pytest.raises(LMForgeError, match="model.lm_loss=chunked"):
+            losses._rows_backward_cuda(torch.ones(4), logits, labels, torch.zeros(4), 100)
+    stream, y = torch.randn(3, 4, 8), torch.randn(3, 8)
+    h_res, h_post = torch.rand(3, 4, 4), torch.rand(3, 4)
+    statics = (torch.zeros(24, 32), torch.ones(3), torch.zeros(4), torch.zeros(4), torch.zeros(4, 4))
+    error = OutOfResources(300000, 232448, "shared memory")
+    kernels = SimpleNamespace(mix_out=failing(error), mix_out_backward=failing(error), projection=failing(error),
+                              mix_in_grad_h=failing(error))
+    monkeypatch.setattr(mhc, "_mix_kernels", lambda stream: kernels)
+    for call in (lambda: mhc._mix_out_cuda(h_res, stream, h_post, y),
+                 lambda: mhc._mix_out_backward_cuda(torch.randn(3, 4, 8), h_res, stream, h_post, y),
+                 lambda: mhc._pre_cuda(stream, *statics, 5, 1e-6),
+                 lambda: mhc._pre_backward_cuda(y, torch.rand(3, 4), h_post, h_res, None, stream, *statics,
+                                                torch.zeros(3, 24), torch.ones(3, 1), torch.rand(3, 4), 5)):
+        with pytest.raises(LMForgeError, match="mHC's Triton kernels failed.*model.mhc_kernels=torch"):
+            call()
+    kernels.mix_out = failing(RuntimeError("CUDA out of memory"))  # not Triton's: unchanged
+    with pytest.raises(RuntimeError, match="CUDA out of memory"):
+        mhc._mix_out_cuda(h_res, stream, h_post, y)
+
+
 def test_gpt_model_takes_its_loss_path_from_model_lm_loss(monkeypatch):
     """model.lm_loss reaches the GPT's loss: the logits path runs only when asked for, and both paths give
     the same loss and gradients; a bad value is a config error naming the choices."""

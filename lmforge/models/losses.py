@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lmforge.models.triton_support import can_build_triton_kernels
+from lmforge.models.triton_support import can_build_triton_kernels, naming_triton_failures
 
 IGNORE_INDEX = -100
 LM_LOSS_PATHS = ("auto", "chunked", "logits")
@@ -203,22 +203,28 @@ def _kernels():
     return losses_triton
 
 
+_LOGITS_FIX = "Set model.lm_loss=chunked to use the chunked loss (no Triton)"
+
+
 @cross_entropy_rows.register_kernel("cuda")
-def _(logits: torch.Tensor, labels: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _rows_cuda(logits: torch.Tensor, labels: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     _check_vocab(logits, vocab)
     kernels = _kernels()
     if kernels is None or not kernels.supports(logits):
         return _rows_in_torch(logits, labels, vocab)
-    return kernels.cross_entropy_rows(logits, labels, vocab)
+    with naming_triton_failures("The logits loss", _LOGITS_FIX):
+        return kernels.cross_entropy_rows(logits, labels, vocab)
 
 
 @cross_entropy_rows_backward.register_kernel("cuda")
-def _(grad: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, vocab: int) -> torch.Tensor:
+def _rows_backward_cuda(grad: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
+                        vocab: int) -> torch.Tensor:
     _check_vocab(logits, vocab)
     kernels = _kernels()
     if kernels is None or not kernels.supports(logits):
         return _rows_backward_in_torch(grad, logits, labels, lse, vocab)
-    return kernels.cross_entropy_rows_backward(grad, logits, labels, lse, vocab)
+    with naming_triton_failures("The logits loss", _LOGITS_FIX):
+        return kernels.cross_entropy_rows_backward(grad, logits, labels, lse, vocab)
 
 
 def _setup_context(ctx, inputs, output) -> None:

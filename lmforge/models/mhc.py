@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmforge.models.triton_support import can_build_triton_kernels
+from lmforge.models.triton_support import can_build_triton_kernels, naming_triton_failures
 
 PRE_MAIN_SHARE = 0.7  # share of H_pre on a sub-layer's own flow at initialisation (n > 1)
 RES_OFF_DIAGONAL = -2.0  # initial static logit of H_res off the diagonal (diagonal 0): see the docstring
@@ -289,18 +289,26 @@ def _mix_kernels(stream: torch.Tensor):
     return kernels if kernels is not None and kernels.mix_supported(stream) else None
 
 
+def _named_failures():
+    return naming_triton_failures("mHC", "Set model.mhc_kernels=torch to run it on PyTorch ops")
+
+
 @mhc_mix_out.register_kernel("cuda")
-def _(h_res, stream, h_post, y):
+def _mix_out_cuda(h_res, stream, h_post, y):
     kernels = _mix_kernels(stream)
-    return kernels.mix_out(h_res, stream, h_post, y) if kernels else _mix_out_torch(h_res, stream, h_post, y)
+    if kernels is None:
+        return _mix_out_torch(h_res, stream, h_post, y)
+    with _named_failures():
+        return kernels.mix_out(h_res, stream, h_post, y)
 
 
 @mhc_mix_out_backward.register_kernel("cuda")
-def _(grad, h_res, stream, h_post, y):
+def _mix_out_backward_cuda(grad, h_res, stream, h_post, y):
     kernels = _mix_kernels(stream)
     if kernels is None:
         return _mix_out_backward_torch(grad, h_res, stream, h_post, y)
-    return kernels.mix_out_backward(grad, h_res, stream, h_post, y)
+    with _named_failures():
+        return kernels.mix_out_backward(grad, h_res, stream, h_post, y)
 
 
 def _normed_projection(flat: torch.Tensor, phi: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -507,15 +515,17 @@ class _PreAndStream(torch.autograd.Function):
 
 
 @mhc_pre.register_kernel("cuda")
-def _(stream, phi, alpha, b_pre, b_post, b_res, iters, eps):
-    return _pre(stream, phi, alpha, b_pre, b_post, b_res, iters, eps, _mix_kernels(stream))
+def _pre_cuda(stream, phi, alpha, b_pre, b_post, b_res, iters, eps):
+    with _named_failures():
+        return _pre(stream, phi, alpha, b_pre, b_post, b_res, iters, eps, _mix_kernels(stream))
 
 
 @mhc_pre_backward.register_kernel("cuda")
-def _(d_x_in, d_h_pre, d_h_post, d_h_res, d_stream, stream, phi, alpha, b_pre, b_post, b_res, proj, inv_rms, h_pre,
-      iters):
-    return _pre_backward(d_x_in, d_h_pre, d_h_post, d_h_res, d_stream, stream, phi, alpha, b_pre, b_post, b_res,
-                         proj, inv_rms, h_pre, iters, _mix_kernels(stream))
+def _pre_backward_cuda(d_x_in, d_h_pre, d_h_post, d_h_res, d_stream, stream, phi, alpha, b_pre, b_post, b_res, proj,
+                       inv_rms, h_pre, iters):
+    with _named_failures():
+        return _pre_backward(d_x_in, d_h_pre, d_h_post, d_h_res, d_stream, stream, phi, alpha, b_pre, b_post, b_res,
+                             proj, inv_rms, h_pre, iters, _mix_kernels(stream))
 
 
 class MHCLayer(nn.Module):

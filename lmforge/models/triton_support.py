@@ -1,13 +1,18 @@
-"""Whether lmforge's Triton kernels (the cross-entropy of ``losses``, mHC's of ``mhc``) can be built here."""
+"""Whether lmforge's Triton kernels (the cross-entropy of ``losses``, mHC's of ``mhc``) can be built here, and what
+a user reads when they fail to build on a GPU."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
 import shutil
+from collections.abc import Iterator
 
 import torch
+
+from lmforge.errors import LMForgeError
 
 
 @functools.lru_cache(maxsize=None)
@@ -23,3 +28,18 @@ def can_build_triton_kernels() -> bool:
     file-system lookups would break the graph in two (it did on an H200, at the loss: a second graph and its
     launch gap every step)."""
     return _toolchain_present()
+
+
+@contextlib.contextmanager
+def naming_triton_failures(what: str, fix: str) -> Iterator[None]:
+    """Inside it, an error of Triton's own (its compiler, ptxas, a kernel needing more shared memory than the GPU
+    has: exceptions from the ``triton`` package) becomes an LMForgeError naming ``what`` failed and the setting
+    that avoids the kernels (``fix``). Other errors (CUDA out of memory, wrong inputs) pass through unchanged."""
+    try:
+        yield
+    except Exception as e:
+        if not type(e).__module__.startswith("triton"):
+            raise
+        detail = " ".join(str(e).split())[:500]  # compiler messages span lines; the whole one stays chained below
+        raise LMForgeError(f"{what}'s Triton kernels failed on this GPU ({type(e).__name__}: {detail}). {fix}, or "
+                           "try another Triton version.") from e
