@@ -22,6 +22,7 @@ from lmforge.recipes.dpo import SPEC
 from lmforge.recipes.dpo.loss import bind, dpo_loss, pair_logps
 from lmforge.recipes.dpo.reference import score_share
 from lmforge.tokenizer import Tokenizer, train_tokenizer
+from tests.train_helpers import sharded_against_replicated
 
 SEQ_LEN = 512  # the tool_sft model's context
 CPU = DeviceInfo(device=torch.device("cpu"), precision="fp32", peak_flops=1e12, peak_source="test")
@@ -258,6 +259,26 @@ def test_resume_is_exact(tool_sft, prefs, tmp_path, reference):
     assert set(wa) == set(load_file(str(Path(tool_sft.checkpoint) / "model.safetensors")))  # no reference inside
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert any(not torch.equal(wa[k], v) for k, v in load_file(str(Path(tool_sft.checkpoint) / "model.safetensors")).items())
+
+
+@pytest.mark.parametrize("reference", ["precompute", "live"])
+def test_sharded_on_two_processes_matches_replicated(tool_sft, prefs, tmp_path, reference):
+    """training.parallel=fsdp: the policy sharded, the reference whole (live) or only its log-probs
+    (precompute); the same losses, held-out DPO figures and weights as DDP, half the state per process."""
+    import yaml
+
+    data = tmp_path / "pairs"
+    data.mkdir()
+    for split, n in (("train", 40), ("val", 10)):
+        lines = (prefs / f"{split}.jsonl").read_text().splitlines(keepends=True)[:n]
+        (data / f"{split}.jsonl").write_text("".join(lines))
+    cfg = dpo_config(tmp_path, data, tool_sft.checkpoint, {"reference": reference}, max_steps=4, micro_batch_size=2,
+                     eval_interval=2, save_interval=2)
+    recipe = tmp_path / "dpo.yaml"
+    recipe.write_text(yaml.safe_dump(cfg.to_dict()))
+    rows = sharded_against_replicated(recipe, tmp_path / "runs")
+    evals = [r for r in rows["fsdp"] if "eval/rewards/accuracy" in r]
+    assert [r["step"] for r in evals] == [2, 4] and evals[-1]["eval/rewards/margin"] != 0
 
 
 # ---- a real run ------------------------------------------------------------------------------------

@@ -178,18 +178,25 @@ def test_a_global_batch_two_processes_cannot_split_stops_every_rank(tmp_path, da
 
 def test_models_fsdp_cannot_shard_are_refused_with_the_way_out(monkeypatch):
     from lmforge.models.gpt import GPT, GPTConfig
+    from lmforge.models.reward import RewardModel
     from lmforge.recipes.ppo.model import ActorCritic, actor_critic_config
     from lmforge.train.fsdp import check_parallel
 
     from lmforge.recipes import get_kind
 
     config = GPTConfig(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2)
-    check_parallel("fsdp", 2, GPT(config), get_kind("lm"))  # accepted
-    with pytest.raises(LMForgeError, match=r"built for the kinds: lm; the 'ppo' kind \(ActorCritic\) is not"):
-        check_parallel("fsdp", 2, ActorCritic(actor_critic_config(config, None)), get_kind("ppo"))
-    # a gpt model, but grpo's data samples with the model between steps: not sharded yet
-    with pytest.raises(LMForgeError, match="the 'grpo' kind .* use training.parallel=ddp"):
-        check_parallel("fsdp", 2, GPT(config), get_kind("grpo"))
+    for kind in ("lm", "sft", "dpo", "grpo"):  # accepted
+        check_parallel("fsdp", 2, GPT(config), get_kind(kind))
+    check_parallel("fsdp", 2, RewardModel(config), get_kind("reward"))
+    actor_critic = ActorCritic(actor_critic_config(config, None))
+    assert len(actor_critic.repeated_blocks()) == 2  # the policy's block and the value model's
+    check_parallel("hsdp", 2, actor_critic, get_kind("ppo"))
+    # the recursive and HRGC kinds (small models) are not sharded
+    with pytest.raises(LMForgeError, match=r"built for the kinds: dpo, grpo, lm, ppo, reward, sft; the 'hrgc' kind"):
+        check_parallel("fsdp", 2, GPT(config), get_kind("hrgc"))
+    # nor is a model without a stack of blocks, whatever the kind
+    with pytest.raises(LMForgeError, match=r"this Linear names no blocks \(repeated_blocks\(\)\): use training.parallel=ddp"):
+        check_parallel("fsdp", 2, torch.nn.Linear(2, 2), get_kind("lm"))
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(LMForgeError, match="torchrun --nproc_per_node 2 -m lmforge train"):
         check_parallel("hsdp", 1, GPT(config), get_kind("lm"))

@@ -19,6 +19,7 @@ from lmforge.posttrain.rewards import load_rewards
 from lmforge.posttrain.rollout import encode_prompts, group_advantages, read_prompt_rows
 from lmforge.recipes.grpo.data import GRPOSettings, Rollouts
 from lmforge.recipes.grpo.loss import grpo_loss, policy_loss
+from tests.train_helpers import sharded_against_replicated
 
 EPS = 0.2
 BETA = 0.1
@@ -250,6 +251,25 @@ def test_grpo_resume_in_the_middle_of_a_rollout_is_exact(tool_sft, tmp_path):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     start = load_file(str(tool_sft.checkpoint / "model.safetensors"))
     assert any(not torch.equal(wa[k], start[k]) for k in wa)  # and training moved them
+
+
+def test_sharded_on_two_processes_draws_rollouts_as_replicated(tool_sft, tmp_path):
+    """training.parallel=fsdp: each rollout (the first before any training step, the second after two)
+    is sampled on the weights gathered on every process, so both processes draw what DDP's draw: the
+    same rewards, losses, held-out rewards and weights, with half the state per process."""
+    import yaml
+
+    cfg = grpo_config(tool_sft, tmp_path / "runs", "grpo", max_steps=4, micro_batch_size=4, eval_interval=2,
+                      eval_batches=1, save_interval=2, log_interval=1)
+    cfg.recipe = GRPOSettings(**{**cfg.recipe.__dict__, "prompts_per_rollout": 2, "group_size": 4,
+                                 "max_new_tokens": 16, "eval_max_new_tokens": 16})
+    recipe = tmp_path / "grpo.yaml"
+    recipe.write_text(yaml.safe_dump(cfg.to_dict()))
+    rows = sharded_against_replicated(recipe, tmp_path / "runs")
+    rewards = [[(r["step"], r["train/reward"], r["train/completion_len"]) for r in rows[n] if "train/reward" in r]
+               for n in ("ddp", "fsdp")]
+    assert [s for s, _, _ in rewards[1]] == [1, 2, 3, 4] and rewards[1] == rewards[0]
+    assert [r["step"] for r in rows["fsdp"] if "eval/reward" in r] == [2, 4]
 
 
 def test_grpo_settings_are_checked_before_compute(tool_sft, tmp_path):

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
+from safetensors.torch import load_file
 
 from lmforge.config import load_config
 from lmforge.errors import LMForgeError
@@ -18,6 +20,7 @@ from lmforge.models import load_model
 from lmforge.models.gpt import GPT
 from lmforge.recipes.ppo.loss import gae, token_rewards, value_loss, whiten
 from lmforge.train import train
+from tests.train_helpers import sharded_against_replicated, torchrun
 
 
 # ---- arithmetic ------------------------------------------------------------------------------------
@@ -117,6 +120,36 @@ def test_checkpoints_are_gpt_models_with_the_value_model_beside_and_resume_is_ex
     model = ActorCritic(actor_critic_config(policy.config, None))
     with pytest.raises(LMForgeError, match="not a checkpoint of a ppo run"):
         model.load_checkpoint_weights(tool_sft.checkpoint, "cpu")
+
+
+def test_sharded_on_two_processes_matches_replicated_and_resumes(tmp_path, tool_sft):
+    """training.parallel=fsdp shards the policy's and the value model's blocks; each rollout (sampling,
+    the reference's and the value model's passes) runs on the weights gathered on every process. The
+    same losses, rewards, held-out figures and weights (policy and value/) as DDP, half the state per
+    process; step checkpoints are the ordinary two directories, and one resumes sharded to the same
+    weights as the run that went straight through."""
+    cfg = ppo_config(tmp_path, tool_sft, prompts_per_rollout=4, max_new_tokens=16, eval_max_new_tokens=16,
+                     training={"max_steps": 4, "micro_batch_size": 2, "save_interval": 2, "eval_interval": 2,
+                               "eval_batches": 1, "log_interval": 1})
+    recipe = tmp_path / "ppo.yaml"
+    recipe.write_text(yaml.safe_dump(cfg.to_dict()))
+    runs = tmp_path / "runs"
+    rows = sharded_against_replicated(recipe, runs, sharded_steps=False, model_dirs=("", "value"))
+    scores = [[(r["step"], r["train/score"], r["train/value_mean"]) for r in rows[n] if "train/score" in r]
+              for n in ("ddp", "fsdp")]
+    assert [s for s, _, _ in scores[1]] == [1, 2, 3, 4] and scores[1] == pytest.approx(scores[0], rel=1e-5)
+    assert [r["step"] for r in rows["fsdp"] if "eval/reward" in r] == [2, 4]
+    # 4 replies in micro-batches of 2, 2 epochs: step 2 is in the middle of the first rollout
+    (runs / "again" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(runs / "fsdp" / "checkpoints" / "step-000002", runs / "again" / "checkpoints" / "step-000002")
+    done = torchrun(["train", str(recipe), "name=again", "training.parallel=fsdp", "--resume"], runs / "again")
+    assert done.returncode == 0, done.stderr[-3000:]
+    for part in ("", "value"):
+        want, got = (load_file(str(runs / n / "checkpoints" / "step-000004" / part / "model.safetensors"))
+                     for n in ("fsdp", "again"))
+        assert want.keys() == got.keys()
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-6, msg=f"{part}: {k}")
 
 
 def test_ppo_raises_the_held_out_reward_of_the_tool_calling_model(tmp_path, tool_sft):

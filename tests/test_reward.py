@@ -21,7 +21,9 @@ from lmforge.models.reward import RewardModel, pair_loss, reward_config_from
 from lmforge.posttrain.pairs import PackedPairs, render_pairs
 from lmforge.posttrain.preferences import read_preferences, write_preference_dataset
 from lmforge.recipes.reward.data import format_pair_report, pair_report, score_pairs
+from lmforge.checkpoint import read_sharded_weights
 from tests.posttrain_helpers import SEQ_LEN
+from tests.train_helpers import sharded_against_replicated, torchrun
 
 
 @pytest.fixture(scope="module")
@@ -308,6 +310,32 @@ def test_resume_is_exact(tool_sft, prefs, tmp_path):
     wb = load_file(str(runs / "resumed" / "checkpoints" / "step-000006" / "model.safetensors"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert yaml.safe_load((runs / "straight" / "checkpoints" / "step-000006" / "config.yaml").read_text())["resid_pdrop"] == 0.1
+
+
+def test_sharded_on_two_processes_matches_replicated_and_resumes(tool_sft, prefs, tmp_path):
+    """training.parallel=fsdp shards the trunk's blocks (the reward model holds them one level down):
+    the same losses, held-out accuracy and weights as DDP, half the state per process; its sharded
+    checkpoint resumes on two processes to the weights of the run that went straight through."""
+    data = tmp_path / "pairs"
+    data.mkdir()
+    for split, source, n in (("train", "train", 40), ("val", "val", 12)):
+        lines = (prefs / f"{source}.jsonl").read_text().splitlines(keepends=True)[:n]
+        (data / f"{split}.jsonl").write_text("".join(lines))
+    cfg = reward_config(tmp_path, data, tool_sft.run, max_steps=4, eval_interval=2, save_interval=2)
+    recipe = tmp_path / "rm.yaml"
+    recipe.write_text(yaml.safe_dump(cfg.to_dict()))
+    runs = tmp_path / "runs"
+    rows = sharded_against_replicated(recipe, runs)
+    assert [r["step"] for r in rows["fsdp"] if "eval/accuracy" in r] == [2, 4]
+    # resumed from the sharded step 2 in a run of its own: step 4's weights as the run that went on
+    (runs / "again" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(runs / "fsdp" / "checkpoints" / "step-000002", runs / "again" / "checkpoints" / "step-000002")
+    done = torchrun(["train", str(recipe), "name=again", "training.parallel=fsdp", "--resume"], runs / "again")
+    assert done.returncode == 0, done.stderr[-3000:]
+    want, got = (read_sharded_weights(runs / n / "checkpoints" / "step-000004") for n in ("fsdp", "again"))
+    assert want.keys() == got.keys() and any(k.startswith("trunk.blocks.") for k in got)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-6, msg=k)
 
 
 def test_bad_input_is_refused_before_training(tool_sft, prefs, tmp_path, capsys):

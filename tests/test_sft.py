@@ -18,6 +18,7 @@ from lmforge.posttrain.packing import ExampleStore, PackedConversations, pack_ro
 from lmforge.posttrain.render import (NOTHING_TO_LEARN, TOO_LONG, RenderStats, check_chat_tokenizer,
                                         render_examples, show_example)
 from lmforge.tokenizer import Tokenizer, train_tokenizer
+from tests.train_helpers import sharded_against_replicated
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -388,3 +389,21 @@ def test_sft_under_torchrun_trains_on_both_processes(tokenizer, base_checkpoint,
     assert (run / "checkpoints" / "best" / "model.safetensors").is_file()
     state = json.loads((run / "checkpoints" / "step-000004" / "trainer_state.json").read_text())
     assert state["data_per_rank"] and len(state["data_per_rank"]) == 2
+
+
+def test_sft_sharded_on_two_processes_matches_replicated(tokenizer, base_checkpoint, tmp_path):
+    """training.parallel=fsdp fine-tunes a chat model as DDP does (same losses, held-out losses and
+    weights) with half the weights + optimizer state per process: a model too large for one GPU's
+    training memory can be fine-tuned."""
+    import yaml
+
+    data = tmp_path / "chats"
+    data.mkdir()
+    write_rows(data / "train.jsonl", [conversation(i, tools=i % 4 == 0) for i in range(40)])
+    write_rows(data / "val.jsonl", [conversation(i, tools=False) for i in range(40, 48)])
+    cfg = sft_config(tmp_path, data, base_checkpoint, max_steps=4, micro_batch_size=2, eval_interval=2,
+                     save_interval=2)
+    recipe = tmp_path / "sft.yaml"
+    recipe.write_text(yaml.safe_dump(cfg.to_dict()))
+    rows = sharded_against_replicated(recipe, tmp_path / "runs")
+    assert [r["step"] for r in rows["fsdp"] if "eval/loss" in r] == [2, 4]

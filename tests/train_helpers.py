@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -145,3 +146,48 @@ def torchrun(args: list[str], run_dir: Path, timeout: float = 600, nproc: int = 
         shutil.rmtree(run_dir, ignore_errors=True)
         done = run(cmd, timeout=timeout, cwd=REPO, **kw)
     return done
+
+
+def sharded_against_replicated(recipe: Path, runs: Path, *overrides: str, timeout: float = 600,
+                               sharded_steps: bool = True, model_dirs: tuple[str, ...] = ("",)) -> dict[str, Any]:
+    """Train ``recipe`` (its ``out_dir`` is ``runs``) on two processes twice: ``training.parallel=ddp``
+    (run ``ddp``) and ``fsdp`` (run ``fsdp``), with ``overrides``; assert that the sharded run logs the same
+    training and held-out metrics at the same steps, holds about half the weights + optimizer state per
+    process, writes step checkpoints (sharded, or the ordinary files where ``sharded_steps`` is false) of
+    the same weights and an ordinary ``best/`` (each of ``model_dirs`` in a checkpoint: "" is the
+    checkpoint itself). Returns the two runs' metric rows, by name, for the kind's own checks."""
+    import json
+
+    import pytest
+    import torch
+    from safetensors.torch import load_file
+
+    from lmforge.checkpoint import is_sharded, read_sharded_weights
+
+    rows = {}
+    for parallel in ("ddp", "fsdp"):
+        done = torchrun(["train", str(recipe), f"name={parallel}", f"training.parallel={parallel}", *overrides],
+                        runs / parallel, timeout=timeout)
+        assert done.returncode == 0, f"{parallel}: " + done.stderr[-4000:]
+        rows[parallel] = [json.loads(line) for line in (runs / parallel / "metrics.jsonl").read_text().splitlines()]
+    ddp, fsdp = ({(r["step"], k): v for r in rows[n] for k, v in r.items()
+                  if k.startswith(("train/loss", "eval/")) and isinstance(v, float)} for n in ("ddp", "fsdp"))
+    assert ddp and ddp.keys() == fsdp.keys(), (sorted(ddp), sorted(fsdp))
+    for key in ddp:
+        assert fsdp[key] == pytest.approx(ddp[key], rel=1e-4, abs=1e-6), (key, ddp[key], fsdp[key])
+    state = [next(r["train/state_mb"] for r in rows[n] if "train/state_mb" in r) for n in ("ddp", "fsdp")]
+    assert 0.4 < state[1] / state[0] < 0.6, state  # half, plus the padding of rows that do not split evenly
+    steps = sorted((runs / "fsdp" / "checkpoints").glob("step-*"))
+    assert steps and all(is_sharded(s) == sharded_steps != (s / "model.safetensors").exists() for s in steps), steps
+    best = runs / "fsdp" / "checkpoints" / "best"
+    assert not is_sharded(best)
+    for name in (steps[-1].name, "best"):
+        for part in model_dirs:
+            mine = runs / "fsdp" / "checkpoints" / name / part
+            mine = read_sharded_weights(mine) if is_sharded(mine) else load_file(str(mine / "model.safetensors"))
+            want = load_file(str(runs / "ddp" / "checkpoints" / name / part / "model.safetensors"))
+            assert mine.keys() == want.keys()
+            for k in want:
+                torch.testing.assert_close(mine[k], want[k], rtol=1e-4, atol=1e-5, msg=f"{name}/{part}: {k}")
+    return rows
+

@@ -95,6 +95,12 @@ class LMForgeModel(nn.Module):
         if enabled:
             raise LMForgeError(f"model family {self.family!r} does not support activation checkpointing")
 
+    def repeated_blocks(self) -> list[nn.Module]:
+        """The model's stack of same-shaped blocks, in the order they run. ``training.parallel: fsdp``
+        shards each one as a unit (its weights gathered just before it runs, freed after), and the
+        rest of the model with the root. Empty: the family cannot be sharded."""
+        return []
+
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         seen: set[int] = set()
         total = 0
@@ -160,17 +166,25 @@ class LMForgeModel(nn.Module):
         model.tie_weights()
         return model.to(map_location)
 
-    def load_checkpoint_weights(self, directory: Path, device: torch.device | str) -> None:
-        """Resume: load the weights this model's ``save_pretrained`` wrote into ``directory`` (a training
-        checkpoint). Families that save more than one file override both."""
+    # Whether save_pretrained writes one model directory (a sharded checkpoint's shards can stand in for it).
+    one_weights_file: ClassVar[bool] = True
+
+    def checkpoint_state(self, directory: Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """The weights this model's ``save_pretrained`` wrote into ``directory`` (a training checkpoint),
+        keyed as ``state_dict()`` (tied copies stored once). Families that save more than one file
+        override this, ``save_pretrained`` and ``load_checkpoint_weights``."""
         weights_path = Path(directory) / WEIGHTS_FILE
         try:
-            weights = _read_weights(Path(directory), device)
+            return _read_weights(Path(directory), device)
         except LMForgeError:
             raise
         except Exception as e:
             raise LMForgeError(f"cannot read {weights_path}: {e}. The checkpoint is corrupt; "
                                f"resume from an earlier one in {Path(directory).parent}") from e
+
+    def load_checkpoint_weights(self, directory: Path, device: torch.device | str) -> None:
+        """Resume: load the weights this model's ``save_pretrained`` wrote into ``directory``."""
+        weights = self.checkpoint_state(directory, device)
         try:
             missing, unexpected = self.load_state_dict(weights, strict=False)
         except RuntimeError as e:  # shapes differ

@@ -622,6 +622,9 @@ class Block(nn.Module):
     """Pre-norm attention and MLP sub-layers, on a plain residual stream ``[B, T, C]`` or, with mHC,
     on ``n`` flows ``[B, T, n, C]`` mixed around each sub-layer (``lmforge.models.mhc``)."""
 
+    # Methods besides forward that run the block's weights: under FSDP they gather them too.
+    forward_methods = ("forward_kept",)
+
     def __init__(self, c: GPTConfig, index: int):
         super().__init__()
         self.norm_1 = _norm(c)
@@ -860,6 +863,9 @@ class GPT(LMForgeModel):
 
     def set_activation_checkpointing(self, enabled: bool) -> None:
         self._checkpointing = bool(enabled)
+
+    def repeated_blocks(self) -> list[nn.Module]:
+        return list(self.blocks)
 
     def decays(self, name: str, param: torch.Tensor) -> bool:
         # H_res's static logits are a matrix but a bias: decaying them would pull the mixing to uniform.

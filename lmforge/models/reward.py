@@ -118,6 +118,9 @@ class RewardModel(LMForgeModel):
     def set_activation_checkpointing(self, enabled: bool) -> None:
         self.trunk.set_activation_checkpointing(enabled)
 
+    def repeated_blocks(self) -> list[nn.Module]:
+        return self.trunk.repeated_blocks()
+
     def decays(self, name: str, param: torch.Tensor) -> bool:
         return self.trunk.decays(name, param)  # the trunk's rule (mHC's static logits are not decayed)
 

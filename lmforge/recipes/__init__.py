@@ -77,6 +77,10 @@ class TrainData:
     # Told the model being trained, on its device, before the first step: for kinds whose batches
     # come from the model itself (rollouts of ppo and grpo). Args: (model, DeviceInfo).
     bind_model: Callable[[Any, Any], None] | None = None
+    # Asked before each ``train.next_batch()`` when the model is sharded (training.parallel fsdp / hsdp):
+    # True when that call samples from the bound model (a new rollout). The loop then gathers the full
+    # weights on every process for the call; every process must answer alike. None: it never does.
+    draws_with_model: Callable[[], bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -129,8 +133,8 @@ class RecipeSpec:
     # model in and wraps in DDP, so it may call the model (or its methods) as often as it needs.
     loss: Callable[[Any, dict[str, Any]], tuple[Any, dict[str, Any]]] = _call_model
     ddp_find_unused_parameters: bool = False  # some parameters get no gradient in some steps
-    # training.parallel fsdp/hsdp (lmforge.train.fsdp) is tested with this kind: its data never calls the
-    # model, and its model is a list of blocks with one weights file
+    # training.parallel fsdp/hsdp (lmforge.train.fsdp) is tested with this kind: its model has repeated_blocks()
+    # and one weights file, and its data calls the model only where draws_with_model says so
     supports_fsdp: bool = False
     # --- evaluation -------------------------------------------------------------------------------
     best_metric: str = "eval/loss"  # the metric that picks checkpoints/best

@@ -73,6 +73,12 @@ def _train(cfg: RunConfig, resume: bool | str, distinfo: DistInfo, clock: Callab
     seed_everything(cfg.seed)  # same initial weights on every rank
     model = build_model(cfg.model)
     check_parallel(cfg.training.parallel, distinfo.world_size, model, spec)
+    if cfg.training.parallel != "ddp" and cfg.training.fsdp_checkpoint == "sharded" and not model.one_weights_file:
+        # one set of shards cannot stand in for several model directories (ppo's policy and value/)
+        cfg.training.fsdp_checkpoint = "gathered"
+        if distinfo.is_main:
+            print(f"note: a {spec.name} checkpoint holds more than one model directory: step checkpoints are "
+                  "written gathered (training.fsdp_checkpoint=gathered)")
     if load_init:
         _load_initial_weights(model, cfg.training.init_from, distinfo)
     if cfg.training.activation_checkpointing:

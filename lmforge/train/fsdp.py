@@ -8,9 +8,9 @@ block runs and frees them after it. ``hsdp`` shards within a machine and replica
 (``torchrun --nnodes``): the weight gathers stay on the fast links inside a machine, and only the
 gradients cross between machines.
 
-Layout: one ``fully_shard`` per transformer block, and one for the root. The root is the loop's
-objective module, whose forward is what each micro-batch calls, so it holds the rest (embeddings,
-final norm, head). Weights are stored in fp32. With ``precision: bf16`` the blocks compute in bf16
+Layout: one ``fully_shard`` per block of the model's ``repeated_blocks()`` (a reward model's trunk,
+ppo's policy and value model), and one for the root. The root is the loop's objective module, whose
+forward is what each micro-batch calls, so it holds the rest (embeddings, final norm, heads). Weights are stored in fp32. With ``precision: bf16`` the blocks compute in bf16
 and gradients are reduced in fp32 (``MixedPrecisionPolicy``). ``training.fsdp_offload`` keeps the
 shards of weights, gradients and optimizer state in CPU memory, for GPUs that cannot hold even those.
 
@@ -19,6 +19,7 @@ probe (generation), and ``best/``:
 
 - ``gathered`` puts the full weights (in the compute dtype) on every process. Code inside it calls
   the plain model, a different number of times on each process if it likes, with no collective.
+  Rollouts (grpo, ppo) are drawn inside it too (``TrainData.draws_with_model``).
 - ``full_model_state`` / ``full_optimizer_state`` gather the fp32 weights and the optimizer state on
   process 0, in exactly the form a single-process run saves: ``best/`` (weights only) and, with
   ``training.fsdp_checkpoint: gathered``, the step checkpoints are the ordinary files.
@@ -62,12 +63,15 @@ def check_parallel(parallel: str, world_size: int, model: nn.Module, spec: Any) 
         raise LMForgeError(f"training.parallel={parallel} shards the model across processes: launch with torchrun, "
                            f"e.g. `torchrun --nproc_per_node 2 -m lmforge train ...` (on one process use "
                            "training.parallel=ddp, the default)")
-    if not spec.supports_fsdp or not isinstance(getattr(model, "blocks", None), nn.ModuleList):
+    if not spec.supports_fsdp:
         from lmforge.recipes import kinds
 
         supported = ", ".join(k.name for k in kinds() if k.supports_fsdp)
         raise LMForgeError(f"training.parallel={parallel} is built for the kinds: {supported}; the {spec.name!r} kind "
                            f"({type(model).__name__}) is not one of them yet: use training.parallel=ddp")
+    if not (model.repeated_blocks() if hasattr(model, "repeated_blocks") else []):
+        raise LMForgeError(f"training.parallel={parallel} shards a model block by block, and this "
+                           f"{type(model).__name__} names no blocks (repeated_blocks()): use training.parallel=ddp")
 
 
 def _mesh(parallel: str, device_type: str, world_size: int):
@@ -84,10 +88,11 @@ def _mesh(parallel: str, device_type: str, world_size: int):
 
 def shard(root: nn.Module, model: nn.Module, parallel: str, device: torch.device, world_size: int,
           param_dtype: torch.dtype | None, offload: bool, compile_blocks: bool) -> list[nn.Module]:
-    """Apply ``fully_shard`` to each of ``model.blocks`` and to ``root`` (which holds ``model``);
+    """Apply ``fully_shard`` to each of ``model.repeated_blocks()`` and to ``root`` (which holds ``model``);
     returns the sharded modules, root last. ``param_dtype``: the blocks' compute dtype (None: as
     stored); gradients are reduced in fp32."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
+                                        register_fsdp_forward_method)
 
     mesh = _mesh(parallel, device.type, world_size)
     # The batch is not cast: float inputs (a reference model's log-probabilities) keep their precision,
@@ -95,10 +100,12 @@ def shard(root: nn.Module, model: nn.Module, parallel: str, device: torch.device
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     kwargs = {"mesh": mesh, "mp_policy": policy, "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy()}
     modules = []
-    for block in model.blocks:
+    for block in model.repeated_blocks():
         if compile_blocks:
             block.compile()  # one compiled graph per block: the gathers and frees stay outside it
         modules.append(fully_shard(block, **kwargs))
+        for name in getattr(block, "forward_methods", ()):  # e.g. the last block scoring kept positions only
+            register_fsdp_forward_method(block, name)
     modules.append(fully_shard(root, **kwargs))
     return modules
 
@@ -106,8 +113,10 @@ def shard(root: nn.Module, model: nn.Module, parallel: str, device: torch.device
 @contextlib.contextmanager
 def gathered(modules: list[nn.Module]) -> Iterator[None]:
     """Full weights (in the compute dtype) on every process while inside; no collective runs inside,
-    so each process may call the model as often as it likes. Enter it only after a training step
-    (the first forward sets FSDP up)."""
+    so each process may call the model as often as it likes. Every process must enter it together."""
+    # FSDP sets itself up (which module is the root, the shared communication state) in the root's
+    # first forward; a rollout drawn before the first step gathers the weights before that forward.
+    modules[-1]._get_fsdp_state()._lazy_init()
     for m in modules:
         m.set_reshard_after_forward(False, recurse=False)
         m.unshard()
@@ -184,18 +193,11 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
 
 
 def load_model_state(model: nn.Module, directory: Path) -> None:
-    """Load a checkpoint's full weights (every process reads the file) into the sharded model."""
-    from safetensors.torch import load_file
+    """Load a checkpoint's full weights (every process reads the files) into the sharded model."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-    from lmforge.models.base import WEIGHTS_FILE
-
-    path = Path(directory) / WEIGHTS_FILE
-    try:
-        state = load_file(str(path))
-    except Exception as e:
-        raise LMForgeError(f"cannot read {path}: {e}. The checkpoint is corrupt; resume from an earlier one in "
-                           f"{Path(directory).parent}") from e
+    path = Path(directory)
+    state = model.checkpoint_state(path)
     try:
         missing, unexpected = set_model_state_dict(model, state, options=_options(strict=False))
     except (RuntimeError, ValueError) as e:  # a tensor of another shape

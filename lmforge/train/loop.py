@@ -221,7 +221,6 @@ class Trainer:
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self._window = _Window()
         self._state_mb: float | None = None  # this process's weights + optimizer state, logged once
-        self._forwarded = False  # a training forward ran in this process
 
         if data.bind_model is not None:
             data.bind_model(model, devinfo)
@@ -236,8 +235,6 @@ class Trainer:
         sharded): evaluation, probes and generation call the plain model inside it."""
         if not self.sharded:
             return contextlib.nullcontext()
-        if not self._forwarded:  # FSDP sets itself up in the first training forward
-            raise LMForgeError("under training.parallel=fsdp the model can be evaluated only after a training step")
         return fsdp.gathered(self.sharded)
 
     # ---- resume ---------------------------------------------------------------------------
@@ -445,8 +442,11 @@ class Trainer:
         window = self._window
         if self.data.on_step is not None:
             self.data.on_step(self.step)
+        draws = self.data.draws_with_model if self.sharded else None
         for micro in range(accum):
-            batch = self.data.train.next_batch()
+            # A batch sampled from the model (a rollout) is drawn with the full weights on every process.
+            with self.full_weights() if draws is not None and draws() else contextlib.nullcontext():
+                batch = self.data.train.next_batch()
             counts = self.spec.count(self.model, batch)  # on the CPU batch: no device synchronisation
             window.tokens += counts.tokens
             window.unseen += counts.tokens
@@ -460,7 +460,6 @@ class Trainer:
             with sync:
                 with self.dev.autocast():
                     loss, metrics = self.fwd_model(batch)
-                self._forwarded = True
                 self.scaler.scale(loss / accum).backward()
             loss_sum += loss.detach().float()
             for k, v in metrics.items():  # device tensors stay on the device (no copy to the host per step)

@@ -40,6 +40,7 @@ SPEC = register(RecipeSpec(
     # signs, ties on small sets and saturates early (see docs/dpo.md).
     best_metric="eval/loss",
     eval_weight=lambda batch: float(batch["num_examples"]),  # evaluation means are per pair
+    supports_fsdp=True,
 ))
 
 __all__ = ["SPEC", "DPOSettings"]

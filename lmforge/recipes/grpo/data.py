@@ -198,8 +198,12 @@ class Rollouts:
         stats.update({f"reward/{label}": float(rewards[:, j].mean()) for j, label in enumerate(self.rewards.labels)})
         return stats
 
+    def will_draw(self) -> bool:
+        """The next ``next_batch()`` samples a new rollout from the model (``TrainData.draws_with_model``)."""
+        return self.buffer is None or self.handed >= self.batches_per_rollout * self.s.iterations
+
     def next_batch(self) -> dict[str, Any]:
-        if self.buffer is None or self.handed >= self.batches_per_rollout * self.s.iterations:
+        if self.will_draw():
             self._draw()
         if self._batches is None:
             self._batches = [batch for batch, _ in self._build()]
@@ -291,4 +295,4 @@ def build_grpo_data(cfg, distinfo: DistInfo) -> TrainData:
                    f"rollout and process, rewards {names}" + (f"; {len(val.ids):,} held out" if held else ""))
     return TrainData(train=loader, val=held, description=description,
                      examples_per_epoch=len(train.ids) * s.group_size * s.iterations,
-                     tokenizer_path=tokenizer_file, bind_model=bind)
+                     tokenizer_path=tokenizer_file, bind_model=bind, draws_with_model=loader.will_draw)

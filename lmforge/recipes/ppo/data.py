@@ -212,8 +212,12 @@ class PPORollouts:
         batch["rollout_stats"] = buf["stats"]
         return batch
 
+    def will_draw(self) -> bool:
+        """The next ``next_batch()`` samples a new rollout from the policy (``TrainData.draws_with_model``)."""
+        return self.buffer is None or self.handed >= self.batches_per_rollout
+
     def next_batch(self) -> dict[str, Any]:
-        if self.buffer is None or self.handed >= self.batches_per_rollout:
+        if self.will_draw():
             self._draw()
         batch = self._micro_batch(self.handed)
         self.handed += 1
@@ -348,7 +352,7 @@ def build_ppo_data(cfg, distinfo: DistInfo) -> TrainData:
                    + (f"; {len(val.ids):,} held out" if held else ""))
     return TrainData(train=loader, val=held, description=description,
                      examples_per_epoch=len(train.ids) * s.ppo_epochs, tokenizer_path=tokenizer_file,
-                     bind_model=bind)
+                     bind_model=bind, draws_with_model=loader.will_draw)
 
 
 def prepare_model(model: Any, cfg: Any) -> None:

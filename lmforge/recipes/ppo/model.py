@@ -52,17 +52,38 @@ class ActorCritic(LMForgeModel):
         return ppo_loss(self, batch)
 
     # ---- on disk: the policy as a gpt model, the value model beside it ---------------------------
-    def save_pretrained(self, directory: str | os.PathLike) -> Path:
-        directory = self.policy.save_pretrained(directory)
-        self.value.save_pretrained(directory / VALUE_DIR)
+    # Two model directories, where a sharded checkpoint has one set of shards: under FSDP a ppo run
+    # writes its step checkpoints gathered (lmforge.train.fsdp).
+    one_weights_file = False
+
+    def save_pretrained(self, directory: str | os.PathLike, state_dict: dict[str, torch.Tensor] | None = None,
+                        weights: bool = True) -> Path:
+        parts: dict[str, Any] = {"policy": None, "value": None}
+        if state_dict is not None:  # the full weights gathered from FSDP's shards, keyed policy.* / value.*
+            parts = {part: {k[len(part) + 1:]: v for k, v in state_dict.items() if k.startswith(part + ".")}
+                     for part in parts}
+        directory = self.policy.save_pretrained(directory, parts["policy"], weights)
+        self.value.save_pretrained(directory / VALUE_DIR, parts["value"], weights)
         return directory
 
-    def load_checkpoint_weights(self, directory: Path, device: torch.device | str) -> None:
+    def _check_checkpoint(self, directory: Path) -> None:
         if not (Path(directory) / VALUE_DIR).is_dir():
             raise LMForgeError(f"{directory} has no {VALUE_DIR}/ directory: it is not a checkpoint of a ppo run, so a "
                                "ppo run cannot resume from it (start one with training.init_from instead)")
+
+    def load_checkpoint_weights(self, directory: Path, device: torch.device | str) -> None:
+        self._check_checkpoint(directory)
         self.policy.load_checkpoint_weights(directory, device)
         self.value.load_checkpoint_weights(Path(directory) / VALUE_DIR, device)
+
+    def checkpoint_state(self, directory: Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        self._check_checkpoint(directory)
+        value = self.value.checkpoint_state(Path(directory) / VALUE_DIR, device)
+        return {**{f"policy.{k}": v for k, v in self.policy.checkpoint_state(directory, device).items()},
+                **{f"value.{k}": v for k, v in value.items()}}
+
+    def repeated_blocks(self) -> list[torch.nn.Module]:
+        return self.policy.repeated_blocks() + self.value.repeated_blocks()
 
     def load_initial_weights(self, source: LMForgeModel, where: str) -> None:
         """``training.init_from`` is the policy's start (a gpt chat model); the value model starts from

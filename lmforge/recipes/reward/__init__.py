@@ -38,6 +38,7 @@ SPEC = register(RecipeSpec(
     eval=CLIOptions(run=cli.run_eval, add=cli.add_eval_args, uses=("batch-size",),
                     help="held-out pair accuracy and margin, per kind of rejected reply"),
     add_data_verbs=cli_data.add_data_verbs,
+    supports_fsdp=True,
 ))
 
 __all__ = ["SPEC", "RewardSettings"]

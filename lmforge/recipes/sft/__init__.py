@@ -35,6 +35,7 @@ SPEC = register(RecipeSpec(
     eval=CLIOptions(run=cli.run_eval, add=cli.add_eval_args, uses=("baseline", "batch-size"),
                     help="tool-call figures on held-out conversations, before and after fine-tuning"),
     add_data_verbs=cli.add_data_verbs,
+    supports_fsdp=True,
 ))
 
 __all__ = ["SPEC", "SFTSettings"]
