@@ -300,6 +300,78 @@ def test_status_table_and_json_of_every_stage_kind(corpus, tmp_path, capsys):
     assert (out / "export" / "hf" / "config.json").is_file() and (out / "export" / "tiny-f16.gguf").is_file()
 
 
+# ---- several processes -----------------------------------------------------------------------------------
+def test_a_stage_on_two_processes_runs_under_torchrun_sharded(corpus, tmp_path, capsys, monkeypatch):
+    """`processes: 2` trains the stage with torchrun (here FSDP on two CPU processes, gloo): the same
+    losses as one process at the same global batch; the stage is recorded and skipped like any other,
+    and its process count is part of its fingerprint. The pipeline itself refuses to run under torchrun."""
+    data = pipeline_dict(corpus)
+    data["stages"] = data["stages"][:2]  # tok, base
+    base = _stage(data, "base")
+    base["overrides"]["model"].update({"embd_pdrop": 0.0, "resid_pdrop": 0.0, "attn_pdrop": 0.0})
+    base["overrides"]["training"] = {**base["overrides"]["training"], "global_batch_size": 4}
+    one = write(tmp_path / "one.yaml", data)
+    base.update(processes=2)
+    base["overrides"]["training"]["parallel"] = "fsdp"
+    two = write(tmp_path / "two.yaml", data)
+    run_pipeline(one, out_dir=tmp_path / "one")
+    capsys.readouterr()
+    summary = run_pipeline(two, out_dir=tmp_path / "two")
+    assert [r.result for r in summary.stages] == ["ran", "ran"]
+    out = capsys.readouterr().out
+    assert "2 processes: -m torch.distributed.run --standalone --nproc_per_node=2 -m lmforge train" in out
+    assert "x2 |" in out  # the training run's own header: two processes
+    losses = [{r["step"]: r["train/loss"] for r in metric_rows(tmp_path / n, "base") if "train/loss" in r}
+              for n in ("one", "two")]
+    assert sorted(losses[1]) == [1, 2, 3, 4]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    rec = record(tmp_path / "two", "base")
+    assert rec["status"] == "done" and rec["step"] == 4 and rec["stopped"] == "completed"
+    assert rec["inputs"]["processes"] == 2 and "processes" not in record(tmp_path / "one", "base")["inputs"]
+    assert (tmp_path / "two" / "base" / "checkpoints" / "best" / "model.safetensors").is_file()
+    assert not list((tmp_path / "two").glob(".*.torchrun.yaml"))  # the launch config is removed
+    assert [r.result for r in run_pipeline(two, out_dir=tmp_path / "two").stages] == ["skipped", "skipped"]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(LMForgeError, match="not under torchrun: give a training stage `processes: N`"):
+        run_pipeline(two, out_dir=tmp_path / "two")
+
+
+def test_a_stage_on_two_processes_stops_at_a_checkpoint_on_sigterm_and_resumes(corpus, tmp_path, capsys):
+    """SIGTERM to the pipeline while torchrun trains a stage: it is passed on, the processes save a
+    checkpoint and stop, the stage is recorded as interrupted at that step, and the next run resumes it
+    on two processes to the end."""
+    import threading
+
+    data = pipeline_dict(corpus, base_steps=60)
+    data["stages"] = data["stages"][:2]
+    base = _stage(data, "base")
+    base.update(processes=2)
+    file = write(tmp_path / "p.yaml", data)
+    out = tmp_path / "out"
+
+    def terminate_once_training() -> None:
+        for _ in range(1200):
+            if (out / "base" / "checkpoints" / "step-000001").is_dir():
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            threading.Event().wait(0.05)
+
+    watcher = threading.Thread(target=terminate_once_training, daemon=True)
+    watcher.start()
+    summary = run_pipeline(file, out_dir=out)
+    watcher.join()
+    assert summary.interrupted == "base"
+    rec = record(out, "base")
+    stopped_at = rec["step"]
+    assert rec["status"] == "interrupted" and 1 <= stopped_at < 60
+    assert (out / "base" / "checkpoints" / f"step-{stopped_at:06d}").is_dir()
+    assert "was interrupted at step" in capsys.readouterr().out
+    again = run_pipeline(file, out_dir=out)
+    assert [r.result for r in again.stages] == ["skipped", "resumed"]
+    assert record(out, "base")["step"] == 60
+    assert f"resuming from {out / 'base' / 'checkpoints' / f'step-{stopped_at:06d}'}" in capsys.readouterr().out
+
+
 # ---- bad input ------------------------------------------------------------------------------------------
 def _stage(data, name):
     return next(s for s in data["stages"] if s["name"] == name)
@@ -333,6 +405,10 @@ BAD = {
                            ["stage 'st'", "args.n_storis", "Did you mean 'n_stories'"]),
     "export of a data stage": (lambda d: d["stages"].append({"name": "ex", "kind": "export", "checkpoint": "tok"}),
                                ["stage 'ex'", "'checkpoint: tok' names a tokenizer stage"]),
+    "processes": (lambda d: _stage(d, "base").update(processes=0),
+                  ["stage 'base'", "'processes' must be a whole number >= 1", "got 0"]),
+    "fsdp on one process": (lambda d: _stage(d, "ft")["overrides"].update({"training.parallel": "fsdp"}),
+                            ["stage 'ft'", "training.parallel=fsdp shards the model", "`processes: N`"]),
 }
 
 

@@ -102,6 +102,9 @@ def run_pipeline(file: str | os.PathLike, force: list[str] | tuple[str, ...] = (
     out_dir. ``serve``: afterwards start the serve stage's API server (blocks). The whole file is
     validated before anything runs. Returns a ``RunSummary``; a stage stopped by a signal ends the run
     with ``summary.interrupted`` set (the next run resumes it)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise LMForgeError("lmforge pipeline runs as one process, not under torchrun: give a training stage "
+                           "`processes: N` and the pipeline starts torchrun with N processes for that stage")
     pipe = load_pipeline(file, vars=vars, out_dir=out_dir)
     selected = _select(pipe, until, only)
     for name in force:

@@ -29,7 +29,7 @@ PIPELINE_DIR = Path(__file__).resolve().parent.parent / "configs" / "pipelines"
 
 TOP_KEYS = ("name", "out_dir", "description", "vars", "stages")
 COMMON_KEYS = ("name", "kind", "description")
-TRAINING_KEYS = ("recipe", "init", "tokenizer", "data", "overrides")
+TRAINING_KEYS = ("recipe", "init", "tokenizer", "data", "overrides", "processes")
 # The stage kinds the pipeline runs itself; every other kind is a training kind (lmforge.recipes).
 STAGE_KEYS: dict[str, tuple[str, ...]] = {
     "tokenizer": ("sources", "vocab_size", "include", "max_bytes", "text_field", "exclude_tests", "min_frequency",
@@ -533,6 +533,18 @@ def training_values(stage: Stage, pipe: Pipeline, init_model: dict[str, Any] | N
     return deep_merge(layer, overrides)
 
 
+def stage_processes(stage: Stage) -> int:
+    """A training stage's ``processes``: how many processes train it on this machine (``torchrun
+    --standalone --nproc_per_node N``; 1, the default, trains in the pipeline's own process)."""
+    value = stage.values.get("processes", 1)
+    if isinstance(value, str) and value.strip().isdigit():  # from a ${vars.NAME} inside a string
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise LMForgeError(f"'processes' must be a whole number >= 1 (processes on this machine, one per GPU), "
+                           f"got {value!r}")
+    return value
+
+
 def _validate_training(stage: Stage, pipe: Pipeline) -> None:
     from lmforge.config import read_recipe
 
@@ -553,6 +565,10 @@ def _validate_training(stage: Stage, pipe: Pipeline) -> None:
             raise LMForgeError(f"'tokenizer: {other.name}' names a {other.kind} stage; name a tokenizer stage (or a "
                                "training stage, whose tokenizer is taken)")
     cfg = resolve_training_config(stage, pipe, runtime=False)
+    processes = stage_processes(stage)
+    if cfg.training.parallel != "ddp" and processes < 2:
+        raise LMForgeError(f"training.parallel={cfg.training.parallel} shards the model across processes: give the "
+                           "stage `processes: N` (N >= 2, the GPUs of this machine to use)")
     for key in ("path", "train_path", "tokenizer"):
         value = getattr(cfg.data, key, "")
         if value:

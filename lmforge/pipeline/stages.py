@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from lmforge.pipeline.spec import (
     Pipeline,
     Stage,
     resolve_training_config,
+    stage_processes,
 )
 from lmforge.pipeline.state import HashCache, MissingInput, digest
 
@@ -109,6 +111,8 @@ def stage_inputs(stage: Stage, pipe: Pipeline, cache: HashCache) -> dict[str, An
     if stage.training:
         cfg = resolve_training_config(stage, pipe, runtime=True)
         inputs: dict[str, Any] = {"config": digest(fingerprint_config(cfg))}
+        if stage_processes(stage) > 1:  # the global batch (and so the result) depends on it
+            inputs["processes"] = stage_processes(stage)
         if cfg.training.init_from:
             inputs["init"] = cache.model(model_dir_of(cfg.training.init_from))
         for key in ("path", "train_path"):
@@ -195,9 +199,67 @@ def _run_training(stage: Stage, pipe: Pipeline, resume: bool) -> Outcome:
     from lmforge.train import train
 
     cfg = resolve_training_config(stage, pipe, runtime=True)
-    result = train(cfg, resume=resume)
-    return Outcome(headline=training_headline(cfg.run_dir, cfg.spec), interrupted=result.stopped == "signal",
-                   step=result.step, details={"stopped": result.stopped, "max_steps": cfg.training.max_steps})
+    processes = stage_processes(stage)
+    if processes > 1:
+        step, stopped = _torchrun(cfg, stage, pipe, processes, resume)
+    else:
+        result = train(cfg, resume=resume)
+        step, stopped = result.step, result.stopped
+    return Outcome(headline=training_headline(cfg.run_dir, cfg.spec), interrupted=stopped == "signal",
+                   step=step, details={"stopped": stopped, "max_steps": cfg.training.max_steps})
+
+
+DONE_LINE = re.compile(r"^done: step (\d+) \(([^)]*)\)")  # what `lmforge train` prints last (process 0)
+
+
+def _torchrun(cfg, stage: Stage, pipe: Pipeline, processes: int, resume: bool) -> tuple[int, str]:
+    """Train ``cfg`` with ``torchrun --standalone --nproc_per_node PROCESSES -m lmforge train`` on its
+    resolved config (written beside the run directory while it runs); its output passes through.
+    Returns the step and why it stopped, from process 0's last line. Ctrl-C (which the processes get
+    too) or SIGTERM here is sent on to torchrun, which stops the processes at a checkpoint, as a
+    one-process stage stops: the stage is then recorded as interrupted and resumes."""
+    import signal
+    import subprocess
+    import sys
+
+    import yaml
+
+    config = pipe.out_dir / f".{stage.name}.torchrun.yaml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
+           "-m", "lmforge", "train", str(config), *(["--resume"] if resume else [])]
+    print(f"  {processes} processes: {' '.join(cmd[1:])}", flush=True)
+    done, stopping = None, []
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1)
+
+    def stop(signum, frame) -> None:
+        if not stopping and proc.poll() is None:
+            proc.send_signal(signum)
+        stopping.append(signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        while True:
+            try:
+                for line in proc.stdout:
+                    if line.startswith(f"resume with: lmforge train {config}"):
+                        continue  # that file is gone afterwards: the pipeline says how to resume
+                    sys.stdout.write(line)
+                    done = DONE_LINE.match(line) or done
+                proc.wait()
+                break
+            except KeyboardInterrupt:  # keep reading until the processes have saved and stopped
+                stop(signal.SIGINT, None)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        config.unlink(missing_ok=True)
+    if done is not None and (proc.returncode == 0 or done.group(2) == "signal"):
+        return int(done.group(1)), done.group(2)  # torchrun exits non-zero after passing a signal on
+    if stopping:
+        raise KeyboardInterrupt
+    raise LMForgeError(f"{processes} training processes (torchrun) failed with exit code {proc.returncode}; "
+                       "their errors are printed above")
 
 
 def training_headline(run_dir: Path, spec) -> dict[str, Any] | None:
