@@ -247,3 +247,60 @@ def test_a_checkpoint_one_process_cannot_read_stops_both_instead_of_hanging(tmp_
     assert done.returncode != 0
     assert "rank 1: " in done.stdout and "is not a sharded checkpoint" in done.stdout, done.stdout + done.stderr
     assert f"rank 0: another process could not read the checkpoint {good}" in done.stdout, done.stdout
+
+
+_COMPILED_BLOCKS = '''
+import torch
+import torch.distributed as dist
+from torch._dynamo.utils import counters
+
+from lmforge.models.gpt import GPT, GPTConfig
+from lmforge.train import fsdp
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = GPT(GPTConfig(vocab_size=64, n_positions=64, n_embd=16, n_layer=2, n_head=2))
+
+
+class Root(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch):
+        return self.model(batch)
+
+
+modules = fsdp.shard(Root(model), model, "fsdp", torch.device("cpu"), 2, None, False, compile_blocks=True)
+graphs = lambda: counters["stats"]["unique_graphs"]
+with fsdp.gathered(modules), torch.no_grad():  # a rollout before the first step: many shapes
+    for n in range(1, 13):
+        model({"input_ids": torch.randint(0, 64, (1, n)), "labels": torch.randint(0, 64, (1, n))})
+assert graphs() == 0, graphs()
+batch = {"input_ids": torch.randint(0, 64, (2, 32)), "labels": torch.randint(0, 64, (2, 32))}
+for _ in range(2):
+    modules[-1](batch)[0].backward()
+trained = graphs()
+assert trained > 0
+with fsdp.gathered(modules), torch.no_grad():
+    for n in range(1, 13):
+        model({"input_ids": torch.randint(0, 64, (2, n)), "labels": torch.randint(0, 64, (2, n))})
+modules[-1](batch)[0].backward()
+assert graphs() == trained, (graphs(), trained)
+print(f"rank {dist.get_rank()}: compiled graphs {trained}", flush=True)
+dist.destroy_process_group()
+'''
+
+
+def test_calls_on_gathered_weights_leave_the_compiled_blocks_to_training(tmp_path):
+    """With training.compile the blocks are compiled in place; a rollout or an evaluation on the gathered
+    weights (many shapes, no gradients) must run them eagerly, or it uses up torch.compile's recompile
+    limit and the training step falls back to eager."""
+    import sys
+
+    script = tmp_path / "compiled.py"
+    script.write_text(_COMPILED_BLOCKS)
+    done = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)],
+               timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("compiled graphs") == 2, done.stdout

@@ -254,21 +254,37 @@ def test_grpo_resume_in_the_middle_of_a_rollout_is_exact(tool_sft, tmp_path):
 
 
 def test_sharded_on_two_processes_draws_rollouts_as_replicated(tool_sft, tmp_path):
-    """training.parallel=fsdp: each rollout (the first before any training step, the second after two)
-    is sampled on the weights gathered on every process, so both processes draw what DDP's draw: the
-    same rewards, losses, held-out rewards and weights, with half the state per process."""
+    """training.parallel=fsdp: each rollout (the first before any training step, the second after two
+    updates) is sampled on the weights gathered on every process, so both processes draw what DDP's
+    draw: the same rewards, losses, held-out rewards and weights, with half the state per process. The
+    reward is a reward model's score (a random head on the sft trunk), so it varies within each group
+    and the policy moves between the two rollouts."""
     import yaml
 
+    from lmforge.models import load_model
+    from lmforge.models.reward import RewardModel, reward_config_from
+
+    torch.manual_seed(0)
+    policy = load_model(tool_sft.checkpoint)
+    scorer = RewardModel(reward_config_from(policy.config))
+    scorer.load_initial_weights(policy, "the sft model")
+    scorer.save_pretrained(tmp_path / "rm")
+    tool_sft.tokenizer.save(tmp_path / "rm")
     cfg = grpo_config(tool_sft, tmp_path / "runs", "grpo", max_steps=4, micro_batch_size=4, eval_interval=2,
-                      eval_batches=1, save_interval=2, log_interval=1)
+                      eval_batches=1, save_interval=2, log_interval=1, lr=1e-3)
     cfg.recipe = GRPOSettings(**{**cfg.recipe.__dict__, "prompts_per_rollout": 2, "group_size": 4,
-                                 "max_new_tokens": 16, "eval_max_new_tokens": 16})
+                                 "max_new_tokens": 16, "eval_max_new_tokens": 16,
+                                 "rewards": [f"reward_model:{tmp_path / 'rm'}"]})
     recipe = tmp_path / "grpo.yaml"
     recipe.write_text(yaml.safe_dump(cfg.to_dict()))
     rows = sharded_against_replicated(recipe, tmp_path / "runs")
-    rewards = [[(r["step"], r["train/reward"], r["train/completion_len"]) for r in rows[n] if "train/reward" in r]
-               for n in ("ddp", "fsdp")]
-    assert [s for s, _, _ in rewards[1]] == [1, 2, 3, 4] and rewards[1] == rewards[0]
+    logged = {n: [r for r in rows[n] if "train/reward" in r] for n in ("ddp", "fsdp")}
+    assert [r["step"] for r in logged["fsdp"]] == [1, 2, 3, 4]
+    for key in ("train/reward", "train/reward_std", "train/completion_len", "train/grad_norm"):
+        assert [r[key] for r in logged["fsdp"]] == pytest.approx([r[key] for r in logged["ddp"]], rel=1e-4), key
+    first, second = logged["fsdp"][0], logged["fsdp"][2]  # steps 1-2 train on rollout 1, steps 3-4 on rollout 2
+    assert first["train/reward_std"] > 0 and first["train/grad_norm"] > 0  # the policy moved before rollout 2
+    assert second["train/reward"] != first["train/reward"]
     assert [r["step"] for r in rows["fsdp"] if "eval/reward" in r] == [2, 4]
 
 

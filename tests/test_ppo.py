@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -120,26 +121,35 @@ def test_checkpoints_are_gpt_models_with_the_value_model_beside_and_resume_is_ex
     model = ActorCritic(actor_critic_config(policy.config, None))
     with pytest.raises(LMForgeError, match="not a checkpoint of a ppo run"):
         model.load_checkpoint_weights(tool_sft.checkpoint, "cpu")
+    damaged = cut / "runs" / "full" / "checkpoints" / "step-000003"
+    (damaged / "value" / "model.safetensors").write_bytes(b"not safetensors")
+    for load in (lambda: model.load_checkpoint_weights(damaged, "cpu"), lambda: model.checkpoint_state(damaged)):
+        with pytest.raises(LMForgeError, match=r"value/model.safetensors: .* resume from an earlier one in "
+                                               rf"{re.escape(str(damaged.parent))}$"):
+            load()
 
 
 def test_sharded_on_two_processes_matches_replicated_and_resumes(tmp_path, tool_sft):
     """training.parallel=fsdp shards the policy's and the value model's blocks; each rollout (sampling,
     the reference's and the value model's passes) runs on the weights gathered on every process. The
-    same losses, rewards, held-out figures and weights (policy and value/) as DDP, half the state per
-    process; step checkpoints are the ordinary two directories, and one resumes sharded to the same
-    weights as the run that went straight through."""
-    cfg = ppo_config(tmp_path, tool_sft, prompts_per_rollout=4, max_new_tokens=16, eval_max_new_tokens=16,
-                     training={"max_steps": 4, "micro_batch_size": 2, "save_interval": 2, "eval_interval": 2,
-                               "eval_batches": 1, "log_interval": 1})
+    same losses, scores, held-out figures and weights (policy and value/) as DDP, half the state per
+    process. Step checkpoints are the ordinary two directories; resumed at a rollout's start, the
+    first thing the run does is draw a rollout, and it reaches the same weights as the run that went on."""
+    cfg = ppo_config(tmp_path, tool_sft, prompts_per_rollout=4, ppo_epochs=1, max_new_tokens=16,
+                     eval_max_new_tokens=16, training={"max_steps": 4, "micro_batch_size": 2, "save_interval": 2,
+                                                       "eval_interval": 2, "eval_batches": 1, "log_interval": 1,
+                                                       "lr": 1e-3})
     recipe = tmp_path / "ppo.yaml"
     recipe.write_text(yaml.safe_dump(cfg.to_dict()))
     runs = tmp_path / "runs"
     rows = sharded_against_replicated(recipe, runs, sharded_steps=False, model_dirs=("", "value"))
-    scores = [[(r["step"], r["train/score"], r["train/value_mean"]) for r in rows[n] if "train/score" in r]
-              for n in ("ddp", "fsdp")]
-    assert [s for s, _, _ in scores[1]] == [1, 2, 3, 4] and scores[1] == pytest.approx(scores[0], rel=1e-5)
-    assert [r["step"] for r in rows["fsdp"] if "eval/reward" in r] == [2, 4]
-    # 4 replies in micro-batches of 2, 2 epochs: step 2 is in the middle of the first rollout
+    logged = {n: [r for r in rows[n] if "train/score" in r] for n in ("ddp", "fsdp")}
+    assert [r["step"] for r in logged["fsdp"]] == [1, 2, 3, 4]
+    for key in ("train/score", "train/value_mean", "train/kl", "train/grad_norm"):
+        assert [r[key] for r in logged["fsdp"]] == pytest.approx([r[key] for r in logged["ddp"]], rel=1e-4), key
+    # 4 replies in micro-batches of 2, one epoch: steps 1-2 train on rollout 1, steps 3-4 on rollout 2,
+    # drawn after the value model and the policy had moved
+    assert logged["fsdp"][2]["train/value_mean"] != logged["fsdp"][0]["train/value_mean"]
     (runs / "again" / "checkpoints").mkdir(parents=True)
     shutil.copytree(runs / "fsdp" / "checkpoints" / "step-000002", runs / "again" / "checkpoints" / "step-000002")
     done = torchrun(["train", str(recipe), "name=again", "training.parallel=fsdp", "--resume"], runs / "again")

@@ -179,8 +179,10 @@ class LMForgeModel(nn.Module):
         except LMForgeError:
             raise
         except Exception as e:
+            # a model inside a checkpoint (ppo's value/) names the run's checkpoints, not its step
+            earlier = next((p for p in Path(directory).parents if p.name == "checkpoints"), Path(directory).parent)
             raise LMForgeError(f"cannot read {weights_path}: {e}. The checkpoint is corrupt; "
-                               f"resume from an earlier one in {Path(directory).parent}") from e
+                               f"resume from an earlier one in {earlier}") from e
 
     def load_checkpoint_weights(self, directory: Path, device: torch.device | str) -> None:
         """Resume: load the weights this model's ``save_pretrained`` wrote into ``directory``."""

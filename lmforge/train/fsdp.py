@@ -121,7 +121,11 @@ def gathered(modules: list[nn.Module]) -> Iterator[None]:
         m.set_reshard_after_forward(False, recurse=False)
         m.unshard()
     try:
-        yield
+        # The blocks are compiled in place (training.compile): calls in here (a rollout's decoding at
+        # every cache length, evaluation) run them eagerly, as they run the plain model under DDP, and
+        # do not use up the recompiles the training step needs.
+        with torch.compiler.set_stance("force_eager"):
+            yield
     finally:
         for m in modules:
             m.reshard()
