@@ -316,7 +316,11 @@ def test_a_stage_on_two_processes_runs_under_torchrun_sharded(corpus, tmp_path, 
     two = write(tmp_path / "two.yaml", data)
     run_pipeline(one, out_dir=tmp_path / "one")
     capsys.readouterr()
-    summary = run_pipeline(two, out_dir=tmp_path / "two")
+    # from a thread other than the main one (a notebook's or a server's), where no signal handler can be set
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        summary = pool.submit(run_pipeline, two, out_dir=tmp_path / "two").result()
     assert [r.result for r in summary.stages] == ["ran", "ran"]
     out = capsys.readouterr().out
     assert "2 processes: -m torch.distributed.run --standalone --nproc_per_node=2 -m lmforge train" in out

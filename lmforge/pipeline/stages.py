@@ -221,6 +221,7 @@ def _torchrun(cfg, stage: Stage, pipe: Pipeline, processes: int, resume: bool) -
     import signal
     import subprocess
     import sys
+    import threading
 
     import yaml
 
@@ -238,7 +239,10 @@ def _torchrun(cfg, stage: Stage, pipe: Pipeline, processes: int, resume: bool) -
             proc.send_signal(signum)
         stopping.append(signum)
 
-    previous = signal.signal(signal.SIGTERM, stop)
+    # Signal handlers can only be set from the main thread (a pipeline run from another thread leaves
+    # SIGTERM to whatever that program does with it).
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, stop) if main else None
     try:
         while True:
             try:
@@ -252,7 +256,8 @@ def _torchrun(cfg, stage: Stage, pipe: Pipeline, processes: int, resume: bool) -
             except KeyboardInterrupt:  # keep reading until the processes have saved and stopped
                 stop(signal.SIGINT, None)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if main:  # (None: a handler set outside Python; the default is the closest)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
         config.unlink(missing_ok=True)
     if done is not None and (proc.returncode == 0 or done.group(2) == "signal"):
         return int(done.group(1)), done.group(2)  # torchrun exits non-zero after passing a signal on
