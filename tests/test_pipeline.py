@@ -340,10 +340,28 @@ def test_a_stage_on_two_processes_runs_under_torchrun_sharded(corpus, tmp_path, 
         run_pipeline(two, out_dir=tmp_path / "two")
 
 
-def test_a_stage_on_two_processes_stops_at_a_checkpoint_on_sigterm_and_resumes(corpus, tmp_path, capsys):
-    """SIGTERM to the pipeline while torchrun trains a stage: it is passed on, the processes save a
-    checkpoint and stop, the stage is recorded as interrupted at that step, and the next run resumes it
-    on two processes to the end."""
+def test_a_failed_stage_on_two_processes_records_their_error(corpus, tmp_path):
+    """What the training processes refuse (a global batch two processes cannot split) is the stage's
+    recorded error and the pipeline's, not just an exit code."""
+    data = pipeline_dict(corpus)
+    data["stages"] = data["stages"][:2]
+    base = _stage(data, "base")
+    base.update(processes=2)
+    base["overrides"]["training"] = {**base["overrides"]["training"], "global_batch_size": 5}
+    file = write(tmp_path / "p.yaml", data)
+    with pytest.raises(LMForgeError, match=r"2 training processes \(torchrun\) failed with exit code 1: "
+                                           r"training.global_batch_size=5 is not divisible by 2 process"):
+        run_pipeline(file, out_dir=tmp_path / "out")
+    rec = record(tmp_path / "out", "base")
+    assert rec["status"] == "failed" and "global_batch_size=5 is not divisible by 2 process" in rec["error"]
+    assert not list((tmp_path / "out").glob(".*.torchrun.yaml"))
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_stage_on_two_processes_stops_at_a_checkpoint_on_a_signal_and_resumes(corpus, tmp_path, capsys, sig):
+    """SIGTERM or Ctrl-C (SIGINT: KeyboardInterrupt here) to the pipeline while torchrun trains a stage:
+    it is passed on, the processes save a checkpoint and stop, the stage is recorded as interrupted at
+    that step, and the next run resumes it on two processes to the end."""
     import threading
 
     data = pipeline_dict(corpus, base_steps=60)
@@ -356,7 +374,7 @@ def test_a_stage_on_two_processes_stops_at_a_checkpoint_on_sigterm_and_resumes(c
     def terminate_once_training() -> None:
         for _ in range(1200):
             if (out / "base" / "checkpoints" / "step-000001").is_dir():
-                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), getattr(signal, sig))
                 return
             threading.Event().wait(0.05)
 

@@ -150,6 +150,7 @@ def test_sharded_on_two_processes_matches_replicated_and_resumes(tmp_path, tool_
     # 4 replies in micro-batches of 2, one epoch: steps 1-2 train on rollout 1, steps 3-4 on rollout 2,
     # drawn after the value model and the policy had moved
     assert logged["fsdp"][2]["train/value_mean"] != logged["fsdp"][0]["train/value_mean"]
+    assert [r["step"] for r in rows["fsdp"] if "eval/reward" in r] == [2, 4]
     (runs / "again" / "checkpoints").mkdir(parents=True)
     shutil.copytree(runs / "fsdp" / "checkpoints" / "step-000002", runs / "again" / "checkpoints" / "step-000002")
     done = torchrun(["train", str(recipe), "name=again", "training.parallel=fsdp", "--resume"], runs / "again")

@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -542,6 +543,9 @@ def stage_processes(stage: Stage) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise LMForgeError(f"'processes' must be a whole number >= 1 (processes on this machine, one per GPU), "
                            f"got {value!r}")
+    if value > 1 and sys.platform == "win32":
+        raise LMForgeError("'processes' > 1 runs the stage under torchrun and stops it by passing signals on, "
+                           "which needs Linux or macOS; on Windows train such a stage with `lmforge train`")
     return value
 
 
@@ -566,6 +570,9 @@ def _validate_training(stage: Stage, pipe: Pipeline) -> None:
                                "training stage, whose tokenizer is taken)")
     cfg = resolve_training_config(stage, pipe, runtime=False)
     processes = stage_processes(stage)
+    from lmforge.train.fsdp import check_kind
+
+    check_kind(cfg.training.parallel, cfg.spec)
     if cfg.training.parallel != "ddp" and processes < 2:
         raise LMForgeError(f"training.parallel={cfg.training.parallel} shards the model across processes: give the "
                            "stage `processes: N` (N >= 2, the GPUs of this machine to use)")

@@ -201,44 +201,76 @@ def _run_training(stage: Stage, pipe: Pipeline, resume: bool) -> Outcome:
     cfg = resolve_training_config(stage, pipe, runtime=True)
     processes = stage_processes(stage)
     if processes > 1:
-        step, stopped = _torchrun(cfg, stage, pipe, processes, resume)
+        step, stopped, max_steps = _torchrun(cfg, stage, pipe, processes, resume)
     else:
         result = train(cfg, resume=resume)
-        step, stopped = result.step, result.stopped
+        step, stopped, max_steps = result.step, result.stopped, cfg.training.max_steps
     return Outcome(headline=training_headline(cfg.run_dir, cfg.spec), interrupted=stopped == "signal",
-                   step=step, details={"stopped": stopped, "max_steps": cfg.training.max_steps})
+                   step=step, details={"stopped": stopped, "max_steps": max_steps})
 
 
 DONE_LINE = re.compile(r"^done: step (\d+) \(([^)]*)\)")  # what `lmforge train` prints last (process 0)
+ERROR_LINE = re.compile(r"lmforge: error: (.*)")  # what `lmforge train` prints on a bad config or input
+# How long torchrun lets the processes take to checkpoint and stop after a signal (its default, 30 s,
+# can be too short to write a large model's checkpoint); a value the user set wins.
+SHUTDOWN_SECONDS = "600"
 
 
-def _torchrun(cfg, stage: Stage, pipe: Pipeline, processes: int, resume: bool) -> tuple[int, str]:
+def _torchrun(cfg, stage: Stage, pipe: Pipeline, processes: int, resume: bool) -> tuple[int, str, int]:
     """Train ``cfg`` with ``torchrun --standalone --nproc_per_node PROCESSES -m lmforge train`` on its
     resolved config (written beside the run directory while it runs); its output passes through.
-    Returns the step and why it stopped, from process 0's last line. Ctrl-C (which the processes get
-    too) or SIGTERM here is sent on to torchrun, which stops the processes at a checkpoint, as a
-    one-process stage stops: the stage is then recorded as interrupted and resumes."""
+    Returns the step, why it stopped (from process 0's last line) and the run's max_steps.
+
+    torchrun runs in a session of its own, so the terminal's Ctrl-C reaches only this process, which
+    sends it (or a SIGTERM it got) on to torchrun once: torchrun hands it to the processes, which
+    checkpoint and stop, and the stage is recorded as interrupted and resumes. A second Ctrl-C is not
+    passed on (the checkpoint being written would be cut). If this process fails while they run,
+    they are stopped before the error goes on."""
+    import gc
     import signal
     import subprocess
     import sys
     import threading
 
+    import torch
     import yaml
+
+    import lmforge
 
     config = pipe.out_dir / f".{stage.name}.torchrun.yaml"
     config.parent.mkdir(parents=True, exist_ok=True)
     config.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
            "-m", "lmforge", "train", str(config), *(["--resume"] if resume else [])]
+    env = dict(os.environ)
+    # the processes import this lmforge, and share this machine's cores (torchrun's default is 1 thread each)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(lmforge.__file__).resolve().parents[1]),
+                                         *filter(None, [env.get("PYTHONPATH")])])
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))
+    env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", SHUTDOWN_SECONDS)
+    gc.collect()
+    if torch.cuda.is_available():  # an earlier stage's cached memory would crowd process 0's GPU
+        torch.cuda.empty_cache()
     print(f"  {processes} processes: {' '.join(cmd[1:])}", flush=True)
-    done, stopping = None, []
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1)
+    done, error, stopping = None, [], []
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
+                            bufsize=1, env=env, start_new_session=True)
 
     def stop(signum, frame) -> None:
         if not stopping and proc.poll() is None:
             proc.send_signal(signum)
         stopping.append(signum)
 
+    def pass_stderr() -> None:  # on a thread: both pipes are read, so neither fills up
+        for line in proc.stderr:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+            found = ERROR_LINE.search(line)
+            if found:
+                error[:] = [found.group(1).strip()]
+
+    errors = threading.Thread(target=pass_stderr, daemon=True)
+    errors.start()
     # Signal handlers can only be set from the main thread (a pipeline run from another thread leaves
     # SIGTERM to whatever that program does with it).
     main = threading.current_thread() is threading.main_thread()
@@ -250,6 +282,7 @@ def _torchrun(cfg, stage: Stage, pipe: Pipeline, processes: int, resume: bool) -
                     if line.startswith(f"resume with: lmforge train {config}"):
                         continue  # that file is gone afterwards: the pipeline says how to resume
                     sys.stdout.write(line)
+                    sys.stdout.flush()
                     done = DONE_LINE.match(line) or done
                 proc.wait()
                 break
@@ -258,13 +291,22 @@ def _torchrun(cfg, stage: Stage, pipe: Pipeline, processes: int, resume: bool) -
     finally:
         if main:  # (None: a handler set outside Python; the default is the closest)
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        if proc.poll() is None:  # this process failed (a closed stdout, say): do not leave them training
+            proc.terminate()
+            try:
+                proc.wait(timeout=float(env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]) + 30)
+            except (subprocess.TimeoutExpired, ValueError):
+                proc.kill()
+        errors.join(timeout=10)
         config.unlink(missing_ok=True)
     if done is not None and (proc.returncode == 0 or done.group(2) == "signal"):
-        return int(done.group(1)), done.group(2)  # torchrun exits non-zero after passing a signal on
+        saved = yaml.safe_load((cfg.run_dir / "config.yaml").read_text()) or {}  # epochs resolved to steps
+        max_steps = int((saved.get("training") or {}).get("max_steps", cfg.training.max_steps))
+        return int(done.group(1)), done.group(2), max_steps  # torchrun exits non-zero after passing a signal on
     if stopping:
         raise KeyboardInterrupt
-    raise LMForgeError(f"{processes} training processes (torchrun) failed with exit code {proc.returncode}; "
-                       "their errors are printed above")
+    why = error[0] if error else "their errors are printed above"
+    raise LMForgeError(f"{processes} training processes (torchrun) failed with exit code {proc.returncode}: {why}")
 
 
 def training_headline(run_dir: Path, spec) -> dict[str, Any] | None:

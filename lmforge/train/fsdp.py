@@ -63,15 +63,20 @@ def check_parallel(parallel: str, world_size: int, model: nn.Module, spec: Any) 
         raise LMForgeError(f"training.parallel={parallel} shards the model across processes: launch with torchrun, "
                            f"e.g. `torchrun --nproc_per_node 2 -m lmforge train ...` (on one process use "
                            "training.parallel=ddp, the default)")
-    if not spec.supports_fsdp:
-        from lmforge.recipes import kinds
-
-        supported = ", ".join(k.name for k in kinds() if k.supports_fsdp)
-        raise LMForgeError(f"training.parallel={parallel} is built for the kinds: {supported}; the {spec.name!r} kind "
-                           f"({type(model).__name__}) is not one of them yet: use training.parallel=ddp")
+    check_kind(parallel, spec, f" ({type(model).__name__})")
     if not (model.repeated_blocks() if hasattr(model, "repeated_blocks") else []):
         raise LMForgeError(f"training.parallel={parallel} shards a model block by block, and this "
                            f"{type(model).__name__} names no blocks (repeated_blocks()): use training.parallel=ddp")
+
+
+def check_kind(parallel: str, spec: Any, model_name: str = "") -> None:
+    """``training.parallel`` fsdp / hsdp for a kind that is not built for it: the error, before any work."""
+    if parallel != "ddp" and not spec.supports_fsdp:
+        from lmforge.recipes import kinds
+
+        supported = ", ".join(k.name for k in kinds() if k.supports_fsdp)
+        raise LMForgeError(f"training.parallel={parallel} is built for the kinds: {supported}; the {spec.name!r} kind"
+                           f"{model_name} is not one of them yet: use training.parallel=ddp")
 
 
 def _mesh(parallel: str, device_type: str, world_size: int):
