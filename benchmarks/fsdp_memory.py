@@ -16,6 +16,10 @@ probe) on the whole model gathered in bf16: 2 bytes per parameter on top of the 
 here: resuming reads the full checkpoint into each process's CPU memory (about 12 bytes per
 parameter, per process).
 
+The post-training kinds hold more (``KINDS``): a frozen reference (dpo, grpo, ppo) and reward model
+(ppo) whole on every GPU in fp32, a second trained model (ppo's value model), and the trained models
+gathered whole in bf16 while a rollout is drawn. The last table gives the largest preset per kind.
+
 A 10% margin is kept for the allocator and CUDA's own context. The parameter counts come from
 lmforge's models built on the meta device. Usage:
 
@@ -34,19 +38,37 @@ GB = 1e9
 SHAPES = {**PRESETS, "7B": {"flavor": "llama", "n_layer": 32, "n_embd": 4096, "n_head": 32, "n_inner": 11008}}
 
 
-def footprint(preset: str, seq: int, vocab: int, gpus: int) -> tuple[int, float, float]:
-    """(parameters, DDP bytes per GPU, FSDP bytes per GPU) for training ``preset``."""
+# What each training kind holds beyond one trained model, per GPU: (trained models, frozen models held
+# whole for the run, frozen models held whole before training only). Frozen models are loaded as
+# stored, in fp32 (4 bytes per parameter), and FSDP does not shard them; the trained ones are the
+# models evaluation and a rollout gather in bf16 (lmforge.train.fsdp.gathered).
+KINDS = {
+    "lm": (1, 0, 0),        # pretraining; sft and reward (a trunk + a scalar head) hold the same
+    "dpo": (1, 0, 1),       # recipe.reference=precompute: the reference scores every pair, then is freed
+    "dpo-live": (1, 1, 0),  # recipe.reference=live: the reference runs beside the policy on every batch
+    "grpo": (1, 1, 0),      # the KL reference (recipe.beta > 0)
+    "ppo": (2, 2, 0),       # policy + value model trained; reference + reward model frozen (with recipe.reward_model)
+}
+
+
+def footprint(preset: str, seq: int, vocab: int, gpus: int, kind: str = "lm") -> tuple[int, float, float]:
+    """(parameters, DDP bytes per GPU, FSDP bytes per GPU) for training ``preset`` with ``kind``."""
     cfg = GPTConfig(**{**SHAPES[preset], "vocab_size": vocab, "n_positions": seq})
     params = count_parameters(cfg)
     embed = vocab * cfg.n_embd
     block = (params - embed) / cfg.n_layer
     width, layers = cfg.n_embd, cfg.n_layer
+    trained, frozen, before = KINDS[kind]
     activations = layers * seq * width * 2 + seq * width * 34 + seq * vocab * 4
-    ddp = 16 * params + activations
-    training = 16 * params / gpus + 2 * block * (2 + 4) + activations
-    # Evaluation and probes run on the whole model gathered in bf16 (lmforge.train.fsdp.gathered).
-    evaluation = 16 * params / gpus + 2 * params + seq * vocab * 4
-    fsdp = max(training, evaluation)
+    frozen_bytes = 4 * params * frozen
+    ddp = trained * (16 * params + activations) + frozen_bytes  # dpo's precompute (8 bytes) comes in under this
+    training = trained * (16 * params / gpus + 2 * block * (2 + 4) + activations) + frozen_bytes
+    # Evaluation, probes and rollouts run on the trained models gathered whole in bf16.
+    gathered = trained * (16 * params / gpus + 2 * params) + frozen_bytes + seq * vocab * 4
+    # dpo's precompute: the policy's shards (weights only: AdamW's state comes with the first step)
+    # beside the whole reference, scoring pairs.
+    precompute = 4 * params / gpus + 4 * params * before + seq * vocab * 4 if before else 0
+    fsdp = max(training, gathered, precompute)
     return params, ddp / 0.9, fsdp / 0.9
 
 
@@ -65,13 +87,25 @@ def main() -> None:
     print("| --- | --- | --- | --- |")
     for name, params, ddp, fsdp in rows:
         print(f"| {name} | {params / 1e6:,.0f}M | {ddp / GB:,.1f} | {fsdp / GB:,.1f} |")
+    memories = [float(m) for m in args.memory.split(",")]
+
+    def largest(fits) -> str:
+        fitting = [r for r in rows if fits(r)]
+        return f"{fitting[-1][0]} ({fitting[-1][1] / 1e6:,.0f}M)" if fitting else "none"
+
     print(f"\nlargest preset that fits (FSDP over {args.gpus} GPUs)")
     print("| GPU memory | DDP | FSDP |")
     print("| --- | --- | --- |")
-    for memory in (float(m) for m in args.memory.split(",")):
-        fit = {k: [r for r in rows if r[i] <= memory * GB] for k, i in (("ddp", 2), ("fsdp", 3))}
-        shown = {k: f"{v[-1][0]} ({v[-1][1] / 1e6:,.0f}M)" if v else "none" for k, v in fit.items()}
-        print(f"| {memory:g} GB | {shown['ddp']} | {shown['fsdp']} |")
+    for memory in memories:
+        print(f"| {memory:g} GB | {largest(lambda r: r[2] <= memory * GB)} | {largest(lambda r: r[3] <= memory * GB)} |")
+    kinds = list(KINDS)
+    by_kind = {k: {p: footprint(p, args.seq_len, args.vocab, args.gpus, k) for p, *_ in rows} for k in kinds}
+    print(f"\nlargest preset that fits per training kind, FSDP over {args.gpus} GPUs (frozen models whole, fp32)")
+    print("| GPU memory | " + " | ".join(kinds) + " |")
+    print("| --- |" + " --- |" * len(kinds))
+    for memory in memories:
+        cells = [largest(lambda r, k=k: by_kind[k][r[0]][2] <= memory * GB) for k in kinds]
+        print(f"| {memory:g} GB | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
