@@ -45,7 +45,19 @@ class DeviceInfo:
         return torch.autocast(device_type=self.device.type, dtype=dtype)
 
 
+def check_gpu_count(processes: int, requested: str = "auto") -> None:
+    """More training processes on this machine than GPUs, on a run that would train on GPUs: refused
+    here, since two processes on one GPU otherwise fail deep inside NCCL's first collective."""
+    on_gpu = requested == "auto" or requested.startswith("cuda")
+    if processes > 1 and on_gpu and torch.cuda.is_available() and torch.cuda.device_count() < processes:
+        n = torch.cuda.device_count()
+        raise LMForgeError(f"{processes} training processes on this machine, but PyTorch sees {n} GPU(s): start at most "
+                           f"{n} (torchrun --nproc_per_node {n}, or a pipeline stage's processes: {n}), or train on "
+                           "the CPU with training.device=cpu")
+
+
 def pick_device(requested: str = "auto", local_rank: int = 0) -> torch.device:
+    check_gpu_count(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), requested)
     if requested == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))

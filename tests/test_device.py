@@ -28,6 +28,21 @@ def test_bad_device_names_are_clear_errors(requested, message):
         pick_device(requested)
 
 
+def test_more_processes_on_a_machine_than_gpus_are_refused(monkeypatch):
+    """Two processes on one GPU fail inside NCCL's first collective; lmforge says so before. (A machine
+    with two visible GPUs is simulated: what is checked is the count, not the GPUs.)"""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    for requested in ("auto", "cuda"):
+        with pytest.raises(LMForgeError, match=r"3 training processes on this machine, but PyTorch sees 2 GPU\(s\): "
+                                               r"start at most 2 \(torchrun --nproc_per_node 2"):
+            pick_device(requested)
+    assert pick_device("cpu").type == "cpu"  # gloo on the CPU: as many processes as one likes
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert pick_device("auto", local_rank=1) == torch.device("cuda", 1)
+
+
 def test_fp16_on_cpu_is_refused():
     with pytest.raises(LMForgeError, match="fp16 is for GPUs"):
         pick_precision("fp16", torch.device("cpu"))

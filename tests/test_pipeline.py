@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from lmforge.errors import LMForgeError
-from lmforge.pipeline import pipeline_status, run_pipeline, serve_pipeline
+from lmforge.pipeline import load_pipeline, pipeline_status, run_pipeline, serve_pipeline
 from lmforge.pipeline.state import sha256_file
 from tests.train_helpers import PEAK_FLOPS, write_go_corpus
 
@@ -355,6 +355,23 @@ def test_a_failed_stage_on_two_processes_records_their_error(corpus, tmp_path):
     rec = record(tmp_path / "out", "base")
     assert rec["status"] == "failed" and "global_batch_size=5 is not divisible by 2 process" in rec["error"]
     assert not list((tmp_path / "out").glob(".*.torchrun.yaml"))
+
+
+def test_a_stage_on_more_processes_than_gpus_is_refused_before_anything_runs(corpus, tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # one GPU, as the machine would show it
+    data = pipeline_dict(corpus)
+    _stage(data, "base").update(processes=2)
+    _stage(data, "base")["overrides"]["training"]["device"] = "auto"  # would train on the GPU
+    file = write(tmp_path / "p.yaml", data)
+    with pytest.raises(LMForgeError, match=r"stage 'base'.*2 training processes on this machine, but PyTorch sees 1 "
+                                           r"GPU\(s\)"):
+        run_pipeline(file, out_dir=tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    _stage(data, "base")["overrides"]["training"]["device"] = "cpu"  # gloo on the CPU instead: accepted
+    load_pipeline(write(tmp_path / "p.yaml", data), out_dir=tmp_path / "out")
 
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
