@@ -17,8 +17,9 @@ here: resuming reads the full checkpoint into each process's CPU memory (about 1
 parameter, per process).
 
 The post-training kinds hold more (``KINDS``): a frozen reference (dpo, grpo, ppo) and reward model
-(ppo) whole on every GPU in fp32, a second trained model (ppo's value model), and the trained models
-gathered whole in bf16 while a rollout is drawn. The last table gives the largest preset per kind.
+(ppo) whole on every GPU in fp32, a second trained model (ppo's value model), and while a rollout is
+drawn the trained models gathered whole in bf16 and the decoding's KV cache. The last table gives the
+largest preset per kind.
 
 A 10% margin is kept for the allocator and CUDA's own context. The parameter counts come from
 lmforge's models built on the meta device. Usage:
@@ -39,32 +40,39 @@ SHAPES = {**PRESETS, "7B": {"flavor": "llama", "n_layer": 32, "n_embd": 4096, "n
 
 
 # What each training kind holds beyond one trained model, per GPU: (trained models, frozen models held
-# whole for the run, frozen models held whole before training only). Frozen models are loaded as
-# stored, in fp32 (4 bytes per parameter), and FSDP does not shard them; the trained ones are the
-# models evaluation and a rollout gather in bf16 (lmforge.train.fsdp.gathered).
+# whole for the run, frozen models held whole before training only, whether it decodes rollouts).
+# Frozen models are loaded as stored, in fp32 (4 bytes per parameter), and FSDP does not shard them;
+# the trained ones are the models evaluation and a rollout gather in bf16 (lmforge.train.fsdp.gathered).
 KINDS = {
-    "lm": (1, 0, 0),        # pretraining; sft and reward (a trunk + a scalar head) hold the same
-    "dpo": (1, 0, 1),       # recipe.reference=precompute: the reference scores every pair, then is freed
-    "dpo-live": (1, 1, 0),  # recipe.reference=live: the reference runs beside the policy on every batch
-    "grpo": (1, 1, 0),      # the KL reference (recipe.beta > 0)
-    "ppo": (2, 2, 0),       # policy + value model trained; reference + reward model frozen (with recipe.reward_model)
+    "lm": (1, 0, 0, False),        # pretraining; sft and reward (a trunk + a scalar head) hold the same
+    "dpo": (1, 0, 1, False),       # recipe.reference=precompute: the reference scores every pair, then is freed
+    "dpo-live": (1, 1, 0, False),  # recipe.reference=live: the reference runs beside the policy on every batch
+    "grpo": (1, 1, 0, True),       # the KL reference (recipe.beta > 0)
+    "ppo": (2, 2, 0, True),        # policy + value trained; reference + reward model frozen (recipe.reward_model)
 }
 
 
-def footprint(preset: str, seq: int, vocab: int, gpus: int, kind: str = "lm") -> tuple[int, float, float]:
-    """(parameters, DDP bytes per GPU, FSDP bytes per GPU) for training ``preset`` with ``kind``."""
+def footprint(preset: str, seq: int, vocab: int, gpus: int, kind: str = "lm", decode_batch: int = 64,
+              decode_tokens: int = 512) -> tuple[int, float, float]:
+    """(parameters, DDP bytes per GPU, FSDP bytes per GPU) for training ``preset`` with ``kind``. A
+    rollout decodes ``decode_batch`` sequences of up to ``decode_tokens`` (prompt + reply) at once."""
     cfg = GPTConfig(**{**SHAPES[preset], "vocab_size": vocab, "n_positions": seq})
     params = count_parameters(cfg)
     embed = vocab * cfg.n_embd
     block = (params - embed) / cfg.n_layer
     width, layers = cfg.n_embd, cfg.n_layer
-    trained, frozen, before = KINDS[kind]
+    trained, frozen, before, rollouts = KINDS[kind]
     activations = layers * seq * width * 2 + seq * width * 34 + seq * vocab * 4
     frozen_bytes = 4 * params * frozen
+    # the decoding's KV cache, bf16 keys and values of every layer (the gpt presets have as many KV heads
+    # as heads), and one step's fp32 logits
+    kv_width = width * (cfg.n_kv_head or cfg.n_head) // cfg.n_head
+    decoding = decode_batch * (decode_tokens * 2 * layers * kv_width * 2 + vocab * 4) if rollouts else 0
     ddp = trained * (16 * params + activations) + frozen_bytes  # dpo's precompute (8 bytes) comes in under this
+    ddp = max(ddp, trained * 16 * params + frozen_bytes + decoding)
     training = trained * (16 * params / gpus + 2 * block * (2 + 4) + activations) + frozen_bytes
     # Evaluation, probes and rollouts run on the trained models gathered whole in bf16.
-    gathered = trained * (16 * params / gpus + 2 * params) + frozen_bytes + seq * vocab * 4
+    gathered = trained * (16 * params / gpus + 2 * params) + frozen_bytes + max(seq * vocab * 4, decoding)
     # dpo's precompute: the policy's shards (weights only: AdamW's state comes with the first step)
     # beside the whole reference, scoring pairs.
     precompute = 4 * params / gpus + 4 * params * before + seq * vocab * 4 if before else 0
@@ -78,6 +86,10 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=50257)
     parser.add_argument("--gpus", type=int, default=8)
     parser.add_argument("--memory", default="24,40,80,141", help="GPU memory sizes (GB) of the largest-fit table")
+    parser.add_argument("--decode-batch", type=int, default=64,
+                        help="grpo / ppo: sequences a rollout decodes at once (recipe.generation_batch_size)")
+    parser.add_argument("--decode-tokens", type=int, default=512,
+                        help="grpo / ppo: prompt + reply tokens of a decoded sequence, at most")
     args = parser.parse_args()
     rows = [(p, *footprint(p, args.seq_len, args.vocab, args.gpus)) for p in SHAPES]
     rows.sort(key=lambda r: r[1])
@@ -99,8 +111,10 @@ def main() -> None:
     for memory in memories:
         print(f"| {memory:g} GB | {largest(lambda r: r[2] <= memory * GB)} | {largest(lambda r: r[3] <= memory * GB)} |")
     kinds = list(KINDS)
-    by_kind = {k: {p: footprint(p, args.seq_len, args.vocab, args.gpus, k) for p, *_ in rows} for k in kinds}
-    print(f"\nlargest preset that fits per training kind, FSDP over {args.gpus} GPUs (frozen models whole, fp32)")
+    by_kind = {k: {p: footprint(p, args.seq_len, args.vocab, args.gpus, k, args.decode_batch, args.decode_tokens)
+                   for p, *_ in rows} for k in kinds}
+    print(f"\nlargest preset that fits per training kind, FSDP over {args.gpus} GPUs (frozen models whole, fp32; "
+          f"rollouts decode {args.decode_batch} x {args.decode_tokens} tokens)")
     print("| GPU memory | " + " | ".join(kinds) + " |")
     print("| --- |" + " --- |" * len(kinds))
     for memory in memories:
