@@ -312,7 +312,7 @@ def test_resume_is_exact(tool_sft, prefs, tmp_path):
     assert yaml.safe_load((runs / "straight" / "checkpoints" / "step-000006" / "config.yaml").read_text())["resid_pdrop"] == 0.1
 
 
-def test_sharded_on_two_processes_matches_replicated_and_resumes(tool_sft, prefs, tmp_path):
+def test_sharded_on_two_processes_matches_replicated_and_resumes(tool_sft, prefs, tmp_path, capsys):
     """training.parallel=fsdp shards the trunk's blocks (the reward model holds them one level down):
     the same losses, held-out accuracy and weights as DDP, half the state per process; its sharded
     checkpoint resumes on two processes to the weights of the run that went straight through."""
@@ -336,6 +336,16 @@ def test_sharded_on_two_processes_matches_replicated_and_resumes(tool_sft, prefs
     assert want.keys() == got.keys() and any(k.startswith("trunk.blocks.") for k in got)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-6, msg=k)
+    # `lmforge eval --preferences` reads the sharded step checkpoint as it is: DDP's figures for the same step
+    from lmforge.cli import main
+
+    capsys.readouterr()
+    reports = []
+    for step in (runs / "fsdp" / "checkpoints" / "step-000004", runs / "ddp" / "checkpoints" / "step-000004"):
+        assert main(["eval", str(step), "--preferences", str(data / "val.jsonl"), "--json"]) == 0
+        reports.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert reports[0]["pairs"] == 12 and reports[0]["accuracy"] == pytest.approx(reports[1]["accuracy"])
+    assert reports[0]["margin"] == pytest.approx(reports[1]["margin"], rel=1e-4)
 
 
 def test_bad_input_is_refused_before_training(tool_sft, prefs, tmp_path, capsys):

@@ -256,7 +256,7 @@ def _torchrun(cfg, stage: Stage, pipe: Pipeline, processes: int, resume: bool) -
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
                             bufsize=1, env=env, start_new_session=True)
 
-    def stop(signum, frame) -> None:
+    def stop(signum, _frame) -> None:
         if not stopping and proc.poll() is None:
             proc.send_signal(signum)
         stopping.append(signum)
