@@ -47,15 +47,17 @@ KINDS = {
     "lm": (1, 0, 0, False),        # pretraining; sft and reward (a trunk + a scalar head) hold the same
     "dpo": (1, 0, 1, False),       # recipe.reference=precompute: the reference scores every pair, then is freed
     "dpo-live": (1, 1, 0, False),  # recipe.reference=live: the reference runs beside the policy on every batch
-    "grpo": (1, 1, 0, True),       # the KL reference (recipe.beta > 0)
-    "ppo": (2, 2, 0, True),        # policy + value trained; reference + reward model frozen (recipe.reward_model)
+    "grpo": (1, 1, 0, True),       # the KL reference (recipe.beta > 0); a reward_model:PATH reward adds one more
+    # policy + value model trained, reference + reward model frozen: the value and reward models taken
+    # as the policy's size (they have the reward checkpoint's)
+    "ppo": (2, 2, 0, True),
 }
 
 
-def footprint(preset: str, seq: int, vocab: int, gpus: int, kind: str = "lm", decode_batch: int = 64,
-              decode_tokens: int = 512) -> tuple[int, float, float]:
+def footprint(preset: str, seq: int, vocab: int, gpus: int, kind: str = "lm",
+              decode_batch: int = 64) -> tuple[int, float, float]:
     """(parameters, DDP bytes per GPU, FSDP bytes per GPU) for training ``preset`` with ``kind``. A
-    rollout decodes ``decode_batch`` sequences of up to ``decode_tokens`` (prompt + reply) at once."""
+    rollout decodes ``decode_batch`` sequences at once (recipe.generation_batch_size)."""
     cfg = GPTConfig(**{**SHAPES[preset], "vocab_size": vocab, "n_positions": seq})
     params = count_parameters(cfg)
     embed = vocab * cfg.n_embd
@@ -64,15 +66,19 @@ def footprint(preset: str, seq: int, vocab: int, gpus: int, kind: str = "lm", de
     trained, frozen, before, rollouts = KINDS[kind]
     activations = layers * seq * width * 2 + seq * width * 34 + seq * vocab * 4
     frozen_bytes = 4 * params * frozen
-    # the decoding's KV cache, bf16 keys and values of every layer (the gpt presets have as many KV heads
-    # as heads), and one step's fp32 logits
+    # The decoding's KV cache: the engine allocates keys and values of every layer for the model's
+    # whole context (GPT.new_batched_kv_cache), in the weights' dtype: bf16 for FSDP's gathered
+    # weights, fp32 for DDP's; and one step's fp32 logits.
     kv_width = width * (cfg.n_kv_head or cfg.n_head) // cfg.n_head
-    decoding = decode_batch * (decode_tokens * 2 * layers * kv_width * 2 + vocab * 4) if rollouts else 0
+
+    def decoding(dtype_bytes: int) -> float:
+        return decode_batch * (seq * 2 * layers * kv_width * dtype_bytes + vocab * 4) if rollouts else 0
+
     ddp = trained * (16 * params + activations) + frozen_bytes  # dpo's precompute (8 bytes) comes in under this
-    ddp = max(ddp, trained * 16 * params + frozen_bytes + decoding)
+    ddp = max(ddp, trained * 16 * params + frozen_bytes + decoding(4))
     training = trained * (16 * params / gpus + 2 * block * (2 + 4) + activations) + frozen_bytes
     # Evaluation, probes and rollouts run on the trained models gathered whole in bf16.
-    gathered = trained * (16 * params / gpus + 2 * params) + frozen_bytes + max(seq * vocab * 4, decoding)
+    gathered = trained * (16 * params / gpus + 2 * params) + frozen_bytes + max(seq * vocab * 4, decoding(2))
     # dpo's precompute: the policy's shards (weights only: AdamW's state comes with the first step)
     # beside the whole reference, scoring pairs.
     precompute = 4 * params / gpus + 4 * params * before + seq * vocab * 4 if before else 0
@@ -88,8 +94,6 @@ def main() -> None:
     parser.add_argument("--memory", default="24,40,80,141", help="GPU memory sizes (GB) of the largest-fit table")
     parser.add_argument("--decode-batch", type=int, default=64,
                         help="grpo / ppo: sequences a rollout decodes at once (recipe.generation_batch_size)")
-    parser.add_argument("--decode-tokens", type=int, default=512,
-                        help="grpo / ppo: prompt + reply tokens of a decoded sequence, at most")
     args = parser.parse_args()
     rows = [(p, *footprint(p, args.seq_len, args.vocab, args.gpus)) for p in SHAPES]
     rows.sort(key=lambda r: r[1])
@@ -111,10 +115,10 @@ def main() -> None:
     for memory in memories:
         print(f"| {memory:g} GB | {largest(lambda r: r[2] <= memory * GB)} | {largest(lambda r: r[3] <= memory * GB)} |")
     kinds = list(KINDS)
-    by_kind = {k: {p: footprint(p, args.seq_len, args.vocab, args.gpus, k, args.decode_batch, args.decode_tokens)
-                   for p, *_ in rows} for k in kinds}
+    by_kind = {k: {p: footprint(p, args.seq_len, args.vocab, args.gpus, k, args.decode_batch) for p, *_ in rows}
+               for k in kinds}
     print(f"\nlargest preset that fits per training kind, FSDP over {args.gpus} GPUs (frozen models whole, fp32; "
-          f"rollouts decode {args.decode_batch} x {args.decode_tokens} tokens)")
+          f"rollouts decode {args.decode_batch} sequences at once, KV cache for the whole context)")
     print("| GPU memory | " + " | ".join(kinds) + " |")
     print("| --- |" + " --- |" * len(kinds))
     for memory in memories:

@@ -46,8 +46,11 @@ class DeviceInfo:
 
 
 def check_gpu_count(processes: int, requested: str = "auto") -> None:
-    """More training processes on this machine than GPUs, on a run that would train on GPUs: refused
-    here, since two processes on one GPU otherwise fail deep inside NCCL's first collective."""
+    """About to start ``processes`` training processes on this machine (a pipeline stage's torchrun),
+    for a run that would train on its GPUs: more than it has is refused, since two processes on one
+    GPU otherwise fail deep inside NCCL's first collective. (Processes torchrun already started are
+    checked by ``lmforge.train.distributed.check_one_gpu_per_process``: a launcher may show each
+    process only its own GPU.)"""
     on_gpu = requested == "auto" or requested.startswith("cuda")
     if processes > 1 and on_gpu and torch.cuda.is_available() and torch.cuda.device_count() < processes:
         n = torch.cuda.device_count()
@@ -57,7 +60,6 @@ def check_gpu_count(processes: int, requested: str = "auto") -> None:
 
 
 def pick_device(requested: str = "auto", local_rank: int = 0) -> torch.device:
-    check_gpu_count(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), requested)
     if requested == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))

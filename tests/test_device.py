@@ -29,18 +29,30 @@ def test_bad_device_names_are_clear_errors(requested, message):
 
 
 def test_more_processes_on_a_machine_than_gpus_are_refused(monkeypatch):
-    """Two processes on one GPU fail inside NCCL's first collective; lmforge says so before. (A machine
-    with two visible GPUs is simulated: what is checked is the count, not the GPUs.)"""
+    """Before a pipeline stage starts torchrun: more processes than the machine's GPUs fail inside
+    NCCL's first collective; lmforge says so before. (Two visible GPUs are simulated: the check is on
+    the count.) Inference and a single process are never refused, whatever the environment says."""
+    from lmforge.device import check_gpu_count
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
-    for requested in ("auto", "cuda"):
+    for requested in ("auto", "cuda", "cuda:1"):
         with pytest.raises(LMForgeError, match=r"3 training processes on this machine, but PyTorch sees 2 GPU\(s\): "
                                                r"start at most 2 \(torchrun --nproc_per_node 2"):
-            pick_device(requested)
-    assert pick_device("cpu").type == "cpu"  # gloo on the CPU: as many processes as one likes
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+            check_gpu_count(3, requested)
+    check_gpu_count(3, "cpu")  # gloo on the CPU: as many processes as one likes
+    check_gpu_count(2, "auto")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # a launcher's environment does not concern pick_device
     assert pick_device("auto", local_rank=1) == torch.device("cuda", 1)
+
+
+def test_processes_sharing_a_gpu_are_found_by_machine_and_uuid():
+    """Under torchrun each process reports (machine, GPU UUID); a launcher that shows every process
+    only its own GPU (each sees cuda:0) gives distinct UUIDs and passes."""
+    from lmforge.train.distributed import shared_gpus
+
+    assert shared_gpus([("a", "GPU-1"), ("a", "GPU-2"), ("b", "GPU-1"), ("b", "GPU-2")]) == []
+    assert shared_gpus([("a", "GPU-1"), ("a", "GPU-1"), ("a", "GPU-2"), ("b", "GPU-2")]) == [("a", "GPU-1")]
 
 
 def test_fp16_on_cpu_is_refused():

@@ -570,11 +570,9 @@ def _validate_training(stage: Stage, pipe: Pipeline) -> None:
                                "training stage, whose tokenizer is taken)")
     cfg = resolve_training_config(stage, pipe, runtime=False)
     processes = stage_processes(stage)
-    from lmforge.device import check_gpu_count
     from lmforge.train.fsdp import check_kind
 
     check_kind(cfg.training.parallel, cfg.spec)
-    check_gpu_count(processes, cfg.training.device)
     if cfg.training.parallel != "ddp" and processes < 2:
         raise LMForgeError(f"training.parallel={cfg.training.parallel} shards the model across processes: give the "
                            "stage `processes: N` (N >= 2, the GPUs of this machine to use)")

@@ -236,7 +236,10 @@ def _torchrun(cfg, stage: Stage, pipe: Pipeline, processes: int, resume: bool) -
     import yaml
 
     import lmforge
+    from lmforge.device import check_gpu_count
 
+    # this machine's GPUs, checked now (not when the file is read: `pipeline status` may run elsewhere)
+    check_gpu_count(processes, cfg.training.device)
     config = pipe.out_dir / f".{stage.name}.torchrun.yaml"
     config.parent.mkdir(parents=True, exist_ok=True)
     config.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -20,7 +20,7 @@ from lmforge.errors import LMForgeError
 from lmforge.models import build_model
 from lmforge.recipes import TrainData
 from lmforge.tokenizer import CONFIG_FILE, SPECIAL_MAP_FILE, TOKENIZER_FILE
-from lmforge.train.distributed import DistInfo, barrier, init_distributed, shutdown
+from lmforge.train.distributed import DistInfo, barrier, check_one_gpu_per_process, init_distributed, shutdown
 from lmforge.train.fsdp import check_parallel
 from lmforge.train.loop import Trainer, TrainResult
 
@@ -53,6 +53,7 @@ def train(cfg: RunConfig, resume: bool | str = False, clock: Callable[[], float]
 def _train(cfg: RunConfig, resume: bool | str, distinfo: DistInfo, clock: Callable[[], float]) -> TrainResult:
     devinfo = setup_device(cfg.training.device, cfg.training.precision, cfg.training.peak_flops,
                            distinfo.local_rank)
+    check_one_gpu_per_process(devinfo.device, distinfo)
     run_dir = cfg.run_dir
     if not resume and cfg.resume_from_checkpoint:
         resume = cfg.resume_from_checkpoint  # the RLM-mHC guide's +resume_from_checkpoint=PATH

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from lmforge.errors import LMForgeError
+
 
 @dataclass
 class DistInfo:
@@ -46,3 +48,31 @@ def barrier(info: DistInfo) -> None:
 def shutdown(info: DistInfo) -> None:
     if info.enabled and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def shared_gpus(placements: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The (machine, GPU) pairs that more than one process's ``placements`` entry names."""
+    return sorted({p for p in placements if placements.count(p) > 1})
+
+
+def check_one_gpu_per_process(device: torch.device, info: DistInfo) -> None:
+    """Two processes of a job on one GPU (more processes on a machine than it has GPUs) fail inside
+    NCCL's first collective with little to go on; refused here, on every process, naming the fix.
+    GPUs are told apart by their UUID, so a launcher that shows each process only its own GPU (where
+    every process sees one device, cuda:0) is fine. The placements travel over gloo: NCCL's own
+    collective is what would fail."""
+    if not info.enabled or device.type != "cuda":
+        return
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    if uuid is None:  # a build that does not report it: nothing to compare
+        return
+    import socket
+
+    placements: list = [None] * info.world_size
+    dist.all_gather_object(placements, (socket.gethostname(), str(uuid)), group=dist.new_group(backend="gloo"))
+    shared = shared_gpus([tuple(p) for p in placements])
+    if shared:
+        machines = ", ".join(sorted({host for host, _ in shared}))
+        raise LMForgeError(f"several processes of this job share a GPU on {machines}: start at most one process per "
+                           "GPU (torchrun --nproc_per_node = the machine's GPUs, or a pipeline stage's processes), "
+                           "or train on the CPU with training.device=cpu")
