@@ -54,10 +54,11 @@ KINDS = {
 }
 
 
-def footprint(preset: str, seq: int, vocab: int, gpus: int, kind: str = "lm",
-              decode_batch: int = 64) -> tuple[int, float, float]:
+def footprint(preset: str, seq: int, vocab: int, gpus: int, kind: str = "lm", decode_batch: int = 64,
+              decode_tokens: int = 512) -> tuple[int, float, float]:
     """(parameters, DDP bytes per GPU, FSDP bytes per GPU) for training ``preset`` with ``kind``. A
-    rollout decodes ``decode_batch`` sequences at once (recipe.generation_batch_size)."""
+    rollout decodes ``decode_batch`` sequences at once (recipe.generation_batch_size), each up to
+    ``decode_tokens`` long (its longest prompt + recipe.max_new_tokens)."""
     cfg = GPTConfig(**{**SHAPES[preset], "vocab_size": vocab, "n_positions": seq})
     params = count_parameters(cfg)
     embed = vocab * cfg.n_embd
@@ -66,13 +67,14 @@ def footprint(preset: str, seq: int, vocab: int, gpus: int, kind: str = "lm",
     trained, frozen, before, rollouts = KINDS[kind]
     activations = layers * seq * width * 2 + seq * width * 34 + seq * vocab * 4
     frozen_bytes = 4 * params * frozen
-    # The decoding's KV cache: the engine allocates keys and values of every layer for the model's
-    # whole context (GPT.new_batched_kv_cache), in the weights' dtype: bf16 for FSDP's gathered
-    # weights, fp32 for DDP's; and one step's fp32 logits.
+    # The decoding's KV cache: keys and values of every layer for the rollout's longest sequence
+    # (lmforge.posttrain.rollout.sample sizes it so; at most the model's context), in the weights'
+    # dtype: bf16 for FSDP's gathered weights, fp32 for DDP's; and one step's fp32 logits.
     kv_width = width * (cfg.n_kv_head or cfg.n_head) // cfg.n_head
+    cached = min(decode_tokens + 2, seq)
 
     def decoding(dtype_bytes: int) -> float:
-        return decode_batch * (seq * 2 * layers * kv_width * dtype_bytes + vocab * 4) if rollouts else 0
+        return decode_batch * (cached * 2 * layers * kv_width * dtype_bytes + vocab * 4) if rollouts else 0
 
     ddp = trained * (16 * params + activations) + frozen_bytes  # dpo's precompute (8 bytes) comes in under this
     ddp = max(ddp, trained * 16 * params + frozen_bytes + decoding(4))
@@ -94,6 +96,8 @@ def main() -> None:
     parser.add_argument("--memory", default="24,40,80,141", help="GPU memory sizes (GB) of the largest-fit table")
     parser.add_argument("--decode-batch", type=int, default=64,
                         help="grpo / ppo: sequences a rollout decodes at once (recipe.generation_batch_size)")
+    parser.add_argument("--decode-tokens", type=int, default=512,
+                        help="grpo / ppo: a rollout's longest prompt + recipe.max_new_tokens")
     args = parser.parse_args()
     rows = [(p, *footprint(p, args.seq_len, args.vocab, args.gpus)) for p in SHAPES]
     rows.sort(key=lambda r: r[1])
@@ -115,10 +119,10 @@ def main() -> None:
     for memory in memories:
         print(f"| {memory:g} GB | {largest(lambda r: r[2] <= memory * GB)} | {largest(lambda r: r[3] <= memory * GB)} |")
     kinds = list(KINDS)
-    by_kind = {k: {p: footprint(p, args.seq_len, args.vocab, args.gpus, k, args.decode_batch) for p, *_ in rows}
-               for k in kinds}
+    by_kind = {k: {p: footprint(p, args.seq_len, args.vocab, args.gpus, k, args.decode_batch, args.decode_tokens)
+                   for p, *_ in rows} for k in kinds}
     print(f"\nlargest preset that fits per training kind, FSDP over {args.gpus} GPUs (frozen models whole, fp32; "
-          f"rollouts decode {args.decode_batch} sequences at once, KV cache for the whole context)")
+          f"rollouts decode {args.decode_batch} sequences of up to {args.decode_tokens} tokens at once)")
     print("| GPU memory | " + " | ".join(kinds) + " |")
     print("| --- |" + " --- |" * len(kinds))
     for memory in memories:

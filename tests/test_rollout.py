@@ -90,6 +90,34 @@ def test_sampler_is_reproducible_by_seed_whatever_the_batch(policy):
         sample(model, prompts, tokenizer.eos_id, 4, seeds=seeds[:2])
 
 
+def test_the_sampler_cache_holds_the_rollout_not_the_whole_context(policy, monkeypatch):
+    """The KV cache a rollout decodes into is as long as its longest prompt + max_new_tokens (+ 2) and
+    has a row per prompt when there are fewer than batch_size: what it samples, and the log-probs it
+    keeps, are those of a cache as long as the model's context."""
+    from lmforge.models.gpt import GPT
+
+    model, tokenizer, rows = policy
+    prompts = [encode_prompt(tokenizer, row) for row in rows[:3]]
+    seeds = [completion_seed(3, 0, 0, j) for j in range(len(prompts))]
+    made, real = [], GPT.new_batched_kv_cache
+
+    def recording(self, capacity, max_len=None):
+        cache = real(self, capacity, max_len)
+        made.append(tuple(cache.k[0].shape))
+        return cache
+
+    monkeypatch.setattr(GPT, "new_batched_kv_cache", recording)
+    small = sample(model, prompts, tokenizer.eos_id, 12, temperature=1.0, seeds=seeds, batch_size=64, logprobs=True)
+    longest = max(len(p) for p in prompts)
+    assert made[-1][0] == 3 and made[-1][2] == longest + 12 + 2 < model.config.n_positions
+    monkeypatch.setattr(GPT, "new_batched_kv_cache", lambda self, capacity, max_len=None: real(self, 64))
+    whole = sample(model, prompts, tokenizer.eos_id, 12, temperature=1.0, seeds=seeds, batch_size=64, logprobs=True)
+    assert [c.tokens for c in small] == [c.tokens for c in whole]
+    assert [c.ended for c in small] == [c.ended for c in whole]
+    for a, b in zip(small, whole):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
 def test_pack_sequences_lays_out_completions_as_targets():
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
     completions = [[10, 11], [12, 13, 14], [15]]

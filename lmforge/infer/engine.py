@@ -153,7 +153,8 @@ class Engine:
 
     def __init__(self, model: Any, eos_id: int, max_batch_size: int = 16, max_queue: int = 1024,
                  background: bool = True, prefill_chunk: int = 512, prefix_cache: int = 4,
-                 on_step: Callable[[Step], Any] | None = None, clock: Callable[[], float] = time.perf_counter):
+                 on_step: Callable[[Step], Any] | None = None, clock: Callable[[], float] = time.perf_counter,
+                 max_len: int | None = None):
         if max_batch_size < 1:
             raise LMForgeError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if prefill_chunk < 1 or prefix_cache < 0:
@@ -161,7 +162,9 @@ class Engine:
                                f"{prefix_cache}")
         self.model = model.eval()
         self.eos_id = eos_id
-        self.n_ctx = model.config.n_positions
+        # Tokens per sequence (prompt + reply) the cache holds: the model's context, or less for callers
+        # that know their longest sequence (a rollout: its longest prompt + max_new_tokens).
+        self.n_ctx = min(max_len or model.config.n_positions, model.config.n_positions)
         self.max_batch_size = max_batch_size
         self.device = next(model.parameters()).device
         self._queue: queue.Queue[Request | None] = queue.Queue(maxsize=max_queue)
@@ -242,7 +245,7 @@ class Engine:
     # ---- the engine loop ------------------------------------------------------------------------
     def run(self) -> None:
         """Serve requests in this thread until ``close``; only for an engine made with background=False."""
-        self._cache = self.model.new_batched_kv_cache(self.max_batch_size)
+        self._cache = self.model.new_batched_kv_cache(self.max_batch_size, self.n_ctx)
         while not self._closed:
             if not self._admit():
                 break
@@ -259,7 +262,7 @@ class Engine:
                     for request in self._rows:
                         self._emit(request, ("error", f"generation failed: {e}"))
                     self._rows, self._last, self._prefixes = [], [], []
-                    self._cache = self.model.new_batched_kv_cache(self.max_batch_size)
+                    self._cache = self.model.new_batched_kv_cache(self.max_batch_size, self.n_ctx)
             if self.on_step is not None:
                 end = self.clock()
                 self._report(Step(start, prefilled - start, end - prefilled if rows else 0.0, tokens, rows,

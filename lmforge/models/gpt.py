@@ -837,12 +837,13 @@ class GPT(LMForgeModel):
         """A cache for prefilling prompts of ``lengths`` packed in one row (``PackedPrefill``)."""
         return PackedPrefill(lengths, self.config.n_layer, self.tok_embed.weight.device)
 
-    def new_batched_kv_cache(self, capacity: int) -> BatchedKVCache:
-        """An empty cache for up to ``capacity`` sequences decoded together (``lmforge.infer.engine``)."""
+    def new_batched_kv_cache(self, capacity: int, max_len: int | None = None) -> BatchedKVCache:
+        """An empty cache for up to ``capacity`` sequences decoded together (``lmforge.infer.engine``),
+        each up to ``max_len`` tokens long (default and at most: the model's context)."""
         c = self.config
         p = self.tok_embed.weight
-        return BatchedKVCache(c.n_layer, capacity, c.kv_heads, c.n_positions, c.head_dim,
-                              device=p.device, dtype=p.dtype)
+        length = min(max_len or c.n_positions, c.n_positions)
+        return BatchedKVCache(c.n_layer, capacity, c.kv_heads, length, c.head_dim, device=p.device, dtype=p.dtype)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward), PaLM appendix B style::

@@ -225,8 +225,12 @@ def sample(model: Any, prompts: list[list[int]], eos_id: int, max_new_tokens: in
                            f"tokens (the longest has {max(too_long)}); use a model with a longer context "
                            "(model.n_positions) or rows with fewer tools")
     was_training = model.training
-    engine = Engine(model, eos_id=eos_id, max_batch_size=max(1, batch_size), max_queue=len(prompts) + 1,
-                    background=False)
+    # The cache holds as many rows as are decoded at once and each as long as the longest prompt plus
+    # its reply (+ 2: the engine stops a row one step before its cache is full), not the model's whole
+    # context: at 7B and 64 x 2,048 tokens that would be 69 GB of keys and values.
+    engine = Engine(model, eos_id=eos_id, max_batch_size=max(1, min(batch_size, len(prompts))),
+                    max_queue=len(prompts) + 1, background=False,
+                    max_len=max(len(p) for p in prompts) + max_new_tokens + 2)
     tokens: list[list[int]] = [[] for _ in prompts]
     ended = [False] * len(prompts)
     errors: list[str] = []
