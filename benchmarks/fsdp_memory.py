@@ -17,9 +17,11 @@ here: resuming reads the full checkpoint into each process's CPU memory (about 1
 parameter, per process).
 
 The post-training kinds hold more (``KINDS``): a frozen reference (dpo, grpo, ppo) and reward model
-(ppo) whole on every GPU in fp32, a second trained model (ppo's value model), and while a rollout is
-drawn the trained models gathered whole in bf16 and the decoding's KV cache. The last table gives the
-largest preset per kind.
+(ppo), a second trained model (ppo's value model), and while a rollout is drawn every model gathered
+whole in bf16 and the decoding's KV cache. Under DDP the frozen models are whole on every GPU in fp32;
+under FSDP they are sharded like the trained ones (fp32 shards, 4 / N bytes per parameter) and gathered
+with them for evaluation and rollouts; dpo's live reference, called in the training step, gathers one
+block at a time there, as the trained model does. The last table gives the largest preset per kind.
 
 A 10% margin is kept for the allocator and CUDA's own context. The parameter counts come from
 lmforge's models built on the meta device. Usage:
@@ -39,10 +41,10 @@ GB = 1e9
 SHAPES = {**PRESETS, "7B": {"flavor": "llama", "n_layer": 32, "n_embd": 4096, "n_head": 32, "n_inner": 11008}}
 
 
-# What each training kind holds beyond one trained model, per GPU: (trained models, frozen models held
-# whole for the run, frozen models held whole before training only, whether it decodes rollouts).
-# Frozen models are loaded as stored, in fp32 (4 bytes per parameter), and FSDP does not shard them;
-# the trained ones are the models evaluation and a rollout gather in bf16 (lmforge.train.fsdp.gathered).
+# What each training kind holds beyond one trained model, per GPU: (trained models, frozen models kept
+# for the run, frozen models held whole before training only, whether it decodes rollouts). Frozen models
+# are stored in fp32 (4 bytes per parameter): whole under DDP, sharded under FSDP (lmforge.train.fsdp.
+# shard_frozen); evaluation and a rollout gather every model in bf16 (lmforge.train.fsdp.gathered).
 KINDS = {
     "lm": (1, 0, 0, False),        # pretraining; sft and reward (a trunk + a scalar head) hold the same
     "dpo": (1, 0, 1, False),       # recipe.reference=precompute: the reference scores every pair, then is freed
@@ -78,9 +80,14 @@ def footprint(preset: str, seq: int, vocab: int, gpus: int, kind: str = "lm", de
 
     ddp = trained * (16 * params + activations) + frozen_bytes  # dpo's precompute (8 bytes) comes in under this
     ddp = max(ddp, trained * 16 * params + frozen_bytes + decoding(4))
-    training = trained * (16 * params / gpus + 2 * block * (2 + 4) + activations) + frozen_bytes
-    # Evaluation, probes and rollouts run on the trained models gathered whole in bf16.
-    gathered = trained * (16 * params / gpus + 2 * params) + frozen_bytes + max(seq * vocab * 4, decoding(2))
+    frozen_shards = frozen_bytes / gpus
+    # dpo's live reference in the step: two blocks gathered in bf16 (one running, one prefetched), its root
+    # (embeddings, head) gathered until the step ends, and its fp32 logits (no activations kept: no grad)
+    in_step = 2 * block * 2 + 2 * embed * 2 + seq * vocab * 4 if frozen and not rollouts else 0
+    training = trained * (16 * params / gpus + 2 * block * (2 + 4) + activations) + frozen_shards + in_step
+    # Evaluation, probes and rollouts run on every model gathered whole in bf16.
+    gathered = ((trained * (16 * params / gpus + 2 * params) + frozen_shards + frozen * 2 * params)
+                + max(seq * vocab * 4, decoding(2)))
     # dpo's precompute: the policy's shards (weights only: AdamW's state comes with the first step)
     # beside the whole reference, scoring pairs.
     precompute = 4 * params / gpus + 4 * params * before + seq * vocab * 4 if before else 0
@@ -121,7 +128,7 @@ def main() -> None:
     kinds = list(KINDS)
     by_kind = {k: {p: footprint(p, args.seq_len, args.vocab, args.gpus, k, args.decode_batch, args.decode_tokens)
                    for p, *_ in rows} for k in kinds}
-    print(f"\nlargest preset that fits per training kind, FSDP over {args.gpus} GPUs (frozen models whole, fp32; "
+    print(f"\nlargest preset that fits per training kind, FSDP over {args.gpus} GPUs (frozen models sharded too; "
           f"rollouts decode {args.decode_batch} sequences of up to {args.decode_tokens} tokens at once)")
     print("| GPU memory | " + " | ".join(kinds) + " |")
     print("| --- |" + " --- |" * len(kinds))

@@ -15,7 +15,7 @@ and at the 1.3B preset's (width 2048, 16 heads of 128).
 5. **mHC's sub-layer work** at ``rlm_mhc_125m``'s shapes (32 x 1024 tokens, 4 flows of 768, bf16 stream): each
    Triton kernel alone (time, and GB/s for the bytes it must move), and one sub-layer's mHC work (coefficients
    and mixing, around a cheap stand-in for attention) forward + backward through the operators
-   (``model.mhc_kernels=auto``) against the PyTorch ops compiled by Inductor (``torch``), with the relative
+   (``model.mhc_kernels=triton``) against the PyTorch ops compiled by Inductor (``torch``), with the relative
    difference of the output and of every gradient.
 
 Times are CUDA-event medians over ``--repeats`` after warm-up; a matmul peak is measured first
@@ -219,9 +219,9 @@ def mhc_sub_layer(tokens: int, flows: int, width: int, repeats: int) -> list[dic
                      "gb_per_s": round(moved / ms / 1e6, 1)})
 
     # one whole sub-layer's mHC work around a cheap stand-in for attention / MLP, forward + backward: the
-    # operators (model.mhc_kernels=auto) against the PyTorch ops compiled by Inductor (mhc_kernels=torch)
+    # operators (model.mhc_kernels=triton) against the PyTorch ops compiled by Inductor (mhc_kernels=torch)
     results = {}
-    for kernels in ("auto", "torch"):
+    for kernels in ("triton", "torch"):
         torch.manual_seed(1)
         layer = MHCLayer(width, flows, index=1, kernels=kernels).to(dev)
         with torch.no_grad():
@@ -234,7 +234,7 @@ def mhc_sub_layer(tokens: int, flows: int, width: int, repeats: int) -> list[dic
             out, _ = layer(stream, lambda t: t * 0.5 + y)
             return out
 
-        fn = step if kernels == "auto" else torch.compile(step, fullgraph=True)
+        fn = step if kernels == "triton" else torch.compile(step, fullgraph=True)
 
         def fwd_bwd():
             out = fn(stream)

@@ -6,21 +6,25 @@ deadline (``--budget`` seconds): a step that would not fit the time left is skip
 warm). Each step's output goes to ``<out>/log.txt``; the JSON figures of every step that prints them
 go to ``<out>/results.json``; a short table is printed last. Usage (on the GPU machine, repo root):
 
-    python3 benchmarks/gpu_session.py --out $OUT --budget 520 [--from NAME] [--only NAME,NAME]
+    python3 benchmarks/gpu_session.py --out $OUT --budget 520 [--from NAME] [--only NAME,NAME (in this order)]
     python3 benchmarks/gpu_session.py --list
 
 The machine's image has PyTorch, transformers and the training dependencies, but not the server's
 (fastapi, uvicorn) nor the openai client that ``serve_load`` needs: ``benchmarks/gpu_wheels.sh`` downloads
 them here into ``.whl``; the device call then carries ``.whl`` and begins with ``python3 -m pip install -q
 --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site`` (then ``python3 -c
-"import fastapi, uvicorn, openai"`` shows at once whether the set is whole). On an H200 on 2026-11-26 (second
-lease) the steps took: env 6 s, bench_124m 36, bench_124m_chunked 34, micro 36 (first lease), profile_124m 22,
-bench_1b 101, vs_transformers 49, mhc_on_125m 132, mhc_off_125m 54, profile_mhc_125m 28, bench_124m_cdt 127,
-bench_124m_mb32 40, generation 130, serve_load 31, bench_124m_dropout 36; the machine's start about 30 s.
-Steps added since (not yet timed): profile_1b, mhc_on_125m_torch (~130, like mhc_on_125m), mhc_on_1b,
-profile_mhc_125m_off; micro has one more section. A 15-minute lease fits the list down to about
-profile_mhc_125m_off in two calls (``--budget 505``, then ``--from NAME`` with what is left); the steps after it
-were measured on both leases.
+"import fastapi, uvicorn, openai"`` shows at once whether the set is whole).
+
+The steps are in the order of what is still open (``benchmarks/RESULTS.md``, "What issue 19 still needs"):
+mHC's step with its default kernels, profiled; the 124M settings not yet tried together; bf16 generation
+after the cuDNN change; then the figures already measured, to rerun after changes. Seconds each took on an
+H200 (third lease, 2026-11-26): env 6, bench_124m 37, micro 45, mhc_on_125m 112, mhc_off_125m 49,
+mhc_on_125m_triton 62, profile_124m 23, bench_124m_chunked 37, bench_1b 101, vs_transformers 60, profile_1b 37,
+profile_mhc_125m_off 22; mhc_on_1b had not printed its first step after 200 s (compiling), hence its 420 s.
+From the second lease: bench_124m_cdt 127, bench_124m_mb32 40, generation 130, serve_load 31,
+bench_124m_dropout 36, profile_mhc_125m 28. The machine's start took about 30 s. A 15-minute lease fits about
+500 s of steps in a first call (``--budget 505``) and ~250 s in a second (``--from NAME`` or ``--only
+NAME,NAME``, which runs the steps in the order given).
 """
 
 from __future__ import annotations
@@ -49,34 +53,41 @@ STEPS: list[tuple[str, list[str], int, int]] = [
     ("env", ["bash", "-c", "nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version "
              "--format=csv; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, "
              "torch.cuda.get_device_name())'; nproc"], 30, 5),
-    ("bench_124m", [PY, "-m", "lmforge", "bench", *GPT2_124M, *NO_DROPOUT, *GPT2_VOCAB, "--steps", "20", "--json"],
-     180, 90),
-    ("bench_124m_chunked", [PY, "-m", "lmforge", "bench", *GPT2_124M, *NO_DROPOUT, "model.lm_loss=chunked",
-                            *GPT2_VOCAB, "--steps", "20", "--json"], 150, 60),
-    ("micro", [PY, "benchmarks/gpu_micro.py", "--json", "{out}/micro.json"], 240, 40),
-    ("profile_124m", [PY, "benchmarks/profile_step.py", *GPT2_124M, *NO_DROPOUT, *GPT2_VOCAB], 120, 60),
-    ("bench_1b", [PY, "-m", "lmforge", "bench", *LLAMA_1B, "--steps", "10", "--json"], 200, 100),
-    ("profile_1b", [PY, "benchmarks/profile_step.py", *LLAMA_1B, "--steps", "3", "--warmup", "2"], 200, 100),
-    ("vs_transformers", [PY, "-m", "lmforge", "bench", *GPT2_124M, *NO_DROPOUT, *GPT2_VOCAB, "--steps", "20",
-                         "--compare-transformers", "--json"], 200, 120),
+    ("profile_mhc_125m", [PY, "benchmarks/profile_step.py", *MHC_125M, "model.mhc_enabled=true"], 150, 60),
     ("mhc_on_125m", [PY, "-m", "lmforge", "bench", *MHC_125M, "model.mhc_enabled=true", "--steps", "10", "--json"],
      200, 100),
     ("mhc_off_125m", [PY, "-m", "lmforge", "bench", *MHC_125M, "model.mhc_enabled=false", "--steps", "10",
                       "--json"], 150, 60),
-    ("profile_mhc_125m", [PY, "benchmarks/profile_step.py", *MHC_125M, "model.mhc_enabled=true"], 150, 60),
-    # the mixing as PyTorch ops fused by Inductor (the path before the Triton operators): the side-by-side
-    ("mhc_on_125m_torch", [PY, "-m", "lmforge", "bench", *MHC_125M, "model.mhc_enabled=true", "model.mhc_kernels=torch",
-                           "--steps", "10", "--json"], 200, 100),
-    # mHC's cost where the model is wider: its bytes grow with the width, the matmuls' work with its square
-    ("mhc_on_1b", [PY, "-m", "lmforge", "bench", *MHC_1B, "--steps", "10", "--json"], 240, 120),
-    ("profile_mhc_125m_off", [PY, "benchmarks/profile_step.py", *MHC_125M, "model.mhc_enabled=false"], 120, 60),
+    ("bench_124m", [PY, "-m", "lmforge", "bench", *GPT2_124M, *NO_DROPOUT, *GPT2_VOCAB, "--steps", "20", "--json"],
+     180, 90),
+    ("bench_124m_mb32", [PY, "-m", "lmforge", "bench", *GPT2_124M, *NO_DROPOUT, "training.micro_batch_size=32",
+                         *GPT2_VOCAB, "--steps", "20", "--json"], 120, 60),
+    # both together (each alone: +3.8% and +2% on the second lease)
+    ("bench_124m_mb32_cdt", ["env", "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1", PY, "-m", "lmforge", "bench",
+                             *GPT2_124M, *NO_DROPOUT, "training.micro_batch_size=32", *GPT2_VOCAB, "--steps", "20",
+                             "--json"], 240, 120),
+    # CUDA graphs for the idle time between kernels (training.compile_mode=reduce-overhead; micro-batch 16)
+    ("bench_124m_graphs", [PY, "-m", "lmforge", "bench", *GPT2_124M, *NO_DROPOUT,
+                           "training.compile_mode=reduce-overhead", *GPT2_VOCAB, "--steps", "20", "--json"], 180, 90),
     # Inductor's coordinate-descent tuning of its kernels' launch settings (longer compile)
     ("bench_124m_cdt", ["env", "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1", PY, "-m", "lmforge", "bench", *GPT2_124M,
                         *NO_DROPOUT, *GPT2_VOCAB, "--steps", "20", "--json"], 240, 120),
-    ("bench_124m_mb32", [PY, "-m", "lmforge", "bench", *GPT2_124M, *NO_DROPOUT, "training.micro_batch_size=32",
-                         *GPT2_VOCAB, "--steps", "20", "--json"], 120, 60),
     ("generation", [PY, "benchmarks/generation_speed.py", "--device", "cuda", "--no-quality", "--sizes", "small",
                     "--flavors", "gpt2", "--precisions", "fp32,bf16", "--rounds", "2"], 150, 60),
+    ("profile_mhc_125m_off", [PY, "benchmarks/profile_step.py", *MHC_125M, "model.mhc_enabled=false"], 120, 60),
+    # mHC's cost where the model is wider: its bytes grow with the width, the matmuls' work with its square
+    ("mhc_on_1b", [PY, "-m", "lmforge", "bench", *MHC_1B, "--steps", "10", "--json"], 420, 300),
+    ("micro", [PY, "benchmarks/gpu_micro.py", "--json", "{out}/micro.json"], 240, 40),
+    # the mixing as the Triton operators (mhc_on_125m runs auto: PyTorch ops fused by Inductor): the side-by-side
+    ("mhc_on_125m_triton", [PY, "-m", "lmforge", "bench", *MHC_125M, "model.mhc_enabled=true",
+                            "model.mhc_kernels=triton", "--steps", "10", "--json"], 200, 100),
+    ("profile_124m", [PY, "benchmarks/profile_step.py", *GPT2_124M, *NO_DROPOUT, *GPT2_VOCAB], 120, 60),
+    ("bench_124m_chunked", [PY, "-m", "lmforge", "bench", *GPT2_124M, *NO_DROPOUT, "model.lm_loss=chunked",
+                            *GPT2_VOCAB, "--steps", "20", "--json"], 150, 60),
+    ("bench_1b", [PY, "-m", "lmforge", "bench", *LLAMA_1B, "--steps", "10", "--json"], 200, 100),
+    ("profile_1b", [PY, "benchmarks/profile_step.py", *LLAMA_1B, "--steps", "3", "--warmup", "2"], 200, 100),
+    ("vs_transformers", [PY, "-m", "lmforge", "bench", *GPT2_124M, *NO_DROPOUT, *GPT2_VOCAB, "--steps", "20",
+                         "--compare-transformers", "--json"], 200, 120),
     ("serve_load", [PY, "benchmarks/serve_load.py", "--device", "cuda", "--precision", "bf16"], 120, 50),
     ("bench_124m_dropout", [PY, "-m", "lmforge", "bench", *GPT2_124M, *GPT2_VOCAB, "--steps", "20", "--json"], 120, 60),
 ]
@@ -110,7 +121,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("gpu_session_out"))
     ap.add_argument("--budget", type=float, default=520, help="seconds for all steps together")
     ap.add_argument("--from", dest="start", default=None, help="start at this step")
-    ap.add_argument("--only", default=None, help="comma-separated steps to run (in the table's order)")
+    ap.add_argument("--only", default=None, help="comma-separated steps to run, in this order")
     ap.add_argument("--list", action="store_true", help="list the steps and exit")
     args = ap.parse_args()
     if args.list:
@@ -119,11 +130,13 @@ def main() -> int:
         return 0
     names = [s[0] for s in STEPS]
     wanted = names[names.index(args.start):] if args.start else names
+    if args.only and args.start:
+        raise SystemExit("--from and --only do not combine: --only runs exactly the steps it names, in its order")
     if args.only:
         unknown = set(args.only.split(",")) - set(names)
         if unknown:
             raise SystemExit(f"unknown steps {sorted(unknown)}; the steps are {names}")
-        wanted = [n for n in wanted if n in args.only.split(",")]
+        wanted = args.only.split(",")  # in the order given: a lease's priorities
     args.out.mkdir(parents=True, exist_ok=True)
     log = (args.out / "log.txt").open("a")
     results_path = args.out / "results.json"
@@ -132,9 +145,8 @@ def main() -> int:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(Path.cwd())) if p)
     deadline = time.monotonic() + args.budget
     table = []
-    for name, cmd, most, fewest in STEPS:
-        if name not in wanted:
-            continue
+    by_name = {s[0]: s for s in STEPS}
+    for name, cmd, most, fewest in (by_name[n] for n in wanted):
         left = deadline - time.monotonic()
         if left < fewest:
             table.append(f"{name:<20} skipped ({left:.0f} s left, needs {fewest})")

@@ -97,8 +97,8 @@ def _transformers_stepper(cfg, devinfo: DeviceInfo):
                         eos_token_id=m.eos_token_id, pad_token_id=m.pad_token_id)
     model = GPT2LMHeadModel(hf_cfg).to(devinfo.device)
     model.train()
-    if cfg.training.compile:  # both compiled, or neither
-        model = torch.compile(model)
+    if cfg.training.compile:  # both compiled (in the same mode), or neither
+        model = torch.compile(model, mode=cfg.training.compile_mode)
     t = cfg.training
     # The same AdamW implementation lmforge uses on this device, so only the model and loop differ.
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
@@ -106,9 +106,13 @@ def _transformers_stepper(cfg, devinfo: DeviceInfo):
     data = cfg.spec.bench_data(cfg)  # the same seeded batches lmforge times
     scaler = torch.amp.GradScaler(devinfo.device.type, enabled=devinfo.precision == "fp16")
 
+    graphs = t.compile and devinfo.device.type == "cuda" and t.compile_mode in ("reduce-overhead", "max-autotune")
+
     def step() -> None:
         for _ in range(t.grad_accum_steps):
             x = data.next_batch()["input_ids"].to(devinfo.device)
+            if graphs:  # as lmforge's loop does: a new micro-batch starts
+                torch.compiler.cudagraph_mark_step_begin()
             with devinfo.autocast():
                 loss = model(input_ids=x, labels=x).loss
             scaler.scale(loss / t.grad_accum_steps).backward()

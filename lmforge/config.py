@@ -24,6 +24,10 @@ from lmforge.typed import dataclass_from_dict
 RECIPE_DIR = Path(__file__).parent / "configs"
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the ones that replay CUDA graphs
+
+
 @dataclass
 class DataConfig:
     path: str = ""  # a directory written by `lmforge data prepare` (meta.json + shards)
@@ -58,6 +62,10 @@ class TrainingConfig:
     grad_clip: float = 1.0  # max global gradient norm; 0 = off
     precision: str = "auto"  # auto | fp32 | bf16 | fp16 (fp16 uses a grad scaler)
     compile: bool = False  # torch.compile the model (slow start; helps on GPUs); per block under fsdp
+    # torch.compile's mode with compile=true: default | reduce-overhead (CUDA graphs: the step's kernels
+    # replayed without a launch each; CUDA only, other devices compile as default) | max-autotune |
+    # max-autotune-no-cudagraphs (Inductor tries kernel configurations: a much longer compile)
+    compile_mode: str = "default"  # reduce-overhead / max-autotune: lm only, grad_accum_steps 1, ddp
     parallel: str = "ddp"  # ddp | fsdp | hsdp (under torchrun): replicate, or shard weights, gradients and optimizer
     #                        state across processes (hsdp: shard within a machine, replicate across machines)
     fsdp_offload: bool = False  # fsdp/hsdp: keep the shards (and the optimizer step) in CPU memory
@@ -407,6 +415,16 @@ def validate_run_config(cfg: RunConfig) -> None:
         (t.parallel in ("ddp", "fsdp", "hsdp"), f"training.parallel must be ddp, fsdp or hsdp, got {t.parallel!r}"),
         (t.fsdp_checkpoint in ("sharded", "gathered"),
          f"training.fsdp_checkpoint must be sharded or gathered, got {t.fsdp_checkpoint!r}"),
+        (t.compile_mode in COMPILE_MODES,
+         f"training.compile_mode must be one of {', '.join(COMPILE_MODES)}, got {t.compile_mode!r}"),
+        (t.compile or t.compile_mode == "default",
+         f"training.compile_mode={t.compile_mode} is torch.compile's mode: set training.compile=true too"),
+        (t.compile_mode not in GRAPH_MODES or t.parallel == "ddp",
+         f"training.compile_mode={t.compile_mode} (CUDA graphs) with training.parallel={t.parallel} is not supported: "
+         "FSDP moves the gathered weights between uses; use compile_mode=default or max-autotune-no-cudagraphs"),
+        (t.compile_mode not in GRAPH_MODES or t.grad_accum_steps == 1,
+         f"training.compile_mode={t.compile_mode} (CUDA graphs) needs training.grad_accum_steps=1: a replay reuses "
+         "the memory of the last micro-batch's gradients; raise micro_batch_size instead"),
         (t.schedule_over == "steps" or t.max_time_minutes > 0,
          "training.schedule_over=time lays the schedule over the time budget: set training.max_time_minutes too"),
         (t.log_interval >= 1, "training.log_interval must be >= 1"),

@@ -263,8 +263,9 @@ def test_resume_is_exact(tool_sft, prefs, tmp_path, reference):
 
 @pytest.mark.parametrize("reference", ["precompute", "live"])
 def test_sharded_on_two_processes_matches_replicated(tool_sft, prefs, tmp_path, reference):
-    """training.parallel=fsdp: the policy sharded, the reference whole (live) or only its log-probs
-    (precompute); the same losses, held-out DPO figures and weights as DDP, half the state per process."""
+    """training.parallel=fsdp: the policy sharded, and the reference too (live, called in each micro-batch's
+    loss and gathered for evaluation) or only its log-probs (precompute); the same losses, held-out DPO
+    figures and weights as DDP, half the state (and of the live reference) per process."""
     import yaml
 
     data = tmp_path / "pairs"
@@ -276,7 +277,7 @@ def test_sharded_on_two_processes_matches_replicated(tool_sft, prefs, tmp_path, 
                      eval_interval=2, save_interval=2)
     recipe = tmp_path / "dpo.yaml"
     recipe.write_text(yaml.safe_dump(cfg.to_dict()))
-    rows = sharded_against_replicated(recipe, tmp_path / "runs")
+    rows = sharded_against_replicated(recipe, tmp_path / "runs", frozen=reference == "live")
     evals = [r for r in rows["fsdp"] if "eval/rewards/accuracy" in r]
     assert [r["step"] for r in evals] == [2, 4] and evals[-1]["eval/rewards/margin"] != 0
 

@@ -271,7 +271,7 @@ class Root(torch.nn.Module):
         return self.model(batch)
 
 
-modules = fsdp.shard(Root(model), model, "fsdp", torch.device("cpu"), 2, None, False, compile_blocks=True)
+modules = fsdp.shard(Root(model), model, fsdp.layout("fsdp", torch.device("cpu"), 2, None, False), "default")
 graphs = lambda: counters["stats"]["unique_graphs"]
 with fsdp.gathered(modules), torch.no_grad():  # a rollout before the first step: many shapes
     for n in range(1, 13):

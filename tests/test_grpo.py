@@ -277,7 +277,7 @@ def test_sharded_on_two_processes_draws_rollouts_as_replicated(tool_sft, tmp_pat
                                  "rewards": [f"reward_model:{tmp_path / 'rm'}"]})
     recipe = tmp_path / "grpo.yaml"
     recipe.write_text(yaml.safe_dump(cfg.to_dict()))
-    rows = sharded_against_replicated(recipe, tmp_path / "runs")
+    rows = sharded_against_replicated(recipe, tmp_path / "runs", frozen=True)  # the reference, the reward model
     logged = {n: [r for r in rows[n] if "train/reward" in r] for n in ("ddp", "fsdp")}
     assert [r["step"] for r in logged["fsdp"]] == [1, 2, 3, 4]
     for key in ("train/reward", "train/reward_std", "train/completion_len", "train/grad_norm"):

@@ -142,7 +142,7 @@ def test_sharded_on_two_processes_matches_replicated_and_resumes(tmp_path, tool_
     recipe = tmp_path / "ppo.yaml"
     recipe.write_text(yaml.safe_dump(cfg.to_dict()))
     runs = tmp_path / "runs"
-    rows = sharded_against_replicated(recipe, runs, sharded_steps=False, model_dirs=("", "value"))
+    rows = sharded_against_replicated(recipe, runs, sharded_steps=False, model_dirs=("", "value"), frozen=True)
     logged = {n: [r for r in rows[n] if "train/score" in r] for n in ("ddp", "fsdp")}
     assert [r["step"] for r in logged["fsdp"]] == [1, 2, 3, 4]
     for key in ("train/score", "train/value_mean", "train/kl", "train/grad_norm"):

@@ -281,15 +281,37 @@ def test_time_limit_stops_evaluates_and_saves(tmp_path, data_dir):
     assert "eval/loss" in result.eval_metrics
 
 
-def test_torch_compile_switch_gives_the_same_losses_as_eager(tmp_path, data_dir):
+def test_torch_compile_switch_gives_the_same_losses_as_eager(tmp_path, data_dir, monkeypatch):
+    """training.compile (and its compile_mode, handed to torch.compile: reduce-overhead's CUDA graphs are
+    CUDA's alone, so on the CPU it compiles as default) trains as eager mode does."""
     common = {"model": {"embd_pdrop": 0.0, "resid_pdrop": 0.0, "attn_pdrop": 0.0}}
     recipe = write_recipe(tmp_path / "r.yaml", data_dir, tmp_path / "runs", model=common["model"],
                           training={"max_steps": 3, "eval_interval": 0, "save_interval": 0})
+    modes, real_compile = [], torch.compile
+
+    def compile_spy(model, **kw):
+        modes.append(kw.get("mode"))
+        return real_compile(model, **kw)
+
+    monkeypatch.setattr(torch, "compile", compile_spy)
     train(load_config(str(recipe), ["name=eager"]))
     train(load_config(str(recipe), ["name=compiled", "training.compile=true"]))
-    a, b = losses(tmp_path / "runs" / "eager"), losses(tmp_path / "runs" / "compiled")
-    for s in a:
-        assert a[s] == pytest.approx(b[s], rel=1e-4)
+    train(load_config(str(recipe), ["name=graphs", "training.compile=true", "training.compile_mode=reduce-overhead"]))
+    assert modes == ["default", "reduce-overhead"]
+    a = losses(tmp_path / "runs" / "eager")
+    for name in ("compiled", "graphs"):
+        b = losses(tmp_path / "runs" / name)
+        for s in a:
+            assert a[s] == pytest.approx(b[s], rel=1e-4), (name, s)
+    with pytest.raises(LMForgeError, match="training.compile_mode must be one of default, reduce-overhead"):
+        load_config(str(recipe), ["training.compile=true", "training.compile_mode=fast"])
+    with pytest.raises(LMForgeError, match="compile_mode=max-autotune is torch.compile's mode: set training.compile"):
+        load_config(str(recipe), ["training.compile_mode=max-autotune"])
+    graphs = ["training.compile=true", "training.compile_mode=reduce-overhead"]
+    with pytest.raises(LMForgeError, match=r"\(CUDA graphs\) needs training.grad_accum_steps=1"):
+        load_config(str(recipe), [*graphs, "training.grad_accum_steps=2"])
+    with pytest.raises(LMForgeError, match=r"\(CUDA graphs\) with training.parallel=fsdp is not supported"):
+        load_config(str(recipe), [*graphs, "training.parallel=fsdp"])
 
 
 def test_resume_after_a_lost_checkpoint_keeps_one_tensorboard_point_per_step(tmp_path, data_dir):

@@ -149,13 +149,16 @@ def torchrun(args: list[str], run_dir: Path, timeout: float = 600, nproc: int = 
 
 
 def sharded_against_replicated(recipe: Path, runs: Path, *overrides: str, timeout: float = 600,
-                               sharded_steps: bool = True, model_dirs: tuple[str, ...] = ("",)) -> dict[str, Any]:
+                               sharded_steps: bool = True, model_dirs: tuple[str, ...] = ("",),
+                               frozen: bool = False) -> dict[str, Any]:
     """Train ``recipe`` (its ``out_dir`` is ``runs``) on two processes twice: ``training.parallel=ddp``
     (run ``ddp``) and ``fsdp`` (run ``fsdp``), with ``overrides``; assert that the sharded run logs the same
     training and held-out metrics at the same steps, holds about half the weights + optimizer state per
     process, writes step checkpoints (sharded, or the ordinary files where ``sharded_steps`` is false) of
     the same weights and an ordinary ``best/`` (each of ``model_dirs`` in a checkpoint: "" is the
-    checkpoint itself). Returns the two runs' metric rows, by name, for the kind's own checks."""
+    checkpoint itself). ``frozen``: the kind keeps frozen models (a reference, a reward model), and the
+    sharded run holds about half of their weights per process too. Returns the two runs' metric rows, by
+    name, for the kind's own checks."""
     import json
 
     import pytest
@@ -177,6 +180,10 @@ def sharded_against_replicated(recipe: Path, runs: Path, *overrides: str, timeou
         assert fsdp[key] == pytest.approx(ddp[key], rel=1e-4, abs=1e-6), (key, ddp[key], fsdp[key])
     state = [next(r["train/state_mb"] for r in rows[n] if "train/state_mb" in r) for n in ("ddp", "fsdp")]
     assert 0.4 < state[1] / state[0] < 0.6, state  # half, plus the padding of rows that do not split evenly
+    kept = [[r["train/frozen_mb"] for r in rows[n] if "train/frozen_mb" in r] for n in ("ddp", "fsdp")]
+    assert bool(kept[0]) == bool(kept[1]) == frozen, kept
+    if frozen:
+        assert 0.4 < kept[1][0] / kept[0][0] < 0.6, kept
     steps = sorted((runs / "fsdp" / "checkpoints").glob("step-*"))
     assert steps and all(is_sharded(s) == sharded_steps != (s / "model.safetensors").exists() for s in steps), steps
     best = runs / "fsdp" / "checkpoints" / "best"

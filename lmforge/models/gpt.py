@@ -122,8 +122,8 @@ class GPTConfig:
     # The n-flow stream's dtype: fp32 (the plain model's residual, whatever the autocast) or autocast
     # (bf16 under bf16 autocast, the paper's choice: half the stream's memory traffic, rounded flows).
     mhc_stream_dtype: str = "fp32"
-    # mHC's kernels: auto (the Triton operators mhc_pre / mhc_mix_out on CUDA, PyTorch ops elsewhere)
-    # | torch (PyTorch ops everywhere: what Inductor fuses under torch.compile; for side-by-side figures).
+    # mHC's kernels: auto (the fastest measured: PyTorch ops, which Inductor fuses under torch.compile) | torch
+    # (the same, by name) | triton (the Triton operators mhc_pre / mhc_mix_out on CUDA: slower on an H200).
     mhc_kernels: str = "auto"
     # The LM head's loss (lmforge.models.losses): auto | chunked (fused chunks, no [tokens, vocab] logits
     # kept; the CPU's best) | logits (whole 16-bit logits, padded vocabulary, the cross-entropy operator; CUDA's).
@@ -190,7 +190,7 @@ class GPTConfig:
               "model.mhc_stream_dtype must be fp32 or autocast (the training precision), "
               f"got {self.mhc_stream_dtype!r}")
         check(self.mhc_kernels in MHC_KERNELS,
-              f"model.mhc_kernels must be one of {', '.join(MHC_KERNELS)} (auto: Triton kernels on CUDA), "
+              f"model.mhc_kernels must be one of {', '.join(MHC_KERNELS)} (auto: PyTorch ops, the fastest measured), "
               f"got {self.mhc_kernels!r}")
         check(lm_loss_problem(self.lm_loss) is None, lm_loss_problem(self.lm_loss) or "")
 

@@ -19,11 +19,12 @@ By default (``model.mhc_stream_dtype=fp32``) the stream keeps the plain model's 
 bf16 autocast), so mHC on and off differ only in the connections; ``autocast`` stores it in the training
 precision (bf16), as the paper does to halve its memory traffic.
 Sinkhorn runs in the log domain, alternately normalising columns and rows, as one operator
-(``torch.ops.lmforge.sinkhorn``, a Triton kernel on CUDA). On CUDA a sub-layer's mHC work is two operators,
+(``torch.ops.lmforge.sinkhorn``, a Triton kernel on CUDA). The mixing is PyTorch ops: a batched matmul in eager
+mode and a broadcast product that Inductor fuses under ``torch.compile`` (``mix_in`` / ``mix_out``). With
+``model.mhc_kernels=triton`` a sub-layer's mHC work on CUDA is two operators instead,
 ``torch.ops.lmforge.mhc_pre`` (the coefficients and ``H_pre x``) and ``mhc_mix_out``, with Triton kernels
 (``mhc_triton``) that read the stream once per product and sum the coefficients' gradients in the same passes;
-elsewhere, and with ``model.mhc_kernels=torch``, PyTorch ops: the mixing a batched matmul in eager mode and a
-broadcast product that Inductor fuses under ``torch.compile`` (``mix_in`` / ``mix_out``).
+on an H200 they measured slower than Inductor's fusion (``MHC_KERNELS``), so they are not the default.
 
 Initialisation (``phi = 0``, ``a = 0.01``): the block starts as the plain residual network. Every
 flow starts as a copy of the embedding and ``H_post = 1`` adds F's output to each, so the flows stay
@@ -190,7 +191,10 @@ def amax_gains(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return a.sum(-1).amax(-1), a.sum(-2).amax(-1)
 
 
-MHC_KERNELS = ("auto", "torch")
+# auto: the fastest measured, which is PyTorch ops (Inductor fuses them under torch.compile) on CPUs and on CUDA
+# alike: on an H200 (2026-11-26, rlm_mhc_125m compiled, bf16 stream) a step took 91.2 ms with them and 123.2 ms
+# with the Triton operators (triton), whose backward kernels ran at 400-1,000 GB/s (benchmarks/RESULTS.md).
+MHC_KERNELS = ("auto", "torch", "triton")
 
 
 def mix_in(h_pre: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
@@ -597,10 +601,10 @@ class MHCLayer(nn.Module):
         return out, (h_pre[0].detach(), h_post[0].detach(), h_res[0].detach())
 
     def uses_mixing_operators(self, stream: torch.Tensor) -> bool:
-        """Whether the sub-layer runs on the operators ``mhc_pre`` / ``mhc_mix_out`` (Triton kernels): on
-        CUDA where Triton can build them, unless ``kernels="torch"``. Elsewhere PyTorch ops mix it, which
-        Inductor fuses under ``torch.compile`` (what CPUs measured best with)."""
-        return self.kernels == "auto" and stream.device.type == "cuda" and can_build_triton_kernels()
+        """Whether the sub-layer runs on the operators ``mhc_pre`` / ``mhc_mix_out`` (Triton kernels): only when
+        asked (``kernels="triton"``), on CUDA where Triton can build them. Otherwise PyTorch ops mix it, which
+        Inductor fuses under ``torch.compile``: what measured fastest on CPUs and on an H200 (``MHC_KERNELS``)."""
+        return self.kernels == "triton" and stream.device.type == "cuda" and can_build_triton_kernels()
 
     @torch.no_grad()
     def get_connection_matrix(self, stream: torch.Tensor | None = None) -> torch.Tensor:

@@ -345,6 +345,10 @@ class Rewards:
                 f.fn.to(device)
         return self
 
+    def models(self) -> list[torch.nn.Module]:
+        """The frozen models that score (``reward_model:PATH``), for a sharded run to shard."""
+        return [f.fn.model for f in self.functions if isinstance(f.fn, RewardModelScore)]
+
     def _call(self, f: RewardFunction, rows: list[dict[str, Any]], completions: list[str]) -> list[float]:
         try:
             values = f.fn(rows, completions)

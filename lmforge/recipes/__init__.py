@@ -75,8 +75,12 @@ class TrainData:
     probe: Probe | None = None
     on_step: Callable[[int], None] | None = None  # told each optimizer step before its batches are drawn (curricula)
     # Told the model being trained, on its device, before the first step: for kinds whose batches
-    # come from the model itself (rollouts of ppo and grpo). Args: (model, DeviceInfo).
-    bind_model: Callable[[Any, Any], None] | None = None
+    # come from the model itself (rollouts of ppo and grpo) or whose loss needs another model (dpo's live
+    # reference). Args: (model, DeviceInfo, frozen). The kind passes each frozen model it keeps for training
+    # (a reference, a reward model) to ``frozen(module)``: under training.parallel fsdp / hsdp that shards it
+    # like the trained model, and the loop gathers it with the trained model for evaluation, probes and
+    # rollouts; outside those, every process must call it alike (as dpo's loss does, once per micro-batch).
+    bind_model: Callable[[Any, Any, Callable[[Any], Any]], None] | None = None
     # Asked before each ``train.next_batch()`` when the model is sharded (training.parallel fsdp / hsdp):
     # True when that call samples from the bound model (a new rollout). The loop then gathers the full
     # weights on every process for the call; every process must answer alike. None: it never does.
@@ -136,6 +140,9 @@ class RecipeSpec:
     # training.parallel fsdp/hsdp (lmforge.train.fsdp) is tested with this kind: its model has repeated_blocks()
     # and one weights file, and its data calls the model only where draws_with_model says so
     supports_fsdp: bool = False
+    # training.compile_mode reduce-overhead / max-autotune (CUDA graphs) is safe with this kind: no output of
+    # its compiled step (a carried state, a cache) is read after the next micro-batch's replay
+    supports_cuda_graphs: bool = False
     # --- evaluation -------------------------------------------------------------------------------
     best_metric: str = "eval/loss"  # the metric that picks checkpoints/best
     best_higher_is_better: bool = False

@@ -63,6 +63,7 @@ def _train(cfg: RunConfig, resume: bool | str, distinfo: DistInfo, clock: Callab
     load_init = bool(cfg.training.init_from) and resume_from is None
     if os.environ.get("DISABLE_COMPILE", "").strip().lower() in ("1", "true", "yes") and cfg.training.compile:
         cfg.training.compile = False  # HRM's switch (seed 003), honoured for every kind as its users expect
+        cfg.training.compile_mode = "default"  # the saved run config must load again
         if distinfo.is_main:
             print("note: DISABLE_COMPILE is set: training.compile=false")
     spec = cfg.spec

@@ -13,11 +13,14 @@ ppo's policy and value model), and one for the root. The root is the loop's obje
 forward is what each micro-batch calls, so it holds the rest (embeddings, final norm, heads). Weights are stored in fp32. With ``precision: bf16`` the blocks compute in bf16
 and gradients are reduced in fp32 (``MixedPrecisionPolicy``). ``training.fsdp_offload`` keeps the
 shards of weights, gradients and optimizer state in CPU memory, for GPUs that cannot hold even those.
+A kind's frozen models (dpo's live reference, grpo's and ppo's reference, a reward model that scores
+rollouts) are sharded the same way (``shard_frozen``) and gathered with the trained model.
 
 Everything that is not a training step works on full weights. This covers evaluation, a kind's
 probe (generation), and ``best/``:
 
-- ``gathered`` puts the full weights (in the compute dtype) on every process. Code inside it calls
+- ``gathered`` puts the full weights (in the compute dtype) on every process (the loop enters it for the
+  trained model and each frozen one together: ``Trainer.full_weights``). Code inside it calls
   the plain model, a different number of times on each process if it likes, with no collective.
   Rollouts (grpo, ppo) are drawn inside it too (``TrainData.draws_with_model``).
 - ``full_model_state`` / ``full_optimizer_state`` gather the fp32 weights and the optimizer state on
@@ -91,27 +94,49 @@ def _mesh(parallel: str, device_type: str, world_size: int):
     return init_device_mesh(device_type, (world_size // per_node, per_node), mesh_dim_names=("replicate", "shard"))
 
 
-def shard(root: nn.Module, model: nn.Module, parallel: str, device: torch.device, world_size: int,
-          param_dtype: torch.dtype | None, offload: bool, compile_blocks: bool) -> list[nn.Module]:
-    """Apply ``fully_shard`` to each of ``model.repeated_blocks()`` and to ``root`` (which holds ``model``);
-    returns the sharded modules, root last. ``param_dtype``: the blocks' compute dtype (None: as
-    stored); gradients are reduced in fp32."""
-    from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
-                                        register_fsdp_forward_method)
+def layout(parallel: str, device: torch.device, world_size: int, param_dtype: torch.dtype | None,
+           offload: bool) -> dict[str, Any]:
+    """How a run shards its models (``fully_shard``'s mesh, mixed precision and offload), for ``shard`` and
+    ``shard_frozen``. ``param_dtype``: the compute dtype (None: as stored); gradients are reduced in fp32."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-    mesh = _mesh(parallel, device.type, world_size)
     # The batch is not cast: float inputs (a reference model's log-probabilities) keep their precision,
     # and autocast sets the compute dtype inside as it does under DDP.
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
-    kwargs = {"mesh": mesh, "mp_policy": policy, "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy()}
+    return {"mesh": _mesh(parallel, device.type, world_size), "mp_policy": policy,
+            "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy()}
+
+
+def shard(root: nn.Module, model: nn.Module, how: dict[str, Any], compile_mode: str | None) -> list[nn.Module]:
+    """Apply ``fully_shard`` (``how``: ``layout``) to each of ``model.repeated_blocks()`` and to ``root``
+    (which holds ``model``); returns the sharded modules, root last. ``compile_mode``: torch.compile each
+    block in this mode (None: not compiled)."""
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
     modules = []
     for block in model.repeated_blocks():
-        if compile_blocks:
-            block.compile()  # one compiled graph per block: the gathers and frees stay outside it
-        modules.append(fully_shard(block, **kwargs))
+        if compile_mode is not None:
+            block.compile(mode=compile_mode)  # one compiled graph per block: the gathers and frees stay outside it
+        modules.append(fully_shard(block, **how))
         for name in getattr(block, "forward_methods", ()):  # e.g. the last block scoring kept positions only
             register_fsdp_forward_method(block, name)
-    modules.append(fully_shard(root, **kwargs))
+    modules.append(fully_shard(root, **how))
+    return modules
+
+
+def shard_frozen(model: nn.Module, how: dict[str, Any]) -> list[nn.Module]:
+    """Shard a frozen model (a reference, a reward model scoring rollouts) as the trained one is sharded,
+    block by block and its root; returns its sharded modules, root last. Each process then holds
+    1 / world_size of its weights at rest, and gathers them whole inside ``gathered`` (with the trained
+    model's). Outside it only ``forward`` and ``hidden_states`` (which dpo's live reference calls in the loss)
+    gather the weights, block by block as a training step does, and every process must call them alike;
+    the loop then ``release``s the model after each step. Its other methods (a reward model's ``rewards``)
+    run inside ``gathered`` only."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    modules = shard(model, model, how, compile_mode=None)
+    if hasattr(model, "hidden_states"):
+        register_fsdp_forward_method(model, "hidden_states")
     return modules
 
 
@@ -138,6 +163,14 @@ def gathered(modules: list[nn.Module]) -> Iterator[None]:
             m.set_reshard_after_forward(True, recurse=False)  # the blocks free their weights after forward;
         # the root keeps its own until the backward (FSDP's default for a root module)
         _forget_forwards(modules)
+
+
+def release(modules: list[nn.Module]) -> None:
+    """After a training step that called a frozen model outside ``gathered`` (dpo's live reference): free its
+    root's gathered weights (a root keeps them after its forward, for a backward that a frozen model never
+    runs) and FSDP's record of its forwards (which only a backward would clear)."""
+    modules[-1].reshard()
+    _forget_forwards(modules)
 
 
 def _forget_forwards(modules: list[nn.Module]) -> None:
@@ -347,7 +380,7 @@ def _any_process(flag: bool) -> bool:
     return t.item() > 0
 
 
-def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
     """Bytes of this process's share of the weights and the optimizer state (its shards under FSDP)."""
     def local(t: torch.Tensor) -> torch.Tensor:
         return t.to_local() if hasattr(t, "to_local") else t
@@ -358,7 +391,7 @@ def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
             seen.add(id(p))
             t = local(p.data if not hasattr(p, "to_local") else p)
             total += t.numel() * t.element_size()
-    for entries in optimizer.state.values():
+    for entries in (optimizer.state.values() if optimizer is not None else ()):
         for v in entries.values():
             if torch.is_tensor(v) and v.dim() > 0:
                 t = local(v)

@@ -16,7 +16,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from lmforge import checkpoint as ckpt
-from lmforge.config import RunConfig
+from lmforge.config import GRAPH_MODES, RunConfig
 from lmforge.device import DeviceInfo, adamw_kernels, model_flops_utilization
 from lmforge.errors import LMForgeError
 from lmforge.models.base import LMForgeModel
@@ -197,11 +197,25 @@ class Trainer:
             self.spec.prepare_model(model, cfg)
         # FSDP's modules (root last) with training.parallel fsdp / hsdp on several processes; else None.
         self.sharded: list[torch.nn.Module] | None = None
+        # The frozen models the kind keeps (a reference, a reward model), and under FSDP their sharded modules
+        self.frozen: list[torch.nn.Module] = []
+        self.frozen_sharded: list[list[torch.nn.Module]] = []
         sharding = distinfo.enabled and self.t.parallel != "ddp"
         # What each micro-batch runs: the kind's loss on the (compiled) model, as one module's forward,
         # so DDP sees every parameter the loss touches however the kind calls the model (and FSDP's
         # root gathers the weights outside the blocks).
-        compiled = torch.compile(model) if self.t.compile and not sharding else model
+        compiled = torch.compile(model, mode=self.t.compile_mode) if self.t.compile and not sharding else model
+        # CUDA graphs (compile_mode reduce-overhead / max-autotune) are told where each micro-batch starts,
+        # so that a replay may reuse the memory of the last one's outputs (read before it: the loss, metrics)
+        graphs = self.t.compile and self.t.compile_mode in GRAPH_MODES
+        if graphs and not self.spec.supports_cuda_graphs:
+            from lmforge.recipes import kinds
+
+            supported = ", ".join(k.name for k in kinds() if k.supports_cuda_graphs)
+            raise LMForgeError(f"training.compile_mode={self.t.compile_mode} (CUDA graphs) is built for the kinds: "
+                               f"{supported}; the {self.spec.name!r} kind reads its compiled step's outputs later "
+                               "(or is untested with them): use compile_mode=default or max-autotune-no-cudagraphs")
+        self._graph_steps = graphs and devinfo.device.type == "cuda"
         self.fwd_model: torch.nn.Module = _Objective(compiled, self.spec.loss)
         if sharding:
             if devinfo.precision == "fp16":
@@ -211,8 +225,10 @@ class Trainer:
                 raise LMForgeError("training.fsdp_offload moves the shards from accelerator memory to CPU memory; "
                                    "this run is on the CPU already: drop training.fsdp_offload")
             param_dtype = torch.bfloat16 if devinfo.precision == "bf16" else None
-            self.sharded = fsdp.shard(self.fwd_model, model, self.t.parallel, devinfo.device, distinfo.world_size,
-                                      param_dtype, self.t.fsdp_offload, self.t.compile)
+            self._layout = fsdp.layout(self.t.parallel, devinfo.device, distinfo.world_size, param_dtype,
+                                       self.t.fsdp_offload)
+            self.sharded = fsdp.shard(self.fwd_model, model, self._layout,
+                                      self.t.compile_mode if self.t.compile else None)
         # After sharding: FSDP's parameters are this process's shards, and the optimizer keeps state for those.
         self.optimizer = (self.spec.make_optimizer or default_optimizer)(model, cfg, devinfo.device)
         for g in self.optimizer.param_groups:
@@ -223,19 +239,29 @@ class Trainer:
         self._state_mb: float | None = None  # this process's weights + optimizer state, logged once
 
         if data.bind_model is not None:
-            data.bind_model(model, devinfo)
+            data.bind_model(model, devinfo, self._keep_frozen)
         if distinfo.enabled and not sharding:
             ids = [devinfo.device.index] if devinfo.device.type == "cuda" else None
             self.fwd_model = torch.nn.parallel.DistributedDataParallel(
                 self.fwd_model, device_ids=ids,
                 find_unused_parameters=self.spec.ddp_find_unused_parameters)
 
-    def full_weights(self) -> contextlib.AbstractContextManager:
-        """Context in which ``self.model`` holds its full weights on this process (a no-op unless
-        sharded): evaluation, probes and generation call the plain model inside it."""
-        if not self.sharded:
-            return contextlib.nullcontext()
-        return fsdp.gathered(self.sharded)
+    def _keep_frozen(self, module: torch.nn.Module) -> torch.nn.Module:
+        """``TrainData.bind_model``'s ``frozen``: a frozen model the kind keeps for training, sharded like
+        the trained one under FSDP (and gathered with it by ``full_weights``); returns it."""
+        self.frozen.append(module)
+        if self.sharded:
+            self.frozen_sharded.append(fsdp.shard_frozen(module, self._layout))
+        return module
+
+    @contextlib.contextmanager
+    def full_weights(self) -> Iterator[None]:
+        """Context in which ``self.model`` and the kind's frozen models hold their full weights on this
+        process (a no-op unless sharded): evaluation, probes and rollouts call the plain models inside it."""
+        with contextlib.ExitStack() as stack:
+            for modules in ([self.sharded] if self.sharded else []) + self.frozen_sharded:
+                stack.enter_context(fsdp.gathered(modules))
+            yield
 
     # ---- resume ---------------------------------------------------------------------------
     def load_checkpoint(self, path: Path) -> None:
@@ -457,6 +483,8 @@ class Trainer:
             # keep them unsharded (4 bytes per parameter) between micro-batches, the memory FSDP saves.
             sync = (self.fwd_model.no_sync() if self.dist.enabled and not self.sharded and micro < accum - 1
                     else contextlib.nullcontext())
+            if self._graph_steps:
+                torch.compiler.cudagraph_mark_step_begin()
             with sync:
                 with self.dev.autocast():
                     loss, metrics = self.fwd_model(batch)
@@ -464,6 +492,10 @@ class Trainer:
             loss_sum += loss.detach().float()
             for k, v in metrics.items():  # device tensors stay on the device (no copy to the host per step)
                 metric_sums[k] = metric_sums.get(k, 0.0) + (v.detach().float() if torch.is_tensor(v) else float(v))
+        # A frozen model called in the loss (dpo's live reference) keeps its root's weights (embeddings,
+        # head) gathered after its forward, as a root does for its backward: free them until the next step.
+        for modules in self.frozen_sharded:
+            fsdp.release(modules)
         self.scaler.unscale_(self.optimizer)  # a no-op without fp16 loss scaling
         # The norm is computed even without clipping: it is logged and checked for NaN/Inf.
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.t.grad_clip if self.t.grad_clip > 0 else math.inf)
@@ -571,6 +603,8 @@ class Trainer:
                         row = {"train/loss": train_loss, "train/lr": lr, "train/grad_norm": read[1],
                                "train/state_mb": self._state_mb, "train/tokens_per_s": tok_s,
                                "train/examples_per_s": examples / seconds, "train/tokens": self.tokens_seen}
+                        if self.frozen:  # this process's share of the frozen models' weights
+                            row["train/frozen_mb"] = sum(fsdp.local_bytes(m) for m in self.frozen) / 2**20
                         mfu = model_flops_utilization(tok_s, flops / max(tokens, 1), self.dev.peak_flops,
                                                       self.dist.world_size) if mfu_trusted else None
                         if mfu is not None:

@@ -62,16 +62,19 @@ def make_binder(settings: Any, reference_dir: Path, stores: list[tuple[str, Pair
     stores' ``ref_logps`` (precompute) or keeps the reference for the loss (live), and binds the loss's
     settings to the policy."""
 
-    def bind_model(model: Any, devinfo: Any) -> None:
+    def bind_model(model: Any, devinfo: Any, frozen: Any) -> None:
         from lmforge.models import load_model
 
         reference = load_model(reference_dir, map_location=devinfo.device).eval().requires_grad_(False)
         if settings.reference == "precompute":
+            # whole on every process while it scores (each its own share, a different number of batches)
             for name, store in stores:
                 store.ref_logps = precompute_reference_logps(
                     reference, store, seq_len, micro_batch_size, devinfo, distinfo,
                     f"reference log-probs ({name})", progress)
             reference = None  # every batch now carries its reference log-probs: the model is not needed
+        else:
+            reference = frozen(reference)  # live: called in every micro-batch's loss, alike on every process
         bind(model, settings.beta, settings.label_smoothing, reference, settings.rpo_alpha)
 
     return bind_model

@@ -273,13 +273,14 @@ def build_grpo_data(cfg, distinfo: DistInfo) -> TrainData:
     held = (HeldOutPrompts(val, tokenizer, rewards, eval_tokens, s.generation_batch_size, distinfo.rank,
                            distinfo.world_size) if val.ids else None)
 
-    def bind(model: Any, devinfo: Any) -> None:
+    def bind(model: Any, devinfo: Any, frozen: Any) -> None:
         reference = None
         if reference_dir is not None:
             from lmforge.models import load_model
 
-            reference = load_model(reference_dir, map_location=devinfo.device).eval().requires_grad_(False)
-        rewards.to(devinfo.device)
+            reference = frozen(load_model(reference_dir, map_location=devinfo.device).eval().requires_grad_(False))
+        for scorer in rewards.to(devinfo.device).models():
+            frozen(scorer)
         loader.bind(model, devinfo, reference)
         if held is not None:
             held.bind(model)

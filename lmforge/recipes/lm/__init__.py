@@ -57,4 +57,5 @@ SPEC = register(RecipeSpec(
                         help="continue a prompt, streaming tokens"),
     bench_data=bench_data,
     supports_fsdp=True,
+    supports_cuda_graphs=True,
 ))
