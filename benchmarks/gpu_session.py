@@ -69,6 +69,9 @@ STEPS: list[tuple[str, list[str], int, int]] = [
     # CUDA graphs for the idle time between kernels (training.compile_mode=reduce-overhead; micro-batch 16)
     ("bench_124m_graphs", [PY, "-m", "lmforge", "bench", *GPT2_124M, *NO_DROPOUT,
                            "training.compile_mode=reduce-overhead", *GPT2_VOCAB, "--steps", "20", "--json"], 180, 90),
+    # the same on a rotary (Llama-flavor) model, whose cos/sin table must not be a graph output
+    ("mhc_off_125m_graphs", [PY, "-m", "lmforge", "bench", *MHC_125M, "model.mhc_enabled=false",
+                             "training.compile_mode=reduce-overhead", "--steps", "10", "--json"], 150, 60),
     # Inductor's coordinate-descent tuning of its kernels' launch settings (longer compile)
     ("bench_124m_cdt", ["env", "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1", PY, "-m", "lmforge", "bench", *GPT2_124M,
                         *NO_DROPOUT, *GPT2_VOCAB, "--steps", "20", "--json"], 240, 120),

@@ -422,6 +422,10 @@ def validate_run_config(cfg: RunConfig) -> None:
         (t.compile_mode not in GRAPH_MODES or t.parallel == "ddp",
          f"training.compile_mode={t.compile_mode} (CUDA graphs) with training.parallel={t.parallel} is not supported: "
          "FSDP moves the gathered weights between uses; use compile_mode=default or max-autotune-no-cudagraphs"),
+        (t.compile_mode not in GRAPH_MODES or cfg.spec.supports_cuda_graphs,
+         f"training.compile_mode={t.compile_mode} (CUDA graphs) is built for the kinds: "
+         f"{', '.join(k.name for k in kinds() if k.supports_cuda_graphs)}; the {cfg.kind!r} kind reads its compiled "
+         "step's outputs later (or is untested with them): use compile_mode=default or max-autotune-no-cudagraphs"),
         (t.compile_mode not in GRAPH_MODES or t.grad_accum_steps == 1,
          f"training.compile_mode={t.compile_mode} (CUDA graphs) needs training.grad_accum_steps=1: a replay reuses "
          "the memory of the last micro-batch's gradients; raise micro_batch_size instead"),

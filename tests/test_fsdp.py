@@ -292,6 +292,52 @@ dist.destroy_process_group()
 '''
 
 
+_FROZEN = '''
+import torch
+import torch.distributed as dist
+
+from lmforge.models.gpt import GPT, GPTConfig
+from lmforge.train import fsdp
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+trained = GPT(GPTConfig(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2))
+how = fsdp.layout("fsdp", torch.device("cpu"), 2, None, False)
+fsdp.shard(trained, trained, how, None)
+frozen = GPT(GPTConfig(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2)).requires_grad_(False)
+whole = sum(p.numel() for p in frozen.parameters())
+modules = fsdp.shard_frozen(frozen, how)
+local = lambda: sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in frozen.parameters())
+fsdp.release(modules)  # before any call: a run resumed in mid-rollout trains a step first
+at_rest = local()
+order = modules[-1]._get_fsdp_state()._fsdp_param_group.comm_ctx.post_forward_order
+for step in range(3):  # dpo's live reference: called in each step's loss, outside gathered
+    with torch.no_grad():
+        frozen.hidden_states(torch.randint(0, 64, (2, 8)))
+    called = local()
+    remembered = len(order)
+    fsdp.release(modules)
+    assert remembered > 0 and not order, (remembered, order)
+    assert called > at_rest == local(), (called, at_rest, local())
+assert at_rest <= whole // 2 + 64, (at_rest, whole)
+print(f"rank {dist.get_rank()}: frozen {at_rest} of {whole}", flush=True)
+'''
+
+
+def test_a_frozen_model_is_sharded_at_rest_and_released_after_each_step(tmp_path):
+    """A frozen model (a reference) keeps 1 / world_size of its weights; called outside ``gathered`` it
+    gathers them, and ``release`` after the step frees its root's weights and FSDP's record of its
+    forwards (which only a backward would clear), even before its first call."""
+    import sys
+
+    script = tmp_path / "frozen.py"
+    script.write_text(_FROZEN)
+    done = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)],
+               timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("frozen") == 2, done.stdout
+
+
 def test_calls_on_gathered_weights_leave_the_compiled_blocks_to_training(tmp_path):
     """With training.compile the blocks are compiled in place; a rollout or an evaluation on the gathered
     weights (many shapes, no gradients) must run them eagerly, or it uses up torch.compile's recompile

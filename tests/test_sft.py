@@ -334,7 +334,7 @@ def test_sft_bad_input_is_refused_before_training(tokenizer, base_checkpoint, tm
         load_config(values={"kind": "sft", "recipe": {"assistant_turns": "first"}})
     with pytest.raises(LMForgeError, match=r"compile_mode=reduce-overhead \(CUDA graphs\) is built for the kinds: lm; "
                                            "the 'sft' kind"):
-        train(sft_config(tmp_path, data, base_checkpoint, compile=True, compile_mode="reduce-overhead"))
+        sft_config(tmp_path, data, base_checkpoint, compile=True, compile_mode="reduce-overhead")
     assert not (tmp_path / "runs" / "sft" / "checkpoints").exists()
 
 

@@ -69,6 +69,11 @@ class LMForgeModel(nn.Module):
     def on_optimizer_step(self) -> None:
         """Called by the loop after every optimizer update."""
 
+    def before_compile(self, device: torch.device) -> None:
+        """Called before the loop compiles the model: build, eagerly, what the model caches on first use (a
+        table kept outside its buffers), so that the compiled step neither stores it, which would make it a
+        graph output (overwritten by the next replay under CUDA graphs), nor recompiles once it exists."""
+
     def averaged_weights(self) -> contextlib.AbstractContextManager:
         """Context in which the model holds the weights to evaluate and save (e.g. an EMA)."""
         return contextlib.nullcontext()

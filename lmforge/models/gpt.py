@@ -808,17 +808,24 @@ class GPT(LMForgeModel):
             x = x.reshape(-1, x.shape[-1])[keep.reshape(-1)]
         return self.norm_f(x), coeffs
 
-    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope_table(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         # The cos/sin table is built once per device in fp32 and kept outside the module's buffers,
         # so model.to(bf16) cannot round it; rows are picked per call (one gather, cheap when decoding).
-        table = self._rope_tables.get(positions.device)
+        table = self._rope_tables.get(device)
         if table is None:
             hd = self.config.head_dim
-            inv_freq = 1.0 / self.config.rope_theta ** (
-                torch.arange(0, hd, 2, device=positions.device, dtype=torch.float32) / hd)
-            freqs = torch.arange(self.config.n_positions, device=positions.device, dtype=torch.float32)[:, None] * inv_freq
+            inv_freq = 1.0 / self.config.rope_theta ** (torch.arange(0, hd, 2, device=device, dtype=torch.float32) / hd)
+            freqs = torch.arange(self.config.n_positions, device=device, dtype=torch.float32)[:, None] * inv_freq
             emb = torch.cat((freqs, freqs), dim=-1)
-            table = self._rope_tables[positions.device] = (emb.cos(), emb.sin())
+            table = self._rope_tables[device] = (emb.cos(), emb.sin())
+        return table
+
+    def before_compile(self, device: torch.device) -> None:
+        if self.pos_embed is None:  # rotary positions
+            self._rope_table(torch.device(device))
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self._rope_table(positions.device)
         cos, sin = table[0][positions].to(dtype), table[1][positions].to(dtype)
         if positions.dim() == 2:  # per-row positions [B, T] (BatchedKVCache): broadcast over heads
             cos, sin = cos[:, None], sin[:, None]

@@ -137,6 +137,9 @@ def shard_frozen(model: nn.Module, how: dict[str, Any]) -> list[nn.Module]:
     modules = shard(model, model, how, compile_mode=None)
     if hasattr(model, "hidden_states"):
         register_fsdp_forward_method(model, "hidden_states")
+    # set up now, as its first forward would: ``release`` may come first (a run resumed in mid-rollout
+    # trains a step before anything calls the model)
+    modules[-1]._get_fsdp_state()._lazy_init()
     return modules
 
 
@@ -182,7 +185,8 @@ def _forget_forwards(modules: list[nn.Module]) -> None:
         group = getattr(m._get_fsdp_state(), "_fsdp_param_group", None)
         if group is not None:
             group._post_forward_indices.clear()
-            group.comm_ctx.post_forward_order.clear()
+            if hasattr(group.comm_ctx, "post_forward_order"):  # made by FSDP's set-up (_lazy_init)
+                group.comm_ctx.post_forward_order.clear()
 
 
 def _options(full: bool = True, offload: bool = True, **kw):

@@ -204,18 +204,14 @@ class Trainer:
         # What each micro-batch runs: the kind's loss on the (compiled) model, as one module's forward,
         # so DDP sees every parameter the loss touches however the kind calls the model (and FSDP's
         # root gathers the weights outside the blocks).
+        if self.t.compile:
+            model.before_compile(devinfo.device)
         compiled = torch.compile(model, mode=self.t.compile_mode) if self.t.compile and not sharding else model
         # CUDA graphs (compile_mode reduce-overhead / max-autotune) are told where each micro-batch starts,
         # so that a replay may reuse the memory of the last one's outputs (read before it: the loss, metrics)
-        graphs = self.t.compile and self.t.compile_mode in GRAPH_MODES
-        if graphs and not self.spec.supports_cuda_graphs:
-            from lmforge.recipes import kinds
-
-            supported = ", ".join(k.name for k in kinds() if k.supports_cuda_graphs)
-            raise LMForgeError(f"training.compile_mode={self.t.compile_mode} (CUDA graphs) is built for the kinds: "
-                               f"{supported}; the {self.spec.name!r} kind reads its compiled step's outputs later "
-                               "(or is untested with them): use compile_mode=default or max-autotune-no-cudagraphs")
-        self._graph_steps = graphs and devinfo.device.type == "cuda"
+        # (the settings that make a replay unsafe are refused by lmforge.config.validate_run_config)
+        self._graph_steps = (self.t.compile and self.t.compile_mode in GRAPH_MODES
+                             and devinfo.device.type == "cuda")
         self.fwd_model: torch.nn.Module = _Objective(compiled, self.spec.loss)
         if sharding:
             if devinfo.precision == "fp16":
