@@ -238,7 +238,8 @@ def run_bench(recipe: str, overrides: list[str], steps: int = 20, warmup: int = 
         lm_loss = lm_loss_path(lm_loss, devinfo.device.type, devinfo.autocast_dtype or torch.float32)
     header = (f"bench {cfg.name}: {devinfo.device} {devinfo.precision}, micro-batch {cfg.training.micro_batch_size}"
               f" x accum {cfg.training.grad_accum_steps} x seq {cfg.data.seq_len}, {steps} timed steps after "
-              f"{warmup} warm-up; compile={cfg.training.compile}; lm_loss={lm_loss or '-'}; MFU vs "
+              f"{warmup} warm-up; compile={cfg.training.compile}"
+              f"{f' ({cfg.training.compile_mode})' if cfg.training.compile else ''}; lm_loss={lm_loss or '-'}; MFU vs "
               f"{devinfo.peak_flops / 1e12:.2f} TFLOP/s ({devinfo.peak_source})")
     if show:
         print(header, flush=True)

@@ -322,6 +322,27 @@ def test_torch_compile_switch_gives_the_same_losses_as_eager(tmp_path, data_dir,
         load_config(str(recipe), [*graphs, "training.parallel=fsdp"])
 
 
+def test_cuda_graph_steps_are_marked_before_each_micro_batch(tmp_path, monkeypatch):
+    """With a CUDA-graph compile mode on CUDA, the loop tells CUDA graphs where each micro-batch starts, before
+    its forward (so a replay may reuse the last one's outputs, all read by then). The mark is CUDA's alone: set
+    here on a CPU trainer as a CUDA run sets it."""
+    from lmforge.bench import _lmforge_stepper
+    from lmforge.device import setup_device
+
+    cfg = load_config("go_coder_tiny", ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.vocab_size=300",
+                                        "data.seq_len=16", "training.micro_batch_size=2", "training.grad_accum_steps=3",
+                                        "training.device=cpu", "training.precision=fp32", "training.peak_flops=1e12"])
+    step, _ = _lmforge_stepper(cfg, setup_device("cpu", "fp32", 1e12), tmp_path)
+    trainer = step.__self__
+    assert trainer._graph_steps is False  # a CPU run, compile off
+    trainer._graph_steps = True
+    events, forward = [], trainer.fwd_model.forward
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: events.append("mark"))
+    trainer.fwd_model.forward = lambda batch: (events.append("forward"), forward(batch))[1]
+    step()
+    assert events == ["mark", "forward"] * 3
+
+
 def test_resume_after_a_lost_checkpoint_keeps_one_tensorboard_point_per_step(tmp_path, data_dir):
     """Steps logged after the checkpoint a run resumes from are logged again; TensorBoard must not
     show them twice (as metrics.jsonl does not)."""
