@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from lmforge.config import load_config
+from lmforge.config import GRAPH_MODES, load_config
 from lmforge.errors import LMForgeError
 from lmforge.models import build_model
 from lmforge.models.losses import lm_loss_path
@@ -106,7 +106,7 @@ def _transformers_stepper(cfg, devinfo: DeviceInfo):
     data = cfg.spec.bench_data(cfg)  # the same seeded batches lmforge times
     scaler = torch.amp.GradScaler(devinfo.device.type, enabled=devinfo.precision == "fp16")
 
-    graphs = t.compile and devinfo.device.type == "cuda" and t.compile_mode in ("reduce-overhead", "max-autotune")
+    graphs = t.compile and devinfo.device.type == "cuda" and t.compile_mode in GRAPH_MODES
 
     def step() -> None:
         for _ in range(t.grad_accum_steps):

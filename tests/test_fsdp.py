@@ -19,6 +19,16 @@ from lmforge.train import train
 
 from .train_helpers import REPO, lmforge_cmd, run, torchrun, write_recipe
 
+
+def script_on_two(tmp_path: Path, code: str, *args: str, timeout: float = 300):
+    """Run ``code`` as a script under ``torchrun --standalone --nproc_per_node=2`` from the repository root."""
+    import sys
+
+    script = tmp_path / "on_two.py"
+    script.write_text(code)
+    return run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+                *args], timeout=timeout, cwd=REPO)
+
 NO_DROPOUT = {"embd_pdrop": 0.0, "resid_pdrop": 0.0, "attn_pdrop": 0.0}
 
 
@@ -229,8 +239,6 @@ except LMForgeError as e:
 def test_a_checkpoint_one_process_cannot_read_stops_both_instead_of_hanging(tmp_path):
     """Process 1 cannot read the checkpoint (another machine without the shared directory); process 0
     can, and would otherwise wait for it inside DCP's collectives."""
-    import sys
-
     from lmforge.models.gpt import GPT, GPTConfig
     from lmforge.train import fsdp
 
@@ -240,10 +248,7 @@ def test_a_checkpoint_one_process_cannot_read_stops_both_instead_of_hanging(tmp_
     model.save_pretrained(good, weights=False)
     fsdp.save_sharded(model, torch.optim.AdamW(model.param_groups(0.1, 1e-3)), good, {"scaler": {}, "model_state": {}},
                       world_size=1, is_main=True)
-    script = tmp_path / "load.py"
-    script.write_text(_LOAD_ON_TWO)
-    done = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-                str(good)], timeout=180, cwd=REPO)
+    done = script_on_two(tmp_path, _LOAD_ON_TWO, str(good), timeout=180)
     assert done.returncode != 0
     assert "rank 1: " in done.stdout and "is not a sharded checkpoint" in done.stdout, done.stdout + done.stderr
     assert f"rank 0: another process could not read the checkpoint {good}" in done.stdout, done.stdout
@@ -328,12 +333,7 @@ def test_a_frozen_model_is_sharded_at_rest_and_released_after_each_step(tmp_path
     """A frozen model (a reference) keeps 1 / world_size of its weights; called outside ``gathered`` it
     gathers them, and ``release`` after the step frees its root's weights and FSDP's record of its
     forwards (which only a backward would clear), even before its first call."""
-    import sys
-
-    script = tmp_path / "frozen.py"
-    script.write_text(_FROZEN)
-    done = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)],
-               timeout=300, cwd=REPO)
+    done = script_on_two(tmp_path, _FROZEN)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("frozen") == 2, done.stdout
 
@@ -342,11 +342,6 @@ def test_calls_on_gathered_weights_leave_the_compiled_blocks_to_training(tmp_pat
     """With training.compile the blocks are compiled in place; a rollout or an evaluation on the gathered
     weights (many shapes, no gradients) must run them eagerly, or it uses up torch.compile's recompile
     limit and the training step falls back to eager."""
-    import sys
-
-    script = tmp_path / "compiled.py"
-    script.write_text(_COMPILED_BLOCKS)
-    done = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)],
-               timeout=300, cwd=REPO)
+    done = script_on_two(tmp_path, _COMPILED_BLOCKS)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("compiled graphs") == 2, done.stdout

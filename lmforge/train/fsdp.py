@@ -185,8 +185,7 @@ def _forget_forwards(modules: list[nn.Module]) -> None:
         group = getattr(m._get_fsdp_state(), "_fsdp_param_group", None)
         if group is not None:
             group._post_forward_indices.clear()
-            if hasattr(group.comm_ctx, "post_forward_order"):  # made by FSDP's set-up (_lazy_init)
-                group.comm_ctx.post_forward_order.clear()
+            group.comm_ctx.post_forward_order.clear()
 
 
 def _options(full: bool = True, offload: bool = True, **kw):

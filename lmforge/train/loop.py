@@ -233,6 +233,7 @@ class Trainer:
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self._window = _Window()
         self._state_mb: float | None = None  # this process's weights + optimizer state, logged once
+        self._frozen_mb: float | None = None  # this process's share of the frozen models' weights
 
         if data.bind_model is not None:
             data.bind_model(model, devinfo, self._keep_frozen)
@@ -596,11 +597,13 @@ class Trainer:
                         train_loss = _mean_across_ranks(read[0] / window.steps, self.dist, self.dev.device)
                         if self._state_mb is None:  # after the first update: the optimizer's state exists
                             self._state_mb = fsdp.local_bytes(self.model, self.optimizer) / 2**20
+                            if self.frozen:
+                                self._frozen_mb = sum(fsdp.local_bytes(m) for m in self.frozen) / 2**20
                         row = {"train/loss": train_loss, "train/lr": lr, "train/grad_norm": read[1],
                                "train/state_mb": self._state_mb, "train/tokens_per_s": tok_s,
                                "train/examples_per_s": examples / seconds, "train/tokens": self.tokens_seen}
-                        if self.frozen:  # this process's share of the frozen models' weights
-                            row["train/frozen_mb"] = sum(fsdp.local_bytes(m) for m in self.frozen) / 2**20
+                        if self._frozen_mb is not None:
+                            row["train/frozen_mb"] = self._frozen_mb
                         mfu = model_flops_utilization(tok_s, flops / max(tokens, 1), self.dev.peak_flops,
                                                       self.dist.world_size) if mfu_trusted else None
                         if mfu is not None:
