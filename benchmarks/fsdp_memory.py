@@ -17,11 +17,12 @@ here: resuming reads the full checkpoint into each process's CPU memory (about 1
 parameter, per process).
 
 The post-training kinds hold more (``KINDS``): a frozen reference (dpo, grpo, ppo) and reward model
-(ppo), a second trained model (ppo's value model), and while a rollout is drawn every model gathered
-whole in bf16 and the decoding's KV cache. Under DDP the frozen models are whole on every GPU in fp32;
-under FSDP they are sharded like the trained ones (fp32 shards, 4 / N bytes per parameter) and gathered
-with them for evaluation and rollouts; dpo's live reference, called in the training step, gathers one
-block at a time there, as the trained model does. The last table gives the largest preset per kind.
+(ppo), a second trained model (ppo's value model), and while a rollout is drawn the decoding's KV cache.
+Under DDP the frozen models are whole on every GPU in fp32; under FSDP they are sharded like the trained
+ones (fp32 shards, 4 / N bytes per parameter). A rollout (grpo, ppo) gathers one model at a time in bf16:
+the policy while it decodes, then each scorer; dpo's evaluation gathers the policy and its reference
+together; dpo's live reference, called in the training step, gathers one block at a time there, as the
+trained model does. The last table gives the largest preset per kind.
 
 A 10% margin is kept for the allocator and CUDA's own context. The parameter counts come from
 lmforge's models built on the meta device. Usage:
@@ -44,7 +45,7 @@ SHAPES = {**PRESETS, "7B": {"flavor": "llama", "n_layer": 32, "n_embd": 4096, "n
 # What each training kind holds beyond one trained model, per GPU: (trained models, frozen models kept
 # for the run, frozen models held whole before training only, whether it decodes rollouts). Frozen models
 # are stored in fp32 (4 bytes per parameter): whole under DDP, sharded under FSDP (lmforge.train.fsdp.
-# shard_frozen); evaluation and a rollout gather every model in bf16 (lmforge.train.fsdp.gathered).
+# shard_frozen); a rollout gathers one model at a time in bf16 (lmforge.train.fsdp.Gatherer).
 KINDS = {
     "lm": (1, 0, 0, False),        # pretraining; sft and reward (a trunk + a scalar head) hold the same
     "dpo": (1, 0, 1, False),       # recipe.reference=precompute: the reference scores every pair, then is freed
@@ -85,9 +86,16 @@ def footprint(preset: str, seq: int, vocab: int, gpus: int, kind: str = "lm", de
     # (embeddings, head) gathered until the step ends, and its fp32 logits (no activations kept: no grad)
     in_step = 2 * block * 2 + 2 * embed * 2 + seq * vocab * 4 if frozen and not rollouts else 0
     training = trained * (16 * params / gpus + 2 * block * (2 + 4) + activations) + frozen_shards + in_step
-    # Evaluation, probes and rollouts run on every model gathered whole in bf16.
-    gathered = ((trained * (16 * params / gpus + 2 * params) + frozen_shards + frozen * 2 * params)
-                + max(seq * vocab * 4, decoding(2)))
+    shards = trained * 16 * params / gpus + frozen_shards
+    if rollouts:
+        # A rollout, and the held-out replies, gather one model at a time in bf16 (ModelHost.gathered): the
+        # policy with its root (which also holds a second trained model's embeddings and head: ppo's value
+        # model) while it decodes, then each scorer over the rollout, one sequence's fp32 logits at a time.
+        nonblock = params - block * layers
+        gathered = shards + 2 * (params + (trained - 1) * nonblock) + max(seq * vocab * 4, decoding(2))
+    else:
+        # Evaluation and probes run on every model gathered whole in bf16.
+        gathered = shards + (trained + frozen) * 2 * params + seq * vocab * 4
     # dpo's precompute: the policy's shards (weights only: AdamW's state comes with the first step)
     # beside the whole reference, scoring pairs.
     precompute = 4 * params / gpus + 4 * params * before + seq * vocab * 4 if before else 0

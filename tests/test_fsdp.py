@@ -329,6 +329,58 @@ print(f"rank {dist.get_rank()}: frozen {at_rest} of {whole}", flush=True)
 '''
 
 
+_GATHERER = '''
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from lmforge.models.gpt import GPTConfig
+from lmforge.recipes.ppo.model import ActorCritic, actor_critic_config
+from lmforge.train import fsdp
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+config = actor_critic_config(GPTConfig(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2), None)
+trained, twin = ActorCritic(config), ActorCritic(config)
+twin.load_state_dict(trained.state_dict())  # stays whole: what the gathered policy must compute
+frozen = ActorCritic(config).policy.requires_grad_(False)
+how = fsdp.layout("fsdp", torch.device("cpu"), 2, None, False)
+gather = fsdp.Gatherer(None)
+gather.add(fsdp.shard(trained, trained, how, None))
+gather.add(fsdp.shard_frozen(frozen, how))
+whole = lambda m: not any(isinstance(p, DTensor) for p in m.parameters())
+sharded = lambda m: all(isinstance(p, DTensor) for p in m.parameters())
+nbytes = lambda *ms: 4 * sum(p.numel() for m in ms for p in m.parameters())
+roots = nbytes(trained) - nbytes(*trained.repeated_blocks())  # embeddings, norms, heads of both parts
+ids = torch.randint(0, 64, (2, 8))
+with gather(trained.policy), torch.no_grad():  # the policy's blocks and the root, nothing else
+    assert whole(trained.policy) and sharded(trained.value.trunk.blocks) and sharded(frozen)
+    assert gather.now == nbytes(trained.policy.blocks) + roots, (gather.now, nbytes(trained.policy.blocks), roots)
+    torch.testing.assert_close(trained.policy.hidden_states(ids), twin.policy.hidden_states(ids))
+    with gather(trained.policy, frozen):  # nested: only what the outer call did not gather
+        assert whole(frozen) and gather.now == nbytes(trained.policy.blocks) + roots + nbytes(frozen)
+    assert whole(trained.policy) and sharded(frozen)  # the outer call's weights are still there
+assert sharded(trained) and sharded(frozen) and gather.now == 0
+assert gather.peak == nbytes(trained.policy.blocks) + roots + nbytes(frozen)
+with pytest.raises(ValueError, match="neither a sharded model"):
+    with gather(twin.policy):
+        pass
+print(f"rank {dist.get_rank()}: gathered one part at a time", flush=True)
+dist.destroy_process_group()
+'''
+
+
+def test_a_call_outside_the_step_gathers_only_the_models_it_names(tmp_path):
+    """``fsdp.Gatherer`` (``ModelHost.gathered``): ppo's policy alone is gathered with its model's root (the
+    value model's blocks and a frozen model stay sharded), computes what the whole model computes, and a
+    nested call gathers only what the outer one did not (leaving the outer's weights in place). The bytes
+    it reports are the full weights it holds; a model it does not hold is refused before any gathering."""
+    done = script_on_two(tmp_path, _GATHERER)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("one part at a time") == 2, done.stdout
+
+
 def test_a_frozen_model_is_sharded_at_rest_and_released_after_each_step(tmp_path):
     """A frozen model (a reference) keeps 1 / world_size of its weights; called outside ``gathered`` it
     gathers them, and ``release`` after the step frees its root's weights and FSDP's record of its

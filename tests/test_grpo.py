@@ -19,7 +19,7 @@ from lmforge.posttrain.rewards import load_rewards
 from lmforge.posttrain.rollout import encode_prompts, group_advantages, read_prompt_rows
 from lmforge.recipes.grpo.data import GRPOSettings, Rollouts
 from lmforge.recipes.grpo.loss import grpo_loss, policy_loss
-from tests.train_helpers import sharded_against_replicated
+from tests.train_helpers import sharded_against_replicated, weight_mb
 
 EPS = 0.2
 BETA = 0.1
@@ -286,6 +286,11 @@ def test_sharded_on_two_processes_draws_rollouts_as_replicated(tool_sft, tmp_pat
     assert first["train/reward_std"] > 0 and first["train/grad_norm"] > 0  # the policy moved before rollout 2
     assert second["train/reward"] != first["train/reward"]
     assert [r["step"] for r in rows["fsdp"] if "eval/reward" in r] == [2, 4]
+    # A rollout gathers one model at a time (the policy to sample, the reward model, the reference), not all
+    models = [weight_mb(tmp_path / "runs" / "fsdp" / "checkpoints" / "best"), weight_mb(tmp_path / "rm"),
+              weight_mb(tool_sft.checkpoint)]
+    gathered = [r["train/gathered_mb"] for r in rows["fsdp"] if "train/gathered_mb" in r]
+    assert gathered and gathered[-1] == pytest.approx(max(models), rel=1e-6), (gathered, models)
 
 
 def test_grpo_settings_are_checked_before_compute(tool_sft, tmp_path):

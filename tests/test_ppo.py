@@ -21,7 +21,7 @@ from lmforge.models import load_model
 from lmforge.models.gpt import GPT
 from lmforge.recipes.ppo.loss import gae, token_rewards, value_loss, whiten
 from lmforge.train import train
-from tests.train_helpers import sharded_against_replicated, torchrun
+from tests.train_helpers import sharded_against_replicated, torchrun, weight_mb
 
 
 # ---- arithmetic ------------------------------------------------------------------------------------
@@ -151,6 +151,17 @@ def test_sharded_on_two_processes_matches_replicated_and_resumes(tmp_path, tool_
     # drawn after the value model and the policy had moved
     assert logged["fsdp"][2]["train/value_mean"] != logged["fsdp"][0]["train/value_mean"]
     assert [r["step"] for r in rows["fsdp"] if "eval/reward" in r] == [2, 4]
+    # A rollout gathers one model at a time: the policy's blocks with the root (the embeddings and heads of
+    # both trained models) to sample, the reference alone, then the value model's blocks with the root.
+    best = runs / "fsdp" / "checkpoints" / "best"
+    policy, value = weight_mb(best), weight_mb(best / "value")
+    roots = weight_mb(best, blocks=False) + weight_mb(best / "value", blocks=False)
+    reference = weight_mb(tool_sft.checkpoint)
+    one_at_a_time = max(weight_mb(best, blocks=True) + roots, reference, weight_mb(best / "value", blocks=True) + roots)
+    gathered = [r["train/gathered_mb"] for r in rows["fsdp"] if "train/gathered_mb" in r]
+    assert gathered and gathered[-1] == pytest.approx(one_at_a_time, rel=1e-6), (gathered, one_at_a_time)
+    assert one_at_a_time < 0.6 * (policy + value + reference)  # all three at once, as before
+    assert not any("train/gathered_mb" in r for r in rows["ddp"])
     (runs / "again" / "checkpoints").mkdir(parents=True)
     shutil.copytree(runs / "fsdp" / "checkpoints" / "step-000002", runs / "again" / "checkpoints" / "step-000002")
     done = torchrun(["train", str(recipe), "name=again", "training.parallel=fsdp", "--resume"], runs / "again")

@@ -198,3 +198,23 @@ def sharded_against_replicated(recipe: Path, runs: Path, *overrides: str, timeou
                 torch.testing.assert_close(mine[k], want[k], rtol=1e-4, atol=1e-5, msg=f"{name}/{part}: {k}")
     return rows
 
+
+
+def weight_mb(directory: Path, blocks: bool | None = None) -> float:
+    """MB (2**20 bytes) of the fp32 weights in ``directory/model.safetensors``: all of them, or only the
+    repeated blocks' (``blocks=True``) or only the rest (embeddings, norms, heads: ``blocks=False``)."""
+    import json
+    import struct
+
+    raw = (Path(directory) / "model.safetensors").read_bytes()
+    header = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+    total = 0
+    for name, entry in header.items():
+        if name == "__metadata__" or (blocks is not None and ("blocks." in name) != blocks):
+            continue
+        assert entry["dtype"] == "F32", (name, entry["dtype"])
+        count = 1
+        for n in entry["shape"]:
+            count *= n
+        total += 4 * count
+    return total / 2**20

@@ -35,6 +35,7 @@ import torch
 from lmforge.errors import LMForgeError
 from lmforge.models.losses import IGNORE_INDEX
 from lmforge.posttrain.packing import PAD_DOCUMENT, ROUND_TO, pack_rows
+from lmforge.recipes import ModelHost
 
 AGGREGATIONS = ("token", "sequence", "fixed")
 # What data.train_path holds for the kinds that sample (for their messages).
@@ -417,7 +418,7 @@ class HeldOutPrompts:
     """A val loader for the RL kinds: greedy replies to held-out prompts, scored by the run's reward
     functions (a ``lmforge.posttrain.rewards.Rewards``). Each batch holds the scores of up to
     ``batch_size`` prompts of this process's share (``rank``, ``rank + world_size``, ...); the kind's
-    loss turns it into figures with ``held_out_figures``. ``bind(model)`` before the first batch."""
+    loss turns it into figures with ``held_out_figures``. ``bind(model, gathered)`` before the first batch."""
 
     def __init__(self, prompts: Prompts, tokenizer: Any, rewards: Any, max_new_tokens: int, batch_size: int,
                  rank: int = 0, world_size: int = 1):
@@ -425,24 +426,30 @@ class HeldOutPrompts:
         self.max_new_tokens, self.batch_size = max_new_tokens, batch_size
         self.mine = list(range(rank, len(prompts.ids), world_size))
         self.model = None
+        self.gathered: Callable[..., Any] = ModelHost().gathered
 
-    def bind(self, model: Any) -> None:
-        self.model = model
+    def bind(self, model: Any, gathered: Callable[..., Any] | None = None) -> None:
+        """``model``: the policy that answers; ``gathered``: ``ModelHost.gathered`` (None: a single process)."""
+        self.model, self.gathered = model, gathered or ModelHost().gathered
 
     @torch.no_grad()
     def iter_eval_batches(self, max_batches: int | None = None) -> Iterator[dict[str, Any]]:
         tok = self.tokenizer
-        for b, start in enumerate(range(0, len(self.mine), self.batch_size)):
-            if max_batches is not None and b >= max_batches:
-                return
-            picked = self.mine[start:start + self.batch_size]
-            done = sample(self.model, [self.prompts.ids[i] for i in picked], tok.eos_id, self.max_new_tokens,
-                          temperature=0, batch_size=self.batch_size)
-            scores = self.rewards.score([self.prompts.rows[i] for i in picked], [tok.decode(c.tokens) for c in done])
-            yield {"eval_rewards": torch.from_numpy(scores.astype(np.float32)),
-                   "eval_total": torch.from_numpy(self.rewards.total(scores).astype(np.float32)),
-                   "eval_ended": torch.tensor([float(c.ended) for c in done]),
-                   "eval_len": torch.tensor([float(len(c.tokens)) for c in done]),
+        starts = list(range(0, len(self.mine), self.batch_size))[:max_batches]
+        parts = [self.mine[start:start + self.batch_size] for start in starts]
+        # All replies first, then all scores: each model is gathered once (under FSDP every process
+        # enters each gathering, whatever its share, even none).
+        with self.gathered(self.model):
+            done = [sample(self.model, [self.prompts.ids[i] for i in picked], tok.eos_id, self.max_new_tokens,
+                           temperature=0, batch_size=self.batch_size) for picked in parts]
+        with self.gathered(*self.rewards.models()):
+            scores = [self.rewards.score([self.prompts.rows[i] for i in picked], [tok.decode(c.tokens) for c in d])
+                      for picked, d in zip(parts, done)]
+        for d, s in zip(done, scores):
+            yield {"eval_rewards": torch.from_numpy(s.astype(np.float32)),
+                   "eval_total": torch.from_numpy(self.rewards.total(s).astype(np.float32)),
+                   "eval_ended": torch.tensor([float(c.ended) for c in d]),
+                   "eval_len": torch.tensor([float(len(c.tokens)) for c in d]),
                    "reward_labels": self.rewards.labels}
 
 

@@ -17,6 +17,7 @@ near the top, so the one link from here up to them is this list of names, as wit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import importlib
 import importlib.metadata
@@ -76,15 +77,33 @@ class TrainData:
     on_step: Callable[[int], None] | None = None  # told each optimizer step before its batches are drawn (curricula)
     # Told the model being trained, on its device, before the first step: for kinds whose batches
     # come from the model itself (rollouts of ppo and grpo) or whose loss needs another model (dpo's live
-    # reference). Args: (model, DeviceInfo, frozen). The kind passes each frozen model it keeps for training
-    # (a reference, a reward model) to ``frozen(module)``: under training.parallel fsdp / hsdp that shards it
-    # like the trained model, and the loop gathers it with the trained model for evaluation, probes and
-    # rollouts; outside those, every process must call it alike (as dpo's loss does, once per micro-batch).
-    bind_model: Callable[[Any, Any, Callable[[Any], Any]], None] | None = None
-    # Asked before each ``train.next_batch()`` when the model is sharded (training.parallel fsdp / hsdp):
-    # True when that call samples from the bound model (a new rollout). The loop then gathers the full
-    # weights on every process for the call; every process must answer alike. None: it never does.
-    draws_with_model: Callable[[], bool] | None = None
+    # reference). Args: (model, DeviceInfo, ModelHost): the host keeps the kind's frozen models and
+    # gathers sharded weights for the calls the loop does not make itself (see ``ModelHost``).
+    bind_model: Callable[[Any, Any, ModelHost], None] | None = None
+    # False where the kind's loss on a held-out batch reads only the batch, because the val loader ran the
+    # models itself (inside ``ModelHost.gathered``: grpo's and ppo's held-out replies, scored): evaluation
+    # then gathers nothing. True: the loss calls the model, which evaluation gathers whole under FSDP.
+    eval_loss_reads_model: bool = True
+
+
+class ModelHost:
+    """What ``TrainData.bind_model`` is handed beside the model: how a kind keeps other models and runs
+    models outside the training step. This base is what a single process (or DDP) needs: ``frozen``
+    returns the model as it is and ``gathered`` does nothing. Under ``training.parallel`` fsdp / hsdp the
+    loop hands a host that shards and gathers (``lmforge.train.loop``)."""
+
+    def frozen(self, module: Any) -> Any:
+        """Keep a frozen model for the run (a reference, a reward model); returns it. Sharded like the
+        trained model under FSDP: outside ``gathered`` only its ``forward`` (and ``hidden_states``) may be
+        called then, alike on every process (as dpo's loss calls its live reference, once per micro-batch)."""
+        return module
+
+    def gathered(self, *modules: Any) -> contextlib.AbstractContextManager:
+        """Context in which ``modules`` (the trained model or a part of it, such as ppo's policy; frozen
+        models) hold their full weights on this process, and nothing else is gathered for them. Inside it
+        the plain modules may be called any number of times, a different number on each process (a
+        rollout, held-out replies). Every process must enter it alike, even with no work of its own."""
+        return contextlib.nullcontext()
 
 
 @dataclass(frozen=True)
@@ -137,8 +156,8 @@ class RecipeSpec:
     # model in and wraps in DDP, so it may call the model (or its methods) as often as it needs.
     loss: Callable[[Any, dict[str, Any]], tuple[Any, dict[str, Any]]] = _call_model
     ddp_find_unused_parameters: bool = False  # some parameters get no gradient in some steps
-    # training.parallel fsdp/hsdp (lmforge.train.fsdp) is tested with this kind: its model has repeated_blocks()
-    # and one weights file, and its data calls the model only where draws_with_model says so
+    # training.parallel fsdp/hsdp (lmforge.train.fsdp) is tested with this kind: its model has repeated_blocks(),
+    # and its data calls models outside the training step only inside ModelHost.gathered
     supports_fsdp: bool = False
     # training.compile_mode reduce-overhead / max-autotune (CUDA graphs) is safe with this kind: no output of
     # its compiled step (a carried state, a cache) is read after the next micro-batch's replay
@@ -262,6 +281,6 @@ def family_of_config(config: Any) -> str:
     raise LMForgeError(f"no model family takes a config of type {type(config).__name__}")
 
 
-__all__ = ["BUILTIN", "DEFAULT_KIND", "CLIOptions", "Counts", "Probe", "RecipeSpec", "TrainData", "default_kind",
+__all__ = ["BUILTIN", "DEFAULT_KIND", "CLIOptions", "Counts", "ModelHost", "Probe", "RecipeSpec", "TrainData", "default_kind",
            "families", "family_of_config", "flops_per_token", "get_kind", "kind_of_family", "kinds", "model_class",
            "register"]

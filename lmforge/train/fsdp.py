@@ -14,15 +14,17 @@ forward is what each micro-batch calls, so it holds the rest (embeddings, final 
 and gradients are reduced in fp32 (``MixedPrecisionPolicy``). ``training.fsdp_offload`` keeps the
 shards of weights, gradients and optimizer state in CPU memory, for GPUs that cannot hold even those.
 A kind's frozen models (dpo's live reference, grpo's and ppo's reference, a reward model that scores
-rollouts) are sharded the same way (``shard_frozen``) and gathered with the trained model.
+rollouts) are sharded the same way (``shard_frozen``).
 
 Everything that is not a training step works on full weights. This covers evaluation, a kind's
-probe (generation), and ``best/``:
+probe (generation), rollouts and ``best/``:
 
-- ``gathered`` puts the full weights (in the compute dtype) on every process (the loop enters it for the
-  trained model and each frozen one together: ``Trainer.full_weights``). Code inside it calls
-  the plain model, a different number of times on each process if it likes, with no collective.
-  Rollouts (grpo, ppo) are drawn inside it too (``TrainData.draws_with_model``).
+- ``gathered`` puts the full weights (in the compute dtype) of some of a model's sharded modules on every
+  process. Code inside it calls the plain model, a different number of times on each process if it likes,
+  with no collective. The loop (``Trainer.gathered``) picks the modules a call needs: evaluation and probes
+  gather the trained model and the frozen ones together; a rollout (grpo, ppo) gathers one model at a time
+  (the policy while it samples, then each scorer: ``ModelHost.gathered``), so beside the shards it holds
+  one model's blocks at a time (and the root's weights: embeddings and heads).
 - ``full_model_state`` / ``full_optimizer_state`` gather the fp32 weights and the optimizer state on
   process 0, in exactly the form a single-process run saves: ``best/`` (weights only) and, with
   ``training.fsdp_checkpoint: gathered``, the step checkpoints are the ordinary files.
@@ -127,10 +129,9 @@ def shard(root: nn.Module, model: nn.Module, how: dict[str, Any], compile_mode: 
 def shard_frozen(model: nn.Module, how: dict[str, Any]) -> list[nn.Module]:
     """Shard a frozen model (a reference, a reward model scoring rollouts) as the trained one is sharded,
     block by block and its root; returns its sharded modules, root last. Each process then holds
-    1 / world_size of its weights at rest, and gathers them whole inside ``gathered`` (with the trained
-    model's). Outside it only ``forward`` and ``hidden_states`` (which dpo's live reference calls in the loss)
-    gather the weights, block by block as a training step does, and every process must call them alike;
-    the loop then ``release``s the model after each step. Its other methods (a reward model's ``rewards``)
+    1 / world_size of its weights at rest, and gathers them whole inside ``gathered``. Outside it only
+    ``forward`` and ``hidden_states`` (which dpo's live reference calls in the loss) gather the weights,
+    block by block as a training step does, and every process must call them alike; the loop then ``release``s the model after each step. Its other methods (a reward model's ``rewards``)
     run inside ``gathered`` only."""
     from torch.distributed.fsdp import register_fsdp_forward_method
 
@@ -144,12 +145,15 @@ def shard_frozen(model: nn.Module, how: dict[str, Any]) -> list[nn.Module]:
 
 
 @contextlib.contextmanager
-def gathered(modules: list[nn.Module]) -> Iterator[None]:
-    """Full weights (in the compute dtype) on every process while inside; no collective runs inside,
-    so each process may call the model as often as it likes. Every process must enter it together."""
+def gathered(modules: list[nn.Module], root: nn.Module | None = None) -> Iterator[None]:
+    """Full weights (in the compute dtype) of ``modules`` (sharded modules of one model: ``shard``'s list, or
+    part of it) on every process while inside; no collective runs inside, so each process may call the model
+    as often as it likes. ``root``: the root of their model (default: ``modules[-1]``). Every process must
+    enter it together."""
+    root = modules[-1] if root is None else root
     # FSDP sets itself up (which module is the root, the shared communication state) in the root's
     # first forward; a rollout drawn before the first step gathers the weights before that forward.
-    modules[-1]._get_fsdp_state()._lazy_init()
+    root._get_fsdp_state()._lazy_init()
     for m in modules:
         m.set_reshard_after_forward(False, recurse=False)
         m.unshard()
@@ -162,10 +166,77 @@ def gathered(modules: list[nn.Module]) -> Iterator[None]:
     finally:
         for m in modules:
             m.reshard()
-        for m in modules[:-1]:
-            m.set_reshard_after_forward(True, recurse=False)  # the blocks free their weights after forward;
-        # the root keeps its own until the backward (FSDP's default for a root module)
+        for m in modules:
+            if m is not root:  # the blocks free their weights after forward; the root keeps its own until
+                m.set_reshard_after_forward(True, recurse=False)  # the backward (FSDP's default for a root)
         _forget_forwards(modules)
+
+
+def gathered_bytes(modules: list[nn.Module], dtype: torch.dtype | None) -> dict[int, int]:
+    """Bytes each of ``shard``'s modules holds while gathered, by ``id``: the full size of the parameters it
+    manages (its own, not its sharded sub-modules'), in ``dtype`` (None: as stored)."""
+    owned = {id(m): {id(p): p for p in m.parameters()} for m in modules}
+    out = {}
+    for m in modules:
+        mine = dict(owned[id(m)])
+        for other in modules:
+            if other is not m and any(x is other for x in m.modules()):
+                for key in owned[id(other)]:
+                    mine.pop(key, None)
+        # a sharded parameter (a DTensor) reports its full shape
+        out[id(m)] = sum(p.numel() * (dtype or p.dtype).itemsize for p in mine.values())
+    return out
+
+
+class Gatherer:
+    """Gathers the full weights of the models a call outside the training step runs (``ModelHost.gathered``),
+    and counts what that holds. ``add`` each sharded model (``shard``'s or ``shard_frozen``'s list, root
+    last). ``peak``: the most bytes of full weights held at once so far (the loop logs it as
+    ``train/gathered_mb``)."""
+
+    def __init__(self, dtype: torch.dtype | None):
+        self.dtype = dtype  # the compute dtype of the gathered weights (None: as stored)
+        self.trees: list[list[nn.Module]] = []
+        self.size: dict[int, int] = {}  # bytes each sharded module holds gathered, by id
+        self.held: set[int] = set()  # the sharded modules gathered now, by id
+        self.now = self.peak = 0
+
+    def add(self, modules: list[nn.Module]) -> None:
+        self.trees.append(modules)
+        self.size.update(gathered_bytes(modules, self.dtype))
+
+    @contextlib.contextmanager
+    def __call__(self, *modules: nn.Module) -> Iterator[None]:
+        """Full weights of ``modules`` (a model ``add``ed, or a part of one: ppo's policy inside its
+        actor-critic) while inside. Of each model's sharded modules it gathers the blocks that hold or lie
+        inside one of ``modules``, and the root (which holds the rest: embeddings, heads), skipping those
+        an enclosing call gathered already. Every process must enter it alike."""
+        trees = [(tree, {id(x) for x in tree[-1].modules()}) for tree in self.trees]
+        stray = [type(m).__name__ for m in modules if not any(id(m) in members for _, members in trees)]
+        if stray:
+            raise ValueError(f"gathered() was given {stray}, which is neither a sharded model nor a part of one "
+                             "(the trained model, or a frozen model kept through ModelHost.frozen)")
+        with contextlib.ExitStack() as stack:
+            for tree, members in trees:
+                root = tree[-1]
+                wanted = [m for m in modules if id(m) in members]
+                inside = {id(x) for m in wanted for x in m.modules()}
+                picked = [s for s in tree if wanted and id(s) not in self.held and
+                          (s is root or id(s) in inside or any(id(m) in {id(x) for x in s.modules()} for m in wanted))]
+                if not picked:
+                    continue
+                stack.enter_context(gathered(picked, root))
+                ids = [id(s) for s in picked]
+                size = sum(self.size[i] for i in ids)
+                self.held.update(ids)
+                self.now += size
+                self.peak = max(self.peak, self.now)
+                stack.callback(self._let_go, ids, size)
+            yield
+
+    def _let_go(self, ids: list[int], size: int) -> None:
+        self.held.difference_update(ids)
+        self.now -= size
 
 
 def release(modules: list[nn.Module]) -> None:

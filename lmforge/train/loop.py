@@ -28,7 +28,7 @@ from lmforge.config import GRAPH_MODES, RunConfig
 from lmforge.device import DeviceInfo, adamw_kernels, model_flops_utilization
 from lmforge.errors import LMForgeError
 from lmforge.models.base import LMForgeModel
-from lmforge.recipes import TrainData
+from lmforge.recipes import ModelHost, TrainData
 from lmforge.safe_state import save_state
 from lmforge.train import fsdp
 from lmforge.train.distributed import DistInfo
@@ -200,6 +200,7 @@ class Trainer:
         # The frozen models the kind keeps (a reference, a reward model), and under FSDP their sharded modules
         self.frozen: list[torch.nn.Module] = []
         self.frozen_sharded: list[list[torch.nn.Module]] = []
+        self._gatherer: fsdp.Gatherer | None = None  # gathers them for calls outside the training step
         sharding = distinfo.enabled and self.t.parallel != "ddp"
         # What each micro-batch runs: the kind's loss on the (compiled) model, as one module's forward,
         # so DDP sees every parameter the loss touches however the kind calls the model (and FSDP's
@@ -225,6 +226,8 @@ class Trainer:
                                        self.t.fsdp_offload)
             self.sharded = fsdp.shard(self.fwd_model, model, self._layout,
                                       self.t.compile_mode if self.t.compile else None)
+            self._gatherer = fsdp.Gatherer(param_dtype)
+            self._gatherer.add(self.sharded)
         # After sharding: FSDP's parameters are this process's shards, and the optimizer keeps state for those.
         self.optimizer = (self.spec.make_optimizer or default_optimizer)(model, cfg, devinfo.device)
         for g in self.optimizer.param_groups:
@@ -236,29 +239,31 @@ class Trainer:
         self._frozen_mb: float | None = None  # this process's share of the frozen models' weights
 
         if data.bind_model is not None:
-            data.bind_model(model, devinfo, self._keep_frozen)
+            data.bind_model(model, devinfo, _TrainerHost(self))
         if distinfo.enabled and not sharding:
             ids = [devinfo.device.index] if devinfo.device.type == "cuda" else None
             self.fwd_model = torch.nn.parallel.DistributedDataParallel(
                 self.fwd_model, device_ids=ids,
                 find_unused_parameters=self.spec.ddp_find_unused_parameters)
 
-    def _keep_frozen(self, module: torch.nn.Module) -> torch.nn.Module:
-        """``TrainData.bind_model``'s ``frozen``: a frozen model the kind keeps for training, sharded like
-        the trained one under FSDP (and gathered with it by ``full_weights``); returns it."""
+    def keep_frozen(self, module: torch.nn.Module) -> torch.nn.Module:
+        """``ModelHost.frozen``: a frozen model the kind keeps for training, sharded like the trained one
+        under FSDP; returns it."""
         self.frozen.append(module)
         if self.sharded:
             self.frozen_sharded.append(fsdp.shard_frozen(module, self._layout))
+            self._gatherer.add(self.frozen_sharded[-1])
         return module
 
-    @contextlib.contextmanager
-    def full_weights(self) -> Iterator[None]:
+    def gathered(self, *modules: torch.nn.Module) -> contextlib.AbstractContextManager:
+        """``ModelHost.gathered``: ``modules`` (the trained model or parts of it, frozen models) hold their
+        full weights on this process while inside (a no-op unless sharded: ``fsdp.Gatherer``)."""
+        return self._gatherer(*modules) if self._gatherer is not None else contextlib.nullcontext()
+
+    def full_weights(self) -> contextlib.AbstractContextManager:
         """Context in which ``self.model`` and the kind's frozen models hold their full weights on this
-        process (a no-op unless sharded): evaluation, probes and rollouts call the plain models inside it."""
-        with contextlib.ExitStack() as stack:
-            for modules in ([self.sharded] if self.sharded else []) + self.frozen_sharded:
-                stack.enter_context(fsdp.gathered(modules))
-            yield
+        process (a no-op unless sharded): evaluation and probes call the plain models inside it."""
+        return self.gathered(self.model, *self.frozen)
 
     # ---- resume ---------------------------------------------------------------------------
     def load_checkpoint(self, path: Path) -> None:
@@ -419,7 +424,9 @@ class Trainer:
         self.model.step_metrics = True  # an evaluation reports the model's diagnostics at every step it runs
         sums: dict[str, torch.Tensor | float] = {}
         weight = 0.0
-        with self.full_weights(), self.model.averaged_weights():
+        # A val loader that runs the models itself gathers them itself (ModelHost.gathered)
+        weights = self.full_weights() if self.data.eval_loss_reads_model else contextlib.nullcontext()
+        with weights, self.model.averaged_weights():
             for batch in self.data.val.iter_eval_batches(self.t.eval_batches or None):
                 w = float(self.spec.eval_weight(batch))  # on the CPU batch
                 batch = _to_device(batch, self.dev.device)
@@ -465,11 +472,8 @@ class Trainer:
         window = self._window
         if self.data.on_step is not None:
             self.data.on_step(self.step)
-        draws = self.data.draws_with_model if self.sharded else None
         for micro in range(accum):
-            # A batch sampled from the model (a rollout) is drawn with the full weights on every process.
-            with self.full_weights() if draws is not None and draws() else contextlib.nullcontext():
-                batch = self.data.train.next_batch()
+            batch = self.data.train.next_batch()  # a rollout gathers the weights it runs (ModelHost.gathered)
             counts = self.spec.count(self.model, batch)  # on the CPU batch: no device synchronisation
             window.tokens += counts.tokens
             window.unseen += counts.tokens
@@ -604,6 +608,8 @@ class Trainer:
                                "train/examples_per_s": examples / seconds, "train/tokens": self.tokens_seen}
                         if self._frozen_mb is not None:
                             row["train/frozen_mb"] = self._frozen_mb
+                        if self._gatherer is not None and self._gatherer.peak:
+                            row["train/gathered_mb"] = self._gatherer.peak / 2**20
                         mfu = model_flops_utilization(tok_s, flops / max(tokens, 1), self.dev.peak_flops,
                                                       self.dist.world_size) if mfu_trusted else None
                         if mfu is not None:
@@ -743,6 +749,19 @@ class Trainer:
         return (f"{what} at step {step}: training stopped before applying "
                 f"that update{skipped}. {where}. Try a lower training.lr, a longer training.warmup_steps, "
                 f"training.grad_clip=1.0, or training.precision=fp32/bf16 instead of fp16.")
+
+
+class _TrainerHost(ModelHost):
+    """The ``ModelHost`` a Trainer hands ``TrainData.bind_model``."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+
+    def frozen(self, module: Any) -> Any:
+        return self.trainer.keep_frozen(module)
+
+    def gathered(self, *modules: Any) -> contextlib.AbstractContextManager:
+        return self.trainer.gathered(*modules)
 
 
 class _Objective(torch.nn.Module):

@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from lmforge.errors import LMForgeError
 from lmforge.posttrain.pairs import PackedPairs, PairStore
+from lmforge.recipes import ModelHost
 from lmforge.recipes.dpo.loss import bind, reference_logps
 from lmforge.train.distributed import DistInfo
 
@@ -62,7 +63,7 @@ def make_binder(settings: Any, reference_dir: Path, stores: list[tuple[str, Pair
     stores' ``ref_logps`` (precompute) or keeps the reference for the loss (live), and binds the loss's
     settings to the policy."""
 
-    def bind_model(model: Any, devinfo: Any, frozen: Any) -> None:
+    def bind_model(model: Any, devinfo: Any, host: ModelHost) -> None:
         from lmforge.models import load_model
 
         reference = load_model(reference_dir, map_location=devinfo.device).eval().requires_grad_(False)
@@ -74,7 +75,7 @@ def make_binder(settings: Any, reference_dir: Path, stores: list[tuple[str, Pair
                     f"reference log-probs ({name})", progress)
             reference = None  # every batch now carries its reference log-probs: the model is not needed
         else:
-            reference = frozen(reference)  # live: called in every micro-batch's loss, alike on every process
+            reference = host.frozen(reference)  # live: called in every micro-batch's loss, alike on every process
         bind(model, settings.beta, settings.label_smoothing, reference, settings.rpo_alpha)
 
     return bind_model

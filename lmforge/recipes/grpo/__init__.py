@@ -44,7 +44,7 @@ SPEC = register(RecipeSpec(
     eval_weight=lambda batch: float(len(batch["eval_total"])),  # held-out figures are means over prompts
     eval=CLIOptions(run=cli.run_eval, add=cli.add_eval_args, uses=("baseline", "batch-size"),
                     help="held-out reward of a checkpoint's greedy replies, by reward function"),
-    supports_fsdp=True,  # rollouts are drawn on the gathered weights (TrainData.draws_with_model)
+    supports_fsdp=True,  # rollouts gather one model at a time (ModelHost.gathered)
 ))
 
 __all__ = ["SPEC", "GRPOSettings"]

@@ -47,7 +47,7 @@ from lmforge.posttrain.rollout import (
     sample,
     sequence_logprobs,
 )
-from lmforge.recipes import TrainData
+from lmforge.recipes import ModelHost, TrainData
 from lmforge.train.distributed import DistInfo
 
 
@@ -108,10 +108,15 @@ class Rollouts:
         self.buffer: dict[str, Any] | None = None  # the current rollout (JSON-able)
         self._batches: list[dict[str, Any]] | None = None  # its micro-batches, built from it
         self.model = self.reference = self.devinfo = None
+        self.gathered: Any = ModelHost().gathered
         self.batches_per_rollout = settings.prompts_per_rollout * settings.group_size // micro_batch_size
 
-    def bind(self, model: Any, devinfo: Any, reference: Any = None) -> None:
+    def bind(self, model: Any, devinfo: Any, reference: Any = None, gathered: Any = None) -> None:
+        """The model being trained, its device, the frozen reference (None: none) and ``ModelHost.gathered``
+        (None: a single process)."""
         self.model, self.devinfo, self.reference = model, devinfo, reference
+        if gathered is not None:
+            self.gathered = gathered
 
     @property
     def row_len(self) -> int:
@@ -128,11 +133,14 @@ class Rollouts:
         # The sampling policy's log-probs are needed once the policy has moved (a second iteration, or a
         # later optimizer step of the same rollout): the sampler keeps them as it draws.
         needs_old = s.iterations > 1 or self.batches_per_rollout > self.accum
-        done = sample(self.model, [self.prompts.ids[p] for p in prompt_of], tok.eos_id, s.max_new_tokens,
-                      temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seeds=seeds,
-                      batch_size=s.generation_batch_size, logprobs=needs_old)
+        # One model's weights at a time (under FSDP, each gathered whole for its part of the rollout)
+        with self.gathered(self.model):
+            done = sample(self.model, [self.prompts.ids[p] for p in prompt_of], tok.eos_id, s.max_new_tokens,
+                          temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seeds=seeds,
+                          batch_size=s.generation_batch_size, logprobs=needs_old)
         texts = [tok.decode(c.tokens) for c in done]
-        scores = self.rewards.score([self.prompts.rows[p] for p in prompt_of], texts)
+        with self.gathered(*self.rewards.models()):
+            scores = self.rewards.score([self.prompts.rows[p] for p in prompt_of], texts)
         self.buffer = {"rollout": self.drawn, "group_size": s.group_size, "prompts": prompt_of,
                        "completions": [c.tokens + [tok.eos_id] if c.ended else c.tokens for c in done],
                        "ended": [c.ended for c in done], "rewards": scores.tolist()}
@@ -143,7 +151,7 @@ class Rollouts:
         self._batches = None
         if s.beta > 0:  # the frozen reference's log-probs, on the micro-batches the update will see
             per_seq: list[Any] = [None] * len(prompt_of)
-            with self.devinfo.autocast():
+            with self.devinfo.autocast(), self.gathered(self.reference):
                 for batch, members in self._build():
                     for i, values in zip(members, sequence_logprobs(self.reference, batch, s.temperature)):
                         per_seq[i] = values.tolist()
@@ -199,7 +207,7 @@ class Rollouts:
         return stats
 
     def will_draw(self) -> bool:
-        """The next ``next_batch()`` samples a new rollout from the model (``TrainData.draws_with_model``)."""
+        """The next ``next_batch()`` samples a new rollout from the model."""
         return self.buffer is None or self.handed >= self.batches_per_rollout * self.s.iterations
 
     def next_batch(self) -> dict[str, Any]:
@@ -273,17 +281,18 @@ def build_grpo_data(cfg, distinfo: DistInfo) -> TrainData:
     held = (HeldOutPrompts(val, tokenizer, rewards, eval_tokens, s.generation_batch_size, distinfo.rank,
                            distinfo.world_size) if val.ids else None)
 
-    def bind(model: Any, devinfo: Any, frozen: Any) -> None:
+    def bind(model: Any, devinfo: Any, host: ModelHost) -> None:
         reference = None
         if reference_dir is not None:
             from lmforge.models import load_model
 
-            reference = frozen(load_model(reference_dir, map_location=devinfo.device).eval().requires_grad_(False))
+            reference = host.frozen(load_model(reference_dir, map_location=devinfo.device).eval()
+                                    .requires_grad_(False))
         for scorer in rewards.to(devinfo.device).models():
-            frozen(scorer)
-        loader.bind(model, devinfo, reference)
+            host.frozen(scorer)
+        loader.bind(model, devinfo, reference, host.gathered)
         if held is not None:
-            held.bind(model)
+            held.bind(model, host.gathered)
 
     if distinfo.is_main:
         for split, n in (("train", long_train), ("val", long_val)):
@@ -296,4 +305,5 @@ def build_grpo_data(cfg, distinfo: DistInfo) -> TrainData:
                    f"rollout and process, rewards {names}" + (f"; {len(val.ids):,} held out" if held else ""))
     return TrainData(train=loader, val=held, description=description,
                      examples_per_epoch=len(train.ids) * s.group_size * s.iterations,
-                     tokenizer_path=tokenizer_file, bind_model=bind, draws_with_model=loader.will_draw)
+                     tokenizer_path=tokenizer_file, bind_model=bind,
+                     eval_loss_reads_model=False)

@@ -41,7 +41,7 @@ SPEC = register(RecipeSpec(
     best_metric="eval/reward",
     best_higher_is_better=True,
     eval_weight=lambda batch: float(len(batch["eval_total"])),  # held-out figures are means over prompts
-    supports_fsdp=True,  # rollouts are drawn on the gathered weights; step checkpoints are gathered (two models)
+    supports_fsdp=True,  # rollouts gather one model at a time; step checkpoints are gathered (two models)
 ))
 
 __all__ = ["SPEC", "PPOSettings"]

@@ -48,7 +48,7 @@ from lmforge.posttrain.rollout import (
     row_length,
     sample,
 )
-from lmforge.recipes import TrainData
+from lmforge.recipes import ModelHost, TrainData
 from lmforge.recipes.ppo.loss import gae, token_rewards, whiten
 from lmforge.recipes.ppo.model import actor_critic_config
 from lmforge.train.distributed import DistInfo
@@ -107,9 +107,14 @@ class PPORollouts:
         self.buffer: dict[str, Any] | None = None  # the current rollout (JSON-able)
         self.per_epoch = settings.prompts_per_rollout // micro_batch_size
         self.model = self.reference = self.devinfo = None
+        self.gathered: Any = ModelHost().gathered
 
-    def bind(self, model: Any, devinfo: Any, reference: Any) -> None:
+    def bind(self, model: Any, devinfo: Any, reference: Any, gathered: Any = None) -> None:
+        """The actor-critic being trained, its device, the frozen reference, and ``ModelHost.gathered``
+        (None: a single process)."""
         self.model, self.devinfo, self.reference = model, devinfo, reference
+        if gathered is not None:
+            self.gathered = gathered
 
     @property
     def row_len(self) -> int:
@@ -128,11 +133,14 @@ class PPORollouts:
         policy, value = self.model.policy, self.model.value
         picked = self.order.take(s.prompts_per_rollout)
         seeds = [completion_seed(self.seed, self.rank, self.drawn, j) for j in range(len(picked))]
-        done = sample(policy, [self.prompts.ids[p] for p in picked], tok.eos_id, s.max_new_tokens,
-                      temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seeds=seeds,
-                      batch_size=s.generation_batch_size, logprobs=True)  # the old log-probs, as sampled
+        # One model's weights at a time (under FSDP, each gathered whole for its part of the rollout)
+        with self.gathered(policy):
+            done = sample(policy, [self.prompts.ids[p] for p in picked], tok.eos_id, s.max_new_tokens,
+                          temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seeds=seeds,
+                          batch_size=s.generation_batch_size, logprobs=True)  # the old log-probs, as sampled
         rows = [self.prompts.rows[p] for p in picked]
-        raw = self.rewards.score(rows, [tok.decode(c.tokens) for c in done])
+        with self.gathered(*self.rewards.models()):
+            raw = self.rewards.score(rows, [tok.decode(c.tokens) for c in done])
         ended = np.asarray([c.ended for c in done])
         scores = self.rewards.total(raw) - s.missing_eos_penalty * ~ended
         completions = [c.tokens + [tok.eos_id] if c.ended else c.tokens for c in done]
@@ -141,23 +149,29 @@ class PPORollouts:
         # The two no-grad passes (the sampler kept the old log-probs), over the rollout in micro-batch-sized packs.
         per_seq: dict[str, list[np.ndarray]] = {"old_logprobs": [np.asarray(c.logprobs, np.float32) for c in done],
                                                 "ref_logprobs": [], "values": []}
+        packs = []
+        for start in range(0, len(picked), self.micro_batch_size):
+            part = slice(start, start + self.micro_batch_size)
+            batch = pack_sequences(prompts[part], completions[part], self.seq_len, row_len=self.row_len)
+            packs.append((batch, {k: (v.to(self.devinfo.device) if torch.is_tensor(v) else v)
+                                  for k, v in batch.items()}))
         was_training = self.model.training
         self.model.eval()
         try:
             from lmforge.posttrain.logprobs import token_logprobs
 
             with self.devinfo.autocast():
-                for start in range(0, len(picked), self.micro_batch_size):
-                    part = slice(start, start + self.micro_batch_size)
-                    batch = pack_sequences(prompts[part], completions[part], self.seq_len, row_len=self.row_len)
-                    dev = {k: (v.to(self.devinfo.device) if torch.is_tensor(v) else v) for k, v in batch.items()}
-                    per_seq["ref_logprobs"] += per_sequence(
-                        token_logprobs(self.reference, dev, temperature=s.temperature), batch)
-                    scored = dev["labels"] != IGNORE_INDEX
-                    values = value.scores(dev["input_ids"], position_ids=dev["position_ids"],
-                                          document_ids=dev["document_ids"],
-                                          keep=scored if scored.device.type == "cpu" else None)
-                    per_seq["values"] += per_sequence(values, batch)
+                with self.gathered(self.reference):
+                    for batch, dev in packs:
+                        per_seq["ref_logprobs"] += per_sequence(
+                            token_logprobs(self.reference, dev, temperature=s.temperature), batch)
+                with self.gathered(value):
+                    for batch, dev in packs:
+                        scored = dev["labels"] != IGNORE_INDEX
+                        values = value.scores(dev["input_ids"], position_ids=dev["position_ids"],
+                                              document_ids=dev["document_ids"],
+                                              keep=scored if scored.device.type == "cpu" else None)
+                        per_seq["values"] += per_sequence(values, batch)
         finally:
             self.model.train(was_training)
 
@@ -213,7 +227,7 @@ class PPORollouts:
         return batch
 
     def will_draw(self) -> bool:
-        """The next ``next_batch()`` samples a new rollout from the policy (``TrainData.draws_with_model``)."""
+        """The next ``next_batch()`` samples a new rollout from the policy."""
         return self.buffer is None or self.handed >= self.batches_per_rollout
 
     def next_batch(self) -> dict[str, Any]:
@@ -330,15 +344,15 @@ def build_ppo_data(cfg, distinfo: DistInfo) -> TrainData:
     held = (HeldOutPrompts(val, tokenizer, rewards, eval_tokens, s.generation_batch_size, distinfo.rank,
                            distinfo.world_size) if val.ids else None)
 
-    def bind(model: Any, devinfo: Any, frozen: Any) -> None:
+    def bind(model: Any, devinfo: Any, host: ModelHost) -> None:
         from lmforge.models import load_model
 
-        reference = frozen(load_model(reference_dir, map_location=devinfo.device).eval().requires_grad_(False))
+        reference = host.frozen(load_model(reference_dir, map_location=devinfo.device).eval().requires_grad_(False))
         for scorer in rewards.to(devinfo.device).models():
-            frozen(scorer)
-        loader.bind(model, devinfo, reference)
+            host.frozen(scorer)
+        loader.bind(model, devinfo, reference, host.gathered)
         if held is not None:
-            held.bind(model.policy)
+            held.bind(model.policy, host.gathered)
 
     if distinfo.is_main:
         for split, n in (("train", long_train), ("val", long_val)):
@@ -353,7 +367,7 @@ def build_ppo_data(cfg, distinfo: DistInfo) -> TrainData:
                    + (f"; {len(val.ids):,} held out" if held else ""))
     return TrainData(train=loader, val=held, description=description,
                      examples_per_epoch=len(train.ids) * s.ppo_epochs, tokenizer_path=tokenizer_file,
-                     bind_model=bind, draws_with_model=loader.will_draw)
+                     bind_model=bind, eval_loss_reads_model=False)
 
 
 def prepare_model(model: Any, cfg: Any) -> None:
