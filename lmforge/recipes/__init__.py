@@ -281,6 +281,6 @@ def family_of_config(config: Any) -> str:
     raise LMForgeError(f"no model family takes a config of type {type(config).__name__}")
 
 
-__all__ = ["BUILTIN", "DEFAULT_KIND", "CLIOptions", "Counts", "ModelHost", "Probe", "RecipeSpec", "TrainData", "default_kind",
-           "families", "family_of_config", "flops_per_token", "get_kind", "kind_of_family", "kinds", "model_class",
-           "register"]
+__all__ = ["BUILTIN", "DEFAULT_KIND", "CLIOptions", "Counts", "ModelHost", "Probe", "RecipeSpec", "TrainData",
+           "default_kind", "families", "family_of_config", "flops_per_token", "get_kind", "kind_of_family", "kinds",
+           "model_class", "register"]

@@ -131,7 +131,8 @@ def shard_frozen(model: nn.Module, how: dict[str, Any]) -> list[nn.Module]:
     block by block and its root; returns its sharded modules, root last. Each process then holds
     1 / world_size of its weights at rest, and gathers them whole inside ``gathered``. Outside it only
     ``forward`` and ``hidden_states`` (which dpo's live reference calls in the loss) gather the weights,
-    block by block as a training step does, and every process must call them alike; the loop then ``release``s the model after each step. Its other methods (a reward model's ``rewards``)
+    block by block as a training step does, and every process must call them alike; the loop then
+    ``release``s the model after each step. Its other methods (a reward model's ``rewards``)
     run inside ``gathered`` only."""
     from torch.distributed.fsdp import register_fsdp_forward_method
 
