@@ -3,7 +3,6 @@ and optionally the same GPT-2 config as ``transformers.GPT2LMHeadModel`` with a 
 
 from __future__ import annotations
 
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -17,26 +16,10 @@ from lmforge.models import build_model
 from lmforge.models.losses import lm_loss_path
 from lmforge.train import seed_everything
 from lmforge.device import (DeviceInfo, _sync, adamw_kernels, keep_freed_memory_for_reuse, model_flops_utilization,
-                                   setup_device)
+                            peak_memory_mb, setup_device)
 from lmforge.train.distributed import DistInfo
 from lmforge.recipes import TrainData
 from lmforge.train.loop import Trainer
-
-
-def _peak_memory_mb(device: torch.device) -> float | None:
-    """Peak memory of this process's run, in MiB (the JSON's ``peak_memory_mb``): GPU memory allocated on
-    CUDA, else the process's peak RSS (Linux/macOS; includes the Python and PyTorch baseline of a few
-    hundred MiB)."""
-    if device.type == "cuda":
-        mb = torch.cuda.max_memory_allocated(device) / 2**20
-        torch.cuda.reset_peak_memory_stats(device)
-        return mb
-    try:
-        import resource
-    except ImportError:  # Windows
-        return None
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes on macOS, KiB on Linux
 
 
 def _time_steps(step_fn, steps: int, warmup: int, device: torch.device) -> float:
@@ -138,7 +121,7 @@ def _summary(info: dict[str, Any], cfg, steps: int, seconds: float, devinfo: Dev
     tokens = steps * cfg.training.micro_batch_size * cfg.data.seq_len * cfg.training.grad_accum_steps
     out = {"system": info["system"], "params": info["params"], "tokens_per_s": tokens / seconds,
            **{k: info[k] for k in ("flops_per_token", "flops_per_token_llmc") if k in info},
-           "step_ms": 1000 * seconds / steps, "peak_memory_mb": _peak_memory_mb(devinfo.device)}
+           "step_ms": 1000 * seconds / steps, "peak_memory_mb": peak_memory_mb(devinfo.device, reset=True)}
     mfu = model_flops_utilization(out["tokens_per_s"], info.get("flops_per_token", 0.0), devinfo.peak_flops)
     if mfu is not None and "flops_per_token" in info:  # left out where it would be nonsense (above 100%)
         out["mfu"] = mfu
@@ -165,7 +148,7 @@ def _system_worker(system: str, cfg, devinfo: DeviceInfo, tuned_allocator: bool,
             conn.send(("ready", info))
             while (n := conn.recv()) is not None:
                 conn.send(("timed", _time_steps(step, n, 0, devinfo.device)))
-            conn.send(("done", _peak_memory_mb(devinfo.device)))
+            conn.send(("done", peak_memory_mb(devinfo.device, reset=True)))
     except Exception as e:  # reported by the parent as a clear error
         conn.send(("error", str(e) if isinstance(e, LMForgeError) else f"{type(e).__name__}: {e}"))
 

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import platform
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -207,6 +208,24 @@ def adamw_kernels(device: torch.device) -> dict[str, bool]:
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
     return {"fused": True} if device.type in _get_fused_kernels_supported_devices() else {"foreach": True}
+
+
+def peak_memory_mb(device: torch.device, reset: bool = False) -> float | None:
+    """The most memory this process has held, in MiB: on CUDA the GPU memory allocated by PyTorch (since the
+    start, or the last ``reset``); elsewhere the process's peak resident set (Linux, macOS: it includes the
+    Python and PyTorch baseline of a few hundred MiB and cannot be reset). None where it cannot be read.
+    Reading it does not wait for the device."""
+    if device.type == "cuda":
+        mb = torch.cuda.max_memory_allocated(device) / 2**20
+        if reset:
+            torch.cuda.reset_peak_memory_stats(device)
+        return mb
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes on macOS, KiB on Linux
 
 
 def _sync(device: torch.device) -> None:

@@ -178,6 +178,26 @@ def test_bad_parallel_settings_are_refused(tmp_path, data_dir):
     assert r.returncode != 0 and r.stderr.count("this run is on the CPU already: drop training.fsdp_offload") == 2
 
 
+def test_one_process_under_torchrun_shards_over_a_group_of_one(tmp_path, data_dir):
+    """``torchrun --nproc_per_node=1`` with training.parallel=fsdp runs FSDP over one process (what
+    training.fsdp_offload on one GPU needs) instead of quietly training unsharded: its step checkpoints are
+    one process's shards, evaluation gathers the weights (``train/gathered_mb``), and the losses are the plain
+    run's."""
+    plain = recipe(tmp_path, data_dir, "plain", micro_batch_size=2)
+    assert run(lmforge_cmd("train", str(plain)), cwd=REPO).returncode == 0
+    alone = recipe(tmp_path, data_dir, "alone", micro_batch_size=2, parallel="fsdp")
+    done = torchrun(["train", str(alone)], tmp_path / "runs" / "alone", nproc=1)
+    assert done.returncode == 0, done.stderr[-3000:]
+    a, b = losses(tmp_path / "runs" / "plain"), losses(tmp_path / "runs" / "alone")
+    assert sorted(a) == sorted(b) == list(range(1, 7))
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), step
+    written = tmp_path / "runs" / "alone" / "checkpoints" / "step-000006"
+    assert is_sharded(written) and len(list((written / "shards").iterdir())) == 1
+    assert any("train/gathered_mb" in r for r in rows(tmp_path / "runs" / "alone"))
+    assert not any("train/gathered_mb" in r for r in rows(tmp_path / "runs" / "plain"))
+
+
 def test_a_global_batch_two_processes_cannot_split_stops_every_rank(tmp_path, data_dir):
     bad = recipe(tmp_path, data_dir, "odd", parallel="fsdp", global_batch_size=5)
     r = torchrun(["train", str(bad)], tmp_path / "runs" / "odd", timeout=300)
@@ -379,6 +399,34 @@ def test_a_call_outside_the_step_gathers_only_the_models_it_names(tmp_path):
     done = script_on_two(tmp_path, _GATHERER)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("one part at a time") == 2, done.stdout
+
+
+_EMPTY_SHARE = '''
+import torch
+import torch.distributed as dist
+
+from lmforge.train.distributed import DistInfo
+from lmforge.train.loop import weighted_means
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+info = DistInfo(rank=rank, local_rank=rank, world_size=2)
+# process 0 scored two held-out batches (weights 3 and 1); process 1's share was empty
+sums = {"loss": torch.tensor(2.0 * 3 + 4.0 * 1), "reward": 0.5 * 3 + 1.5 * 1} if rank == 0 else {}
+means = weighted_means(sums, 4.0 if rank == 0 else 0.0, info, torch.device("cpu"))
+assert means == {"loss": 2.5, "reward": 0.75}, means
+assert weighted_means({}, 0.0, info, torch.device("cpu")) == {}  # nobody evaluated anything
+print(f"rank {rank}: {means}", flush=True)
+dist.destroy_process_group()
+'''
+
+
+def test_an_evaluation_share_left_empty_on_one_process_is_averaged_over_the_others(tmp_path):
+    """A held-out set smaller than the processes leaves one with nothing to score: it still reduces the
+    same metrics as the others (a mismatched all-reduce hangs under NCCL) and the means are the others'."""
+    done = script_on_two(tmp_path, _EMPTY_SHARE)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("'loss': 2.5") == 2, done.stdout
 
 
 def test_a_frozen_model_is_sharded_at_rest_and_released_after_each_step(tmp_path):

@@ -52,6 +52,10 @@ def test_train_writes_run_dir_and_tensorboard(tmp_path, data_dir):
     assert [r["step"] for r in evals] == [10, 20]
     assert all(r["eval/bpb"] > 0 and r["eval/ppl"] > 1 for r in evals)
     assert losses(run_dir)[20] < losses(run_dir)[1]
+    # the process's high-water memory (on a CPU its peak resident set): at least the weights + AdamW state, and
+    # never falling
+    peaks = [r["train/peak_memory_mb"] for r in rows if "train/loss" in r]
+    assert len(peaks) == 20 and peaks[0] > rows[0]["train/state_mb"] and peaks == sorted(peaks), peaks[:3]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(run_dir / "tb"))

@@ -199,7 +199,6 @@ def sharded_against_replicated(recipe: Path, runs: Path, *overrides: str, timeou
     return rows
 
 
-
 def weight_mb(directory: Path, blocks: bool | None = None) -> float:
     """MB (2**20 bytes) of the fp32 weights in ``directory/model.safetensors``: all of them, or only the
     repeated blocks' (``blocks=True``) or only the rest (embeddings, norms, heads: ``blocks=False``)."""

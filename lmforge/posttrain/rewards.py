@@ -23,6 +23,7 @@ number per completion is refused with an ``LMForgeError`` naming it, before any 
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib
 import math
@@ -377,12 +378,18 @@ class Rewards:
             out.append(number)
         return out
 
-    def score(self, rows: list[dict[str, Any]], completions: list[str]) -> np.ndarray:
-        """``[N, F]`` raw (unweighted) rewards of ``completions`` (answering ``rows``), one column per function."""
-        if not completions:
-            return np.zeros((0, len(self.functions)))
-        return np.stack([np.asarray(self._call(f, rows, completions), dtype=np.float64) for f in self.functions],
-                        axis=1)
+    def score(self, rows: list[dict[str, Any]], completions: list[str],
+              gathered: Callable[..., Any] | None = None) -> np.ndarray:
+        """``[N, F]`` raw (unweighted) rewards of ``completions`` (answering ``rows``), one column per function.
+        ``gathered``: ``ModelHost.gathered`` of a sharded run; each reward model then scores inside its own
+        gathering, one at a time, and every process must call this alike (even with no completions)."""
+        columns = []
+        for f in self.functions:
+            model = f.fn.model if isinstance(f.fn, RewardModelScore) else None
+            with gathered(model) if gathered is not None and model is not None else contextlib.nullcontext():
+                columns.append(np.asarray(self._call(f, rows, completions), dtype=np.float64) if completions
+                               else np.zeros(0))
+        return np.stack(columns, axis=1)
 
     def total(self, scores: np.ndarray) -> np.ndarray:
         """The weighted sum of each row of ``score``'s result."""

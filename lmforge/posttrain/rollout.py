@@ -442,9 +442,11 @@ class HeldOutPrompts:
         with self.gathered(self.model):
             done = [sample(self.model, [self.prompts.ids[i] for i in picked], tok.eos_id, self.max_new_tokens,
                            temperature=0, batch_size=self.batch_size) for picked in parts]
-        with self.gathered(*self.rewards.models()):
-            scores = [self.rewards.score([self.prompts.rows[i] for i in picked], [tok.decode(c.tokens) for c in d])
-                      for picked, d in zip(parts, done)]
+        # (each reward model is gathered once, for every part's replies together)
+        rows = [self.prompts.rows[i] for picked in parts for i in picked]
+        flat = self.rewards.score(rows, [tok.decode(c.tokens) for d in done for c in d], self.gathered)
+        bounds = np.cumsum([0] + [len(picked) for picked in parts])
+        scores = [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
         for d, s in zip(done, scores):
             yield {"eval_rewards": torch.from_numpy(s.astype(np.float32)),
                    "eval_total": torch.from_numpy(self.rewards.total(s).astype(np.float32)),

@@ -93,14 +93,16 @@ class ModelHost:
     loop hands a host that shards and gathers (``lmforge.train.loop``)."""
 
     def frozen(self, module: Any) -> Any:
-        """Keep a frozen model for the run (a reference, a reward model); returns it. Sharded like the
-        trained model under FSDP: outside ``gathered`` only its ``forward`` (and ``hidden_states``) may be
-        called then, alike on every process (as dpo's loss calls its live reference, once per micro-batch)."""
+        """Keep a frozen model for the run (a reference, a reward model; load it on the CPU) and put it on
+        the run's device; returns it. Under FSDP it is sharded like the trained model, and outside
+        ``gathered`` only its ``forward`` (and ``hidden_states``) may be called, alike on every process (as
+        dpo's loss calls its live reference, once per micro-batch). This base keeps it where it is."""
         return module
 
     def gathered(self, *modules: Any) -> contextlib.AbstractContextManager:
         """Context in which ``modules`` (the trained model or a part of it, such as ppo's policy; frozen
-        models) hold their full weights on this process, and nothing else is gathered for them. Inside it
+        models) hold their full weights on this process; of the rest, only what shares their FSDP root
+        (ppo's value model's embeddings and head, with the policy) is gathered with them. Inside it
         the plain modules may be called any number of times, a different number on each process (a
         rollout, held-out replies). Every process must enter it alike, even with no work of its own."""
         return contextlib.nullcontext()

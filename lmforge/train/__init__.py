@@ -21,6 +21,7 @@ from lmforge.models import build_model
 from lmforge.recipes import TrainData
 from lmforge.tokenizer import CONFIG_FILE, SPECIAL_MAP_FILE, TOKENIZER_FILE
 from lmforge.train.distributed import DistInfo, barrier, check_one_gpu_per_process, init_distributed, shutdown
+from lmforge.train import fsdp
 from lmforge.train.fsdp import check_parallel
 from lmforge.train.loop import Trainer, TrainResult
 
@@ -37,7 +38,7 @@ def train(cfg: RunConfig, resume: bool | str = False, clock: Callable[[], float]
     """Train ``cfg``. ``resume=True`` continues from the run's latest checkpoint (or starts fresh when
     there is none); a path resumes from that checkpoint. ``clock`` is what the loop times itself with
     (tests pass a fake one). Returns a ``TrainResult``."""
-    distinfo = init_distributed(cfg.training.device)
+    distinfo = init_distributed(cfg.training.device, alone=cfg.training.parallel != "ddp")
     try:
         result = _train(cfg, resume, distinfo, clock)
     except BaseException:
@@ -85,7 +86,8 @@ def _train(cfg: RunConfig, resume: bool | str, distinfo: DistInfo, clock: Callab
         _load_initial_weights(model, cfg.training.init_from, distinfo)
     if cfg.training.activation_checkpointing:
         model.set_activation_checkpointing(True)
-    model.to(devinfo.device)
+    if not fsdp.active(cfg.training.parallel):
+        model.to(devinfo.device)  # under FSDP, sharding moves each block's shard there: never the whole model
     seed_everything(cfg.seed + distinfo.rank)  # dropout differs per rank
 
     if distinfo.is_main:

@@ -27,10 +27,11 @@ class DistInfo:
         return self.rank == 0
 
 
-def init_distributed(device_type_hint: str = "auto") -> DistInfo:
-    """Join the process group when launched by torchrun (WORLD_SIZE > 1); no-op otherwise."""
+def init_distributed(device_type_hint: str = "auto", alone: bool = False) -> DistInfo:
+    """Join the process group when launched by torchrun (WORLD_SIZE > 1); no-op otherwise. ``alone``: also
+    for a torchrun job of one process (FSDP shards over a group, even of one: training.fsdp_offload on one GPU)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
+    if world <= 1 and not (alone and "WORLD_SIZE" in os.environ):
         return DistInfo()
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = torch.cuda.is_available() and device_type_hint in ("auto", "cuda") or device_type_hint.startswith("cuda")
@@ -46,7 +47,7 @@ def barrier(info: DistInfo) -> None:
 
 
 def shutdown(info: DistInfo) -> None:
-    if info.enabled and dist.is_initialized():
+    if dist.is_available() and dist.is_initialized():  # init_distributed's group (of one process, too)
         dist.destroy_process_group()
 
 

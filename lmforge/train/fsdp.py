@@ -58,6 +58,14 @@ from lmforge.errors import LMForgeError
 PARALLEL = ("ddp", "fsdp", "hsdp")
 
 
+def active(parallel: str) -> bool:
+    """Whether ``training.parallel`` shards this run: fsdp / hsdp in a torchrun job (of one process, too:
+    ``training.fsdp_offload`` on one GPU), whose process group ``lmforge.train`` has joined."""
+    import torch.distributed as dist
+
+    return parallel != "ddp" and dist.is_available() and dist.is_initialized()
+
+
 def check_parallel(parallel: str, world_size: int, model: nn.Module, spec: Any) -> None:
     """Errors of ``training.parallel`` that need no process group, the same on every rank."""
     if parallel not in PARALLEL:
@@ -67,7 +75,8 @@ def check_parallel(parallel: str, world_size: int, model: nn.Module, spec: Any) 
     if world_size <= 1 and "WORLD_SIZE" not in os.environ:
         raise LMForgeError(f"training.parallel={parallel} shards the model across processes: launch with torchrun, "
                            f"e.g. `torchrun --nproc_per_node 2 -m lmforge train ...` (on one process use "
-                           "training.parallel=ddp, the default)")
+                           "training.parallel=ddp, the default, or torchrun --nproc_per_node 1 for "
+                           "training.fsdp_offload on one GPU)")
     check_kind(parallel, spec, f" ({type(model).__name__})")
     if not (model.repeated_blocks() if hasattr(model, "repeated_blocks") else []):
         raise LMForgeError(f"training.parallel={parallel} shards a model block by block, and this "

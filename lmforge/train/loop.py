@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from lmforge import checkpoint as ckpt
 from lmforge.config import GRAPH_MODES, RunConfig
-from lmforge.device import DeviceInfo, adamw_kernels, model_flops_utilization
+from lmforge.device import DeviceInfo, adamw_kernels, model_flops_utilization, peak_memory_mb
 from lmforge.errors import LMForgeError
 from lmforge.models.base import LMForgeModel
 from lmforge.recipes import ModelHost, TrainData
@@ -201,7 +201,7 @@ class Trainer:
         self.frozen: list[torch.nn.Module] = []
         self.frozen_sharded: list[list[torch.nn.Module]] = []
         self._gatherer: fsdp.Gatherer | None = None  # gathers them for calls outside the training step
-        sharding = distinfo.enabled and self.t.parallel != "ddp"
+        sharding = fsdp.active(self.t.parallel)
         # What each micro-batch runs: the kind's loss on the (compiled) model, as one module's forward,
         # so DDP sees every parameter the loss touches however the kind calls the model (and FSDP's
         # root gathers the weights outside the blocks).
@@ -247,12 +247,15 @@ class Trainer:
                 find_unused_parameters=self.spec.ddp_find_unused_parameters)
 
     def keep_frozen(self, module: torch.nn.Module) -> torch.nn.Module:
-        """``ModelHost.frozen``: a frozen model the kind keeps for training, sharded like the trained one
-        under FSDP; returns it."""
+        """``ModelHost.frozen``: a frozen model the kind keeps for training, put on the run's device: sharded
+        like the trained one under FSDP (which moves each block's shard there, so a model loaded on the CPU
+        is never whole on the GPU), else whole; returns it."""
         self.frozen.append(module)
         if self.sharded:
             self.frozen_sharded.append(fsdp.shard_frozen(module, self._layout))
             self._gatherer.add(self.frozen_sharded[-1])
+        else:
+            module.to(self.dev.device)
         return module
 
     def gathered(self, *modules: torch.nn.Module) -> contextlib.AbstractContextManager:
@@ -438,17 +441,8 @@ class Trainer:
                     sums[k] = sums.get(k, 0.0) + v * w
                 weight += w
         self.model.train()
-        keys = sorted(sums)
-        totals = torch.stack([torch.as_tensor(sums[k], dtype=_reduce_dtype(self.dev.device)).to(self.dev.device)
-                              for k in keys] + [torch.tensor(weight, dtype=_reduce_dtype(self.dev.device),
-                                                             device=self.dev.device)])
-        if self.dist.enabled:
-            dist.all_reduce(totals)
-        *values, total = totals.tolist()
-        if total <= 0:
-            return {}
-        means = {k: v / total for k, v in zip(keys, values, strict=True)}
-        return {f"eval/{k}": v for k, v in self.data.derive_eval_metrics(means).items()}
+        means = weighted_means(sums, weight, self.dist, self.dev.device)
+        return {f"eval/{k}": v for k, v in self.data.derive_eval_metrics(means).items()} if means else {}
 
     # ---- training -------------------------------------------------------------------------
     def _set_lr(self, time_progress: float = 0.0) -> float:
@@ -610,6 +604,9 @@ class Trainer:
                             row["train/frozen_mb"] = self._frozen_mb
                         if self._gatherer is not None and self._gatherer.peak:
                             row["train/gathered_mb"] = self._gatherer.peak / 2**20
+                        peak = peak_memory_mb(self.dev.device)  # this process's (rank 0's in the logs)
+                        if peak is not None:
+                            row["train/peak_memory_mb"] = peak
                         mfu = model_flops_utilization(tok_s, flops / max(tokens, 1), self.dev.peak_flops,
                                                       self.dist.world_size) if mfu_trusted else None
                         if mfu is not None:
@@ -788,6 +785,27 @@ def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
 
 def _reduce_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+
+
+def weighted_means(sums: dict[str, Any], weight: float, info: DistInfo, device: torch.device) -> dict[str, float]:
+    """Means over all processes of an evaluation's weighted sums (``sums``: metric -> sum of value x weight,
+    floats or device tensors; ``weight``: the sum of the weights); {} when no process had any weight. A
+    process with nothing to evaluate (a held-out set smaller than the processes) has no sums: the processes
+    first agree on the metrics' names, so every one reduces the same tensor."""
+    keys = sorted(sums)
+    if info.enabled:
+        named: list[Any] = [None] * info.world_size
+        dist.all_gather_object(named, keys)
+        keys = sorted(set().union(*named))
+    dtype = _reduce_dtype(device)
+    totals = torch.stack([torch.as_tensor(sums.get(k, 0.0), dtype=dtype).to(device) for k in keys]
+                         + [torch.tensor(weight, dtype=dtype, device=device)])
+    if info.enabled:
+        dist.all_reduce(totals)
+    *values, total = totals.tolist()
+    if total <= 0:
+        return {}
+    return {k: v / total for k, v in zip(keys, values, strict=True)}
 
 
 def _mean_across_ranks(value: float, info: DistInfo, device: torch.device) -> float:

@@ -66,8 +66,11 @@ def make_binder(settings: Any, reference_dir: Path, stores: list[tuple[str, Pair
     def bind_model(model: Any, devinfo: Any, host: ModelHost) -> None:
         from lmforge.models import load_model
 
-        reference = load_model(reference_dir, map_location=devinfo.device).eval().requires_grad_(False)
-        if settings.reference == "precompute":
+        live = settings.reference == "live"
+        # live: loaded on the CPU, and host.frozen puts it on the device (under FSDP, shard by shard)
+        reference = load_model(reference_dir, map_location="cpu" if live else devinfo.device)
+        reference.eval().requires_grad_(False)
+        if not live:
             # whole on every process while it scores (each its own share, a different number of batches)
             for name, store in stores:
                 store.ref_logps = precompute_reference_logps(

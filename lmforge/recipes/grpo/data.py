@@ -139,8 +139,7 @@ class Rollouts:
                           temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seeds=seeds,
                           batch_size=s.generation_batch_size, logprobs=needs_old)
         texts = [tok.decode(c.tokens) for c in done]
-        with self.gathered(*self.rewards.models()):
-            scores = self.rewards.score([self.prompts.rows[p] for p in prompt_of], texts)
+        scores = self.rewards.score([self.prompts.rows[p] for p in prompt_of], texts, self.gathered)
         self.buffer = {"rollout": self.drawn, "group_size": s.group_size, "prompts": prompt_of,
                        "completions": [c.tokens + [tok.eos_id] if c.ended else c.tokens for c in done],
                        "ended": [c.ended for c in done], "rewards": scores.tolist()}
@@ -286,9 +285,9 @@ def build_grpo_data(cfg, distinfo: DistInfo) -> TrainData:
         if reference_dir is not None:
             from lmforge.models import load_model
 
-            reference = host.frozen(load_model(reference_dir, map_location=devinfo.device).eval()
-                                    .requires_grad_(False))
-        for scorer in rewards.to(devinfo.device).models():
+            # loaded on the CPU: host.frozen puts each on the device (under FSDP, shard by shard)
+            reference = host.frozen(load_model(reference_dir).eval().requires_grad_(False))
+        for scorer in rewards.models():
             host.frozen(scorer)
         loader.bind(model, devinfo, reference, host.gathered)
         if held is not None:

@@ -139,8 +139,7 @@ class PPORollouts:
                           temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seeds=seeds,
                           batch_size=s.generation_batch_size, logprobs=True)  # the old log-probs, as sampled
         rows = [self.prompts.rows[p] for p in picked]
-        with self.gathered(*self.rewards.models()):
-            raw = self.rewards.score(rows, [tok.decode(c.tokens) for c in done])
+        raw = self.rewards.score(rows, [tok.decode(c.tokens) for c in done], self.gathered)
         ended = np.asarray([c.ended for c in done])
         scores = self.rewards.total(raw) - s.missing_eos_penalty * ~ended
         completions = [c.tokens + [tok.eos_id] if c.ended else c.tokens for c in done]
@@ -347,8 +346,9 @@ def build_ppo_data(cfg, distinfo: DistInfo) -> TrainData:
     def bind(model: Any, devinfo: Any, host: ModelHost) -> None:
         from lmforge.models import load_model
 
-        reference = host.frozen(load_model(reference_dir, map_location=devinfo.device).eval().requires_grad_(False))
-        for scorer in rewards.to(devinfo.device).models():
+        # loaded on the CPU: host.frozen puts each on the device (under FSDP, shard by shard)
+        reference = host.frozen(load_model(reference_dir).eval().requires_grad_(False))
+        for scorer in rewards.models():
             host.frozen(scorer)
         loader.bind(model, devinfo, reference, host.gathered)
         if held is not None:
