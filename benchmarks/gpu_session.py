@@ -48,6 +48,8 @@ MHC_125M = ["rlm_mhc_125m", "training.compile=true", "model.mhc_stream_dtype=aut
 # seed 002's 1.3B with mHC on, as bench_1b runs it with mHC off (a 4x wider stream: ~15 GB more activations)
 MHC_1B = [*LLAMA_1B[:1], *LLAMA_1B[2:], "model.mhc_stream_dtype=autocast", "model.mhc_enabled=true"]
 
+TORCHRUN_ONE = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m", "lmforge"]
+
 # name, command, the most seconds it may take, the fewest worth starting it with
 STEPS: list[tuple[str, list[str], int, int]] = [
     ("env", ["bash", "-c", "nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version "
@@ -72,6 +74,13 @@ STEPS: list[tuple[str, list[str], int, int]] = [
     # the same on a rotary (Llama-flavor) model, whose cos/sin table must not be a graph output
     ("mhc_off_125m_graphs", [PY, "-m", "lmforge", "bench", *MHC_125M, "model.mhc_enabled=false",
                              "training.compile_mode=reduce-overhead", "--steps", "10", "--json"], 150, 60),
+    # FSDP over one process (torchrun --nproc_per_node=1): its overhead against bench_124m, and the sharding
+    # that moves the CPU-built model block by block (first GPU run of that path)
+    ("fsdp_one_124m", [*TORCHRUN_ONE, "bench", *GPT2_124M, *NO_DROPOUT, "training.parallel=fsdp", *GPT2_VOCAB,
+                       "--steps", "20", "--json"], 180, 90),
+    # training.fsdp_offload on one GPU: the 1.3B preset's peak GPU memory against bench_1b's 49.5 GB, and its speed
+    ("offload_1b", [*TORCHRUN_ONE, "bench", *LLAMA_1B, "training.parallel=fsdp", "training.fsdp_offload=true",
+                    "--steps", "5", "--json"], 240, 120),
     # Inductor's coordinate-descent tuning of its kernels' launch settings (longer compile)
     ("bench_124m_cdt", ["env", "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1", PY, "-m", "lmforge", "bench", *GPT2_124M,
                         *NO_DROPOUT, *GPT2_VOCAB, "--steps", "20", "--json"], 240, 120),

@@ -3,6 +3,7 @@ and optionally the same GPT-2 config as ``transformers.GPT2LMHeadModel`` with a 
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -11,14 +12,15 @@ from typing import Any
 import torch
 
 from lmforge.config import GRAPH_MODES, load_config
+from lmforge.device import (DeviceInfo, _sync, adamw_kernels, keep_freed_memory_for_reuse, model_flops_utilization,
+                            peak_memory_mb, setup_device)
 from lmforge.errors import LMForgeError
 from lmforge.models import build_model
 from lmforge.models.losses import lm_loss_path
-from lmforge.train import seed_everything
-from lmforge.device import (DeviceInfo, _sync, adamw_kernels, keep_freed_memory_for_reuse, model_flops_utilization,
-                            peak_memory_mb, setup_device)
-from lmforge.train.distributed import DistInfo
 from lmforge.recipes import TrainData
+from lmforge.train import fsdp, seed_everything
+from lmforge.train.distributed import DistInfo, init_distributed, shutdown
+from lmforge.train.fsdp import check_kind
 from lmforge.train.loop import Trainer
 
 
@@ -35,14 +37,17 @@ def _time_steps(step_fn, steps: int, warmup: int, device: torch.device) -> float
 
 def _lmforge_stepper(cfg, devinfo: DeviceInfo, tmp: Path):
     seed_everything(cfg.seed)
-    model = build_model(cfg.model).to(devinfo.device)
+    model = build_model(cfg.model)
+    if not fsdp.active(cfg.training.parallel):
+        model.to(devinfo.device)  # under FSDP sharding moves it, as in training
     if cfg.training.activation_checkpointing:
         model.set_activation_checkpointing(True)
     seq = cfg.data.seq_len
     data = TrainData(train=cfg.spec.bench_data(cfg), val=None)
     trainer = Trainer(cfg, model, data, devinfo, DistInfo(), tmp)
     model.step_metrics = False  # as training's steps between log lines run
-    info = {"system": "lmforge", "params": model.num_parameters(), "flops_per_token": model.flops_per_token(seq)}
+    info = {"system": "lmforge", "params": model.num_parameters(), "flops_per_token": model.flops_per_token(seq),
+            "sharded": trainer.sharded is not None}
     c = model.config
     if hasattr(c, "n_layer") and hasattr(c, "n_embd"):
         info["flops_per_token_llmc"] = llmc_flops_per_token(info["params"], c.n_layer, c.n_embd, seq)
@@ -54,6 +59,11 @@ def llmc_flops_per_token(params: int, layers: int, width: int, seq_len: int) -> 
     head once) and causal attention counted at half of ``12 L C T``. Beside lmforge's own count, so that
     MFU figures compare with llm.c's and nanochat's."""
     return 6.0 * params + 6.0 * layers * width * seq_len
+
+
+def _sharding(cfg) -> str:
+    t = cfg.training
+    return "" if t.parallel == "ddp" else f"; {t.parallel} over one process{' + CPU offload' if t.fsdp_offload else ''}"
 
 
 def check_comparable_with_transformers(cfg) -> None:
@@ -120,7 +130,7 @@ def bench_lmforge(cfg, steps: int, warmup: int, devinfo: DeviceInfo) -> dict[str
 def _summary(info: dict[str, Any], cfg, steps: int, seconds: float, devinfo: DeviceInfo) -> dict[str, Any]:
     tokens = steps * cfg.training.micro_batch_size * cfg.data.seq_len * cfg.training.grad_accum_steps
     out = {"system": info["system"], "params": info["params"], "tokens_per_s": tokens / seconds,
-           **{k: info[k] for k in ("flops_per_token", "flops_per_token_llmc") if k in info},
+           **{k: info[k] for k in ("flops_per_token", "flops_per_token_llmc", "sharded") if k in info},
            "step_ms": 1000 * seconds / steps, "peak_memory_mb": peak_memory_mb(devinfo.device, reset=True)}
     mfu = model_flops_utilization(out["tokens_per_s"], info.get("flops_per_token", 0.0), devinfo.peak_flops)
     if mfu is not None and "flops_per_token" in info:  # left out where it would be nonsense (above 100%)
@@ -215,6 +225,36 @@ def run_bench(recipe: str, overrides: list[str], steps: int = 20, warmup: int = 
                            "(sudoku_cpu.py, hrgc_vs_plain.py, sft_vs_trl.py)")
     if getattr(cfg.model, "vocab_size", 1) == 0:
         cfg.model.vocab_size = vocab_size
+    distinfo = _join_for_fsdp(cfg, compare_transformers)
+    try:
+        return _run_bench(cfg, steps, warmup, compare_transformers, same_allocator, show)
+    finally:
+        shutdown(distinfo)
+
+
+def _join_for_fsdp(cfg, compare_transformers: bool) -> DistInfo:
+    """With training.parallel fsdp / hsdp, bench times FSDP over one process (its overhead, and
+    training.fsdp_offload's on one GPU): launched by ``torchrun --nproc_per_node=1``, it joins that group."""
+    parallel = cfg.training.parallel
+    if parallel == "ddp":
+        return DistInfo()
+    how = ("`torchrun --standalone --nproc_per_node=1 -m lmforge bench ...`: bench times one process, FSDP over "
+           "a group of one (its overhead, and training.fsdp_offload's); multi-process throughput is logged by "
+           "training (train/tokens_per_s, train/peak_memory_mb)")
+    if compare_transformers:
+        raise LMForgeError(f"--compare-transformers times unsharded models: drop training.parallel={parallel}")
+    if "WORLD_SIZE" not in os.environ:
+        raise LMForgeError(f"lmforge bench with training.parallel={parallel}: launch it as {how}")
+    check_kind(parallel, cfg.spec)
+    distinfo = init_distributed(cfg.training.device, alone=True)
+    if distinfo.world_size > 1:
+        shutdown(distinfo)
+        raise LMForgeError(f"lmforge bench was started on {distinfo.world_size} processes; launch it as {how}")
+    return distinfo
+
+
+def _run_bench(cfg, steps: int, warmup: int, compare_transformers: bool, same_allocator: bool,
+               show: bool) -> dict[str, Any]:
     devinfo = setup_device(cfg.training.device, cfg.training.precision, cfg.training.peak_flops)
     lm_loss = getattr(cfg.model, "lm_loss", None)
     if lm_loss is not None:  # the path ``auto`` resolves to here, so a figure says which loss it timed
@@ -222,7 +262,8 @@ def run_bench(recipe: str, overrides: list[str], steps: int = 20, warmup: int = 
     header = (f"bench {cfg.name}: {devinfo.device} {devinfo.precision}, micro-batch {cfg.training.micro_batch_size}"
               f" x accum {cfg.training.grad_accum_steps} x seq {cfg.data.seq_len}, {steps} timed steps after "
               f"{warmup} warm-up; compile={cfg.training.compile}"
-              f"{f' ({cfg.training.compile_mode})' if cfg.training.compile else ''}; lm_loss={lm_loss or '-'}; MFU vs "
+              f"{f' ({cfg.training.compile_mode})' if cfg.training.compile else ''}; lm_loss={lm_loss or '-'}"
+              f"{_sharding(cfg)}; MFU vs "
               f"{devinfo.peak_flops / 1e12:.2f} TFLOP/s ({devinfo.peak_source})")
     if show:
         print(header, flush=True)

@@ -198,6 +198,29 @@ def test_one_process_under_torchrun_shards_over_a_group_of_one(tmp_path, data_di
     assert not any("train/gathered_mb" in r for r in rows(tmp_path / "runs" / "plain"))
 
 
+def test_bench_times_fsdp_over_one_process_under_torchrun(tmp_path, capsys):
+    """``lmforge bench ... training.parallel=fsdp`` under ``torchrun --nproc_per_node=1`` times the sharded step
+    (FSDP's overhead, and offload's on one GPU) and says so; started any other way it says how to launch it."""
+    from lmforge.cli import main
+
+    small = ["go_coder_tiny", "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "data.seq_len=16",
+             "training.micro_batch_size=2", "training.peak_flops=1e12", "--steps", "2", "--warmup", "1",
+             "--vocab-size", "300"]
+    done = torchrun(["bench", *small, "training.parallel=fsdp", "--json"], tmp_path / "unused", nproc=1)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout[done.stdout.index("{"):])
+    assert results["runs"][0]["sharded"] is True and results["runs"][0]["tokens_per_s"] > 0
+    assert "fsdp over one process" in done.stdout
+    plain = torchrun(["bench", *small, "--json"], tmp_path / "unused", nproc=1)
+    assert json.loads(plain.stdout[plain.stdout.index("{"):])["runs"][0]["sharded"] is False
+    assert main(["bench", *small, "training.parallel=fsdp"]) != 0
+    assert "launch it as `torchrun --standalone --nproc_per_node=1 -m lmforge bench" in capsys.readouterr().err
+    assert main(["bench", *small, "training.parallel=fsdp", "--compare-transformers"]) != 0
+    assert "--compare-transformers times unsharded models" in capsys.readouterr().err
+    two = torchrun(["bench", *small, "training.parallel=fsdp"], tmp_path / "unused")
+    assert two.returncode != 0 and two.stderr.count("lmforge bench was started on 2 processes") == 2, two.stderr
+
+
 def test_a_global_batch_two_processes_cannot_split_stops_every_rank(tmp_path, data_dir):
     bad = recipe(tmp_path, data_dir, "odd", parallel="fsdp", global_batch_size=5)
     r = torchrun(["train", str(bad)], tmp_path / "runs" / "odd", timeout=300)
