@@ -168,14 +168,20 @@ def main() -> int:
         print(f"== {name} (at most {limit:.0f} s): {' '.join(cmd)}", file=log, flush=True)
         print(f"== {name} (at most {limit:.0f} s)", flush=True)
         t0 = time.monotonic()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env=env)
-            stdout, out, rc = proc.stdout, proc.stdout + proc.stderr, proc.returncode
-        except subprocess.TimeoutExpired as e:
-            stdout = ""
-            out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-            out += (e.stderr or b"").decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
-            rc = "timeout"
+            stdout, stderr = proc.communicate(timeout=limit)
+            out, rc = stdout + stderr, proc.returncode
+        except subprocess.TimeoutExpired:
+            # SIGTERM first: torchrun passes it on to its workers (each in a session of its own, which a
+            # kill of torchrun alone would leave running on the GPU beside the next step)
+            proc.terminate()
+            try:
+                stdout, stderr = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                stdout, stderr = proc.communicate()
+            out, stdout, rc = stdout + stderr, "", "timeout"
         took = time.monotonic() - t0
         print(out, file=log, flush=True)
         parsed = trailing_json(stdout) if rc == 0 else None

@@ -246,7 +246,7 @@ def _join_for_fsdp(cfg, compare_transformers: bool) -> DistInfo:
     if "WORLD_SIZE" not in os.environ:
         raise LMForgeError(f"lmforge bench with training.parallel={parallel}: launch it as {how}")
     check_kind(parallel, cfg.spec)
-    distinfo = init_distributed(cfg.training.device, alone=True)
+    distinfo = init_distributed(cfg.training.device, alone=True, cpu_collectives=cfg.training.fsdp_offload)
     if distinfo.world_size > 1:
         shutdown(distinfo)
         raise LMForgeError(f"lmforge bench was started on {distinfo.world_size} processes; launch it as {how}")

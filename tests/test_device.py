@@ -65,3 +65,22 @@ def test_allocator_tuning_applies_on_glibc_and_can_be_turned_off(monkeypatch):
     assert keep_freed_memory_for_reuse() is False
     monkeypatch.delenv("LMFORGE_MALLOC_TUNING")
     assert keep_freed_memory_for_reuse() is (platform.libc_ver()[0] == "glibc")
+
+
+def test_peak_memory_is_the_process_high_water_mark_in_mib():
+    """On a CPU ``peak_memory_mb`` is the process's peak resident set, in MiB: after touching 800 MiB more than
+    it holds now (read from /proc, in pages), it reports about the resident size then: not KiB, not bytes."""
+    import subprocess
+    import sys
+
+    code = ("import numpy as np, resource, torch; from lmforge.device import peak_memory_mb\n"
+            "resident = lambda: int(open('/proc/self/statm').read().split()[1]) * resource.getpagesize() / 2**20\n"
+            "cpu = torch.device('cpu'); now = resident()\n"
+            "x = np.ones(800 * 2**20 // 8); print(now, resident(), peak_memory_mb(cpu), peak_memory_mb(cpu, reset=True))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    before, after, peak, again = map(float, done.stdout.split())
+    assert after - before > 0.95 * 800, (before, after)  # the array is resident
+    # its peak: the resident size now, in MiB (the kernel's two counts differ by a few pages)
+    assert abs(peak - after) < 0.05 * 800, (after, peak)
+    assert again >= peak  # a process's peak cannot be reset on a CPU

@@ -4,9 +4,11 @@ is not callable, raises, or returns anything but one number per completion is re
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -212,6 +214,27 @@ def test_a_trained_reward_model_is_a_reward_function(tool_sft, tmp_path):
             want = float(model.scores(ids)[0, -1])  # the score at the reply's closing eos, scored alone
         assert math.isclose(score, want, rel_tol=1e-4, abs_tol=1e-5)
     assert len(set(got.round(6).tolist())) == 3
+    # Under FSDP each reward model scores inside its own gathering (ModelHost.gathered), never two at once
+    two = load_rewards([{"name": f"reward_model:{tmp_path / 'rm'}", "label": "a"}, "tool_call",
+                        {"name": f"reward_model:{tmp_path / 'rm'}", "label": "b"}])
+    models = [f.fn.model for f in two.functions if hasattr(f.fn, "model")]
+    held, entered, seen = [], [], []
+
+    @contextlib.contextmanager
+    def gathered(*modules):
+        entered.append(modules)
+        held.extend(modules)
+        try:
+            yield
+        finally:
+            del held[-len(modules):]
+
+    for m in models:
+        m.rewards = (lambda batch, m=m, score=m.rewards: (seen.append((m, list(held))), score(batch))[1])
+    scored = two.score(rows, replies, gathered)
+    assert entered == [(models[0],), (models[1],)] and seen == [(m, [m]) for m in models]
+    np.testing.assert_allclose(scored[:, [0, 2]], np.stack([got, got], axis=1), rtol=1e-5, atol=1e-6)
+    assert two.score([], [], gathered).shape == (0, 3) and len(entered) == 4  # entered alike with nothing to do
     with pytest.raises(LMForgeError, match="not a reward model"):
         load_rewards([f"reward_model:{tool_sft.checkpoint}"])
     with pytest.raises(LMForgeError, match="no such checkpoint"):

@@ -346,9 +346,15 @@ class Rewards:
                 f.fn.to(device)
         return self
 
-    def models(self) -> list[torch.nn.Module]:
-        """The frozen models that score (``reward_model:PATH``), for a sharded run to shard."""
-        return [f.fn.model for f in self.functions if isinstance(f.fn, RewardModelScore)]
+    def place(self, device: torch.device, frozen: Callable[[Any], Any]) -> None:
+        """Put what runs on the training's device: each ``reward_model:PATH``'s model through ``frozen``
+        (``ModelHost.frozen``: whole under DDP, sharded under FSDP), any other function with a ``to``
+        moved to ``device``."""
+        for f in self.functions:
+            if isinstance(f.fn, RewardModelScore):
+                frozen(f.fn.model)
+            elif hasattr(f.fn, "to"):
+                f.fn.to(device)
 
     def _call(self, f: RewardFunction, rows: list[dict[str, Any]], completions: list[str]) -> list[float]:
         try:

@@ -38,7 +38,9 @@ def train(cfg: RunConfig, resume: bool | str = False, clock: Callable[[], float]
     """Train ``cfg``. ``resume=True`` continues from the run's latest checkpoint (or starts fresh when
     there is none); a path resumes from that checkpoint. ``clock`` is what the loop times itself with
     (tests pass a fake one). Returns a ``TrainResult``."""
-    distinfo = init_distributed(cfg.training.device, alone=cfg.training.parallel != "ddp")
+    sharded = cfg.training.parallel != "ddp"
+    distinfo = init_distributed(cfg.training.device, alone=sharded,
+                                cpu_collectives=sharded and cfg.training.fsdp_offload)
     try:
         result = _train(cfg, resume, distinfo, clock)
     except BaseException:

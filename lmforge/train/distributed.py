@@ -17,6 +17,7 @@ class DistInfo:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
+    owns_group: bool = False  # init_distributed started the process group (shutdown ends it)
 
     @property
     def enabled(self) -> bool:
@@ -27,18 +28,25 @@ class DistInfo:
         return self.rank == 0
 
 
-def init_distributed(device_type_hint: str = "auto", alone: bool = False) -> DistInfo:
+def init_distributed(device_type_hint: str = "auto", alone: bool = False, cpu_collectives: bool = False) -> DistInfo:
     """Join the process group when launched by torchrun (WORLD_SIZE > 1); no-op otherwise. ``alone``: also
-    for a torchrun job of one process (FSDP shards over a group, even of one: training.fsdp_offload on one GPU)."""
+    for a torchrun job of one process (FSDP shards over a group, even of one: training.fsdp_offload on one GPU).
+    ``cpu_collectives``: on GPUs, CPU tensors get collectives too (gloo beside nccl), which
+    training.fsdp_offload's gradient norm over CPU-held shards needs."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1 and not (alone and "WORLD_SIZE" in os.environ):
         return DistInfo()
+    missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise LMForgeError(f"WORLD_SIZE is set but not {', '.join(missing)}: launch the job with torchrun "
+                           "(e.g. `torchrun --standalone --nproc_per_node 2 -m lmforge train ...`), which sets them")
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = torch.cuda.is_available() and device_type_hint in ("auto", "cuda") or device_type_hint.startswith("cuda")
-    if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo",
-                                timeout=datetime.timedelta(minutes=30))
-    return DistInfo(rank=rank, local_rank=local_rank, world_size=world)
+    owns = not dist.is_initialized()
+    if owns:
+        backend = ("cpu:gloo,cuda:nccl" if cpu_collectives else "nccl") if use_cuda else "gloo"
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
+    return DistInfo(rank=rank, local_rank=local_rank, world_size=world, owns_group=owns)
 
 
 def barrier(info: DistInfo) -> None:
@@ -47,7 +55,8 @@ def barrier(info: DistInfo) -> None:
 
 
 def shutdown(info: DistInfo) -> None:
-    if dist.is_available() and dist.is_initialized():  # init_distributed's group (of one process, too)
+    """End the process group ``init_distributed`` started (of one process, too); a caller's own is left."""
+    if info.owns_group and dist.is_initialized():
         dist.destroy_process_group()
 
 

@@ -495,7 +495,8 @@ class Trainer:
         # The norm is computed even without clipping: it is logged and checked for NaN/Inf.
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.t.grad_clip if self.t.grad_clip > 0 else math.inf)
         if hasattr(grad_norm, "full_tensor"):  # sharded gradients: a DTensor norm, the same on every process
-            grad_norm = grad_norm.full_tensor()
+            # (on the CPU with training.fsdp_offload, whose gradients live there: joined to the loss on the device)
+            grad_norm = grad_norm.full_tensor().to(self.dev.device)
         return loss_sum / accum, grad_norm, {k: v / accum for k, v in metric_sums.items()}
 
     def apply_update(self) -> None:

@@ -348,8 +348,7 @@ def build_ppo_data(cfg, distinfo: DistInfo) -> TrainData:
 
         # loaded on the CPU: host.frozen puts each on the device (under FSDP, shard by shard)
         reference = host.frozen(load_model(reference_dir).eval().requires_grad_(False))
-        for scorer in rewards.models():
-            host.frozen(scorer)
+        rewards.place(devinfo.device, host.frozen)
         loader.bind(model, devinfo, reference, host.gathered)
         if held is not None:
             held.bind(model.policy, host.gathered)
