@@ -20,8 +20,8 @@ from lmforge.errors import LMForgeError
 from lmforge.models import build_model
 from lmforge.recipes import TrainData
 from lmforge.tokenizer import CONFIG_FILE, SPECIAL_MAP_FILE, TOKENIZER_FILE
-from lmforge.train.distributed import DistInfo, barrier, check_one_gpu_per_process, init_distributed, shutdown
 from lmforge.train import fsdp
+from lmforge.train.distributed import DistInfo, barrier, check_one_gpu_per_process, init_distributed, shutdown
 from lmforge.train.fsdp import check_parallel
 from lmforge.train.loop import Trainer, TrainResult
 
