@@ -11,18 +11,20 @@ micro-batch 1:
   5as²b term for the stored attention scores does not apply: lmforge's SDPA kernels keep no s x s scores);
 - the fp32 logits of the sequence.
 
-FSDP's figure is the larger of a training step and an evaluation. lmforge evaluates (and runs a kind's
-probe) on the whole model gathered in bf16: 2 bytes per parameter on top of the shards. Not counted
-here: resuming reads the full checkpoint into each process's CPU memory (about 12 bytes per
-parameter, per process).
+FSDP's figure is that of a training step: lmforge's evaluation runs the sharded model block by block as
+the step's forward does (every process in step), with no activations kept, so it holds less. (Before,
+it gathered the whole model in bf16 on top of the shards: 2 bytes per parameter, which was the larger
+figure for every kind without rollouts.) Not counted here: resuming reads the full checkpoint into
+each process's CPU memory (about 12 bytes per parameter, per process).
 
 The post-training kinds hold more (``KINDS``): a frozen reference (dpo, grpo, ppo) and reward model
 (ppo), a second trained model (ppo's value model), and while a rollout is drawn the decoding's KV cache.
 Under DDP the frozen models are whole on every GPU in fp32; under FSDP they are sharded like the trained
 ones (fp32 shards, 4 / N bytes per parameter). A rollout (grpo, ppo) gathers one model at a time in bf16:
-the policy while it decodes, then each scorer; dpo's evaluation gathers the policy and its reference
-together; dpo's live reference, called in the training step, gathers one block at a time there, as the
-trained model does. The last table gives the largest preset per kind.
+the policy while it decodes, then each scorer. dpo's live reference, called in the training step,
+gathers one block at a time there, as the trained model does; before training it is gathered whole in
+bf16 once, to fill the held-out pairs' reference log-probs. dpo's precompute scores with the reference
+whole in bf16 (not sharded), freed before training. The last table gives the largest preset per kind.
 
 A 10% margin is kept for the allocator and CUDA's own context. The parameter counts come from
 lmforge's models built on the meta device. Usage:
@@ -94,11 +96,13 @@ def footprint(preset: str, seq: int, vocab: int, gpus: int, kind: str = "lm", de
         nonblock = params - block * layers
         gathered = shards + 2 * (params + (trained - 1) * nonblock) + max(seq * vocab * 4, decoding(2))
     else:
-        # Evaluation and probes run on every model gathered whole in bf16.
-        gathered = shards + (trained + frozen) * 2 * params + seq * vocab * 4
-    # dpo's precompute: the policy's shards (weights only: AdamW's state comes with the first step)
-    # beside the whole reference, scoring pairs.
-    precompute = 4 * params / gpus + 4 * params * before + seq * vocab * 4 if before else 0
+        # Evaluation runs block by block, as the training step's forward: it holds less than the step.
+        gathered = 0
+    # Before training (AdamW's state comes with the first step), beside the policy's fp32 weight shards:
+    # dpo's precompute holds the reference whole in bf16 (ModelHost.scoring) while it scores every pair;
+    # dpo's live reference, its fp32 shards and, gathered whole in bf16, itself, to score the held-out pairs.
+    whole_reference = before or (frozen and not rollouts)
+    precompute = (4 * params / gpus + frozen_shards + 2 * params + seq * vocab * 4) if whole_reference else 0
     fsdp = max(training, gathered, precompute)
     return params, ddp / 0.9, fsdp / 0.9
 

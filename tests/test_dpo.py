@@ -22,7 +22,7 @@ from lmforge.recipes.dpo import SPEC
 from lmforge.recipes.dpo.loss import bind, dpo_loss, pair_logps
 from lmforge.recipes.dpo.reference import score_share
 from lmforge.tokenizer import Tokenizer, train_tokenizer
-from tests.train_helpers import sharded_against_replicated
+from tests.train_helpers import sharded_against_replicated, weight_mb
 
 SEQ_LEN = 512  # the tool_sft model's context
 CPU = DeviceInfo(device=torch.device("cpu"), precision="fp32", peak_flops=1e12, peak_source="test")
@@ -264,8 +264,10 @@ def test_resume_is_exact(tool_sft, prefs, tmp_path, reference):
 @pytest.mark.parametrize("reference", ["precompute", "live"])
 def test_sharded_on_two_processes_matches_replicated(tool_sft, prefs, tmp_path, reference):
     """training.parallel=fsdp: the policy sharded, and the reference too (live, called in each micro-batch's
-    loss and gathered for evaluation) or only its log-probs (precompute); the same losses, held-out DPO
-    figures and weights as DDP, half the state (and of the live reference) per process."""
+    loss) or only its log-probs (precompute); the same losses, held-out DPO figures and weights as DDP, half
+    the state (and of the live reference) per process. Never more than one model's full weights at once:
+    the reference whole before training (scoring every pair, or the held-out ones when live), then the
+    policy alone for evaluation."""
     import yaml
 
     data = tmp_path / "pairs"
@@ -274,12 +276,16 @@ def test_sharded_on_two_processes_matches_replicated(tool_sft, prefs, tmp_path, 
         lines = (prefs / f"{split}.jsonl").read_text().splitlines(keepends=True)[:n]
         (data / f"{split}.jsonl").write_text("".join(lines))
     cfg = dpo_config(tmp_path, data, tool_sft.checkpoint, {"reference": reference}, max_steps=4, micro_batch_size=2,
-                     eval_interval=2, save_interval=2)
+                     eval_interval=2, save_interval=2, log_interval=1)
     recipe = tmp_path / "dpo.yaml"
     recipe.write_text(yaml.safe_dump(cfg.to_dict()))
     rows = sharded_against_replicated(recipe, tmp_path / "runs", frozen=reference == "live")
     evals = [r for r in rows["fsdp"] if "eval/rewards/accuracy" in r]
     assert [r["step"] for r in evals] == [2, 4] and evals[-1]["eval/rewards/margin"] != 0
+    # the policy and its reference have the same shape: each is one model's weights (fp32 on the CPU)
+    one_model = weight_mb(tool_sft.checkpoint)
+    gathered = [(r["step"], r.get("train/gathered_mb")) for r in rows["fsdp"] if "train/loss" in r]
+    assert gathered[0][0] == 1 and all(mb == pytest.approx(one_model, rel=1e-6) for _, mb in gathered), gathered
 
 
 # ---- a real run ------------------------------------------------------------------------------------

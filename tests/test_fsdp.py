@@ -80,8 +80,8 @@ def test_two_sharded_processes_match_one_and_hold_half_the_state(tmp_path, data_
     assert sorted(a) == sorted(b) == list(range(1, 7))
     for s in a:
         assert a[s] == pytest.approx(b[s], rel=1e-5, abs=1e-6), s
-    # Evaluation runs on the gathered weights: the held-out losses of DDP on two processes (each process
-    # scores its own share of the validation rows, as here) at steps 3 and 6.
+    # Evaluation runs the sharded model block by block: the held-out losses of DDP on two processes (each
+    # process scores its own share of the validation rows, as here) at steps 3 and 6.
     ddp = recipe(tmp_path, data_dir, "ddp", **split)
     assert torchrun(["train", str(ddp)], tmp_path / "runs" / "ddp").returncode == 0
     evals = [{r["step"]: r["eval/loss"] for r in rows(tmp_path / "runs" / n) if "eval/loss" in r} for n in ("ddp", "two")]
@@ -181,8 +181,8 @@ def test_bad_parallel_settings_are_refused(tmp_path, data_dir):
 def test_one_process_under_torchrun_shards_over_a_group_of_one(tmp_path, data_dir):
     """``torchrun --nproc_per_node=1`` with training.parallel=fsdp runs FSDP over one process (what
     training.fsdp_offload on one GPU needs) instead of quietly training unsharded: its step checkpoints are
-    one process's shards, evaluation gathers the weights (``train/gathered_mb``), and the losses are the plain
-    run's."""
+    one process's shards, evaluation runs block by block (nothing gathered whole: no ``train/gathered_mb``),
+    and the training and held-out losses are the plain run's."""
     plain = recipe(tmp_path, data_dir, "plain", micro_batch_size=2)
     assert run(lmforge_cmd("train", str(plain)), cwd=REPO).returncode == 0
     alone = recipe(tmp_path, data_dir, "alone", micro_batch_size=2, parallel="fsdp")
@@ -194,8 +194,9 @@ def test_one_process_under_torchrun_shards_over_a_group_of_one(tmp_path, data_di
         assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), step
     written = tmp_path / "runs" / "alone" / "checkpoints" / "step-000006"
     assert is_sharded(written) and len(list((written / "shards").iterdir())) == 1
-    assert any("train/gathered_mb" in r for r in rows(tmp_path / "runs" / "alone"))
-    assert not any("train/gathered_mb" in r for r in rows(tmp_path / "runs" / "plain"))
+    assert not any("train/gathered_mb" in r for n in ("alone", "plain") for r in rows(tmp_path / "runs" / n))
+    evals = [{r["step"]: r["eval/loss"] for r in rows(tmp_path / "runs" / n) if "eval/loss" in r} for n in ("plain", "alone")]
+    assert sorted(evals[0]) == [3, 6] and evals[1] == pytest.approx(evals[0], rel=1e-5)
 
 
 def test_bench_times_fsdp_over_one_process_under_torchrun(tmp_path, capsys):
@@ -468,3 +469,89 @@ def test_calls_on_gathered_weights_leave_the_compiled_blocks_to_training(tmp_pat
     done = script_on_two(tmp_path, _COMPILED_BLOCKS)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("compiled graphs") == 2, done.stdout
+
+
+_WHOLE_ON = '''
+import torch
+import torch.distributed as dist
+
+from lmforge.models.gpt import GPT, GPTConfig
+from lmforge.train import fsdp
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+config = GPTConfig(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2, flavor="llama")
+sharded, whole = GPT(config).requires_grad_(False), GPT(config).requires_grad_(False)
+whole.load_state_dict(sharded.state_dict())
+whole.register_buffer("table", torch.randn(4))  # a buffer: FSDP's mixed precision leaves buffers alone
+modules = fsdp.shard_frozen(sharded, fsdp.layout("fsdp", torch.device("cpu"), 2, torch.bfloat16, False))
+assert fsdp.whole_on(whole, torch.device("cpu"), torch.bfloat16) is whole
+assert {p.dtype for p in whole.parameters()} == {torch.bfloat16} and whole.table.dtype == torch.float32
+ids = torch.randint(0, 64, (2, 8))
+with fsdp.gathered(modules), torch.no_grad():
+    gathered = dict(sharded.named_parameters())
+    for name, p in whole.named_parameters():
+        assert torch.equal(p, gathered[name]), name
+    assert torch.equal(whole.hidden_states(ids), sharded.hidden_states(ids))
+print(f"rank {dist.get_rank()}: whole as gathered", flush=True)
+dist.destroy_process_group()
+'''
+
+
+def test_a_model_put_whole_on_the_device_holds_the_weights_fsdp_would_gather(tmp_path):
+    """``fsdp.whole_on`` (``ModelHost.scoring``: dpo's reference filling its table under FSDP): the
+    parameters in the compute dtype, equal to those a bf16 FSDP gathering holds, buffers left in fp32,
+    and the same outputs."""
+    done = script_on_two(tmp_path, _WHOLE_ON)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("whole as gathered") == 2, done.stdout
+
+
+_LOCKSTEP = '''
+import sys
+
+import torch
+import torch.distributed as dist
+
+from lmforge.models.gpt import GPT, GPTConfig
+from lmforge.train import fsdp
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+config = GPTConfig(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2)
+model, whole = GPT(config).eval(), GPT(config).eval()
+whole.load_state_dict(model.state_dict())
+modules = fsdp.shard(model, model, fsdp.layout("fsdp", torch.device("cpu"), 2, None, False), None)
+gen = torch.Generator().manual_seed(1)
+every = [{"input_ids": torch.randint(0, 64, (2, 8), generator=gen), "labels": torch.randint(0, 64, (2, 8), generator=gen)}
+         for _ in range(4)]
+# process 0 holds three batches; process 1 one, or none
+shares = {"uneven": (every[:3], every[3:]), "empty": (every[:3], [])}[sys.argv[1]]
+mine = shares[rank]
+seen = []
+with torch.no_grad():
+    for batch, counts in fsdp.lockstep(mine, torch.device("cpu")):
+        loss = model(batch)[0]  # the sharded forward: one all-gather per block, as many on both processes
+        seen.append((counts, loss.item(), whole(batch)[0].item()))
+fsdp.release(modules)
+assert len(seen) == 3, seen
+assert [c for c, _, _ in seen] == [True] * len(mine) + [False] * (3 - len(mine)), seen
+assert all(abs(a - b) < 1e-5 for _, a, b in seen), seen
+# a spare batch is a batch of this process (its last) or, with an empty share, process 0's first
+spare = mine[-1] if mine else every[0]
+assert all(abs(loss - whole(spare)[0].item()) < 1e-5 for c, loss, _ in seen if not c), seen
+assert list(fsdp.lockstep([], torch.device("cpu"))) == []  # nobody has anything: no round at all
+print(f"rank {rank}: in step over {len(seen)} batches", flush=True)
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.parametrize("share", ["uneven", "empty"])
+def test_held_out_batches_run_block_by_block_with_every_process_in_step(tmp_path, share):
+    """``fsdp.lockstep`` (evaluation under FSDP): with three held-out batches on one process and one (or
+    none) on the other, both run three sharded forwards (whose collectives would otherwise hang or fail),
+    the figures of the batches that count are a whole model's, and the spare batches are flagged."""
+    done = script_on_two(tmp_path, _LOCKSTEP, share)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("in step over 3 batches") == 2, done.stdout

@@ -22,7 +22,7 @@ import difflib
 import importlib
 import importlib.metadata
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,7 +82,8 @@ class TrainData:
     bind_model: Callable[[Any, Any, ModelHost], None] | None = None
     # False where the kind's loss on a held-out batch reads only the batch, because the val loader ran the
     # models itself (inside ``ModelHost.gathered``: grpo's and ppo's held-out replies, scored): evaluation
-    # then gathers nothing. True: the loss calls the model, which evaluation gathers whole under FSDP.
+    # then gathers nothing. True: the loss calls the model; under FSDP evaluation runs it (and any frozen
+    # model's forward the loss calls) block by block, as a training step does, every process in step.
     eval_loss_reads_model: bool = True
 
 
@@ -106,6 +107,16 @@ class ModelHost:
         the plain modules may be called any number of times, a different number on each process (a
         rollout, held-out replies). Every process must enter it alike, even with no work of its own."""
         return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def scoring(self, module: Any) -> Iterator[Any]:
+        """Context in which a frozen model needed only for a while (dpo's reference filling its table of
+        log-probs before training; load it on the CPU) is whole on the run's device; yields it. Under
+        FSDP it is not sharded: its weights are cast to the compute dtype on the CPU (buffers keep
+        theirs, as FSDP's mixed precision does) and then moved, so it holds what ``gathered`` would
+        hold for it, without the shards beside. Drop it after the block to free it. This base keeps it
+        where it is."""
+        yield module
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,13 @@ probe (generation), rollouts and ``best/``:
 
 - ``gathered`` puts the full weights (in the compute dtype) of some of a model's sharded modules on every
   process. Code inside it calls the plain model, a different number of times on each process if it likes,
-  with no collective. The loop (``Trainer.gathered``) picks the modules a call needs: evaluation and probes
-  gather the trained model and the frozen ones together; a rollout (grpo, ppo) gathers one model at a time
-  (the policy while it samples, then each scorer: ``ModelHost.gathered``), so beside the shards it holds
-  one model's blocks at a time (and the root's weights: embeddings and heads).
+  with no collective. The loop (``Trainer.gathered``) picks the modules a call needs: a probe gathers the
+  trained model; a rollout (grpo, ppo) gathers one model at a time (the policy while it samples, then each
+  scorer: ``ModelHost.gathered``), so beside the shards it holds one model's blocks at a time (and the
+  root's weights: embeddings and heads).
+- Evaluation of a loss on held-out batches gathers nothing whole: it runs the sharded model as a training
+  step's forward does, block by block, with the processes in step (``lockstep``: one that has run out of
+  batches runs a spare one that does not count).
 - ``full_model_state`` / ``full_optimizer_state`` gather the fp32 weights and the optimizer state on
   process 0, in exactly the form a single-process run saves: ``best/`` (weights only) and, with
   ``training.fsdp_checkpoint: gathered``, the step checkpoints are the ordinary files.
@@ -244,9 +247,63 @@ class Gatherer:
                 stack.callback(self._let_go, ids, size)
             yield
 
+    @contextlib.contextmanager
+    def holding(self, size: int) -> Iterator[None]:
+        """Count ``size`` bytes of full weights held while inside (a model whole on the device for a while:
+        ``Trainer.scoring``)."""
+        self.now += size
+        self.peak = max(self.peak, self.now)
+        try:
+            yield
+        finally:
+            self.now -= size
+
     def _let_go(self, ids: list[int], size: int) -> None:
         self.held.difference_update(ids)
         self.now -= size
+
+
+def lockstep(batches: Any, device: torch.device) -> Iterator[tuple[Any, bool]]:
+    """``(batch, counts)`` pairs from this process's held-out ``batches``, as many on every process, so that a
+    sharded model's forward (whose collectives every process must run alike) can score them block by block.
+    A process whose share has run out gets a spare batch to run while the others finish (``counts`` False:
+    its figures are dropped): its last one, or, if its share was empty, the first of the lowest process
+    with one. Ends when every process has run out. One small collective per batch."""
+    import torch.distributed as dist
+
+    it = iter(batches)
+    batch = next(it, None)
+    has = [torch.zeros(1, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(has, torch.tensor([float(batch is not None)], device=device))
+    holders = [rank for rank, flag in enumerate(has) if flag.item()]
+    if not holders:
+        return
+    spare = batch
+    if len(holders) < len(has):  # some share is empty: they borrow a batch to run alongside
+        box = [batch]
+        dist.broadcast_object_list(box, src=holders[0], device=device if device.type == "cuda" else None)
+        spare = batch if batch is not None else box[0]
+    while True:
+        if batch is not None:
+            spare = batch
+        yield (batch if batch is not None else spare), batch is not None
+        batch = next(it, None)
+        left = torch.tensor([float(batch is not None)], device=device)
+        dist.all_reduce(left)
+        if not left.item():
+            return
+
+
+def whole_on(model: nn.Module, device: torch.device, dtype: torch.dtype | None) -> nn.Module:
+    """Put a frozen model (on the CPU) whole on ``device`` with the weights ``gathered`` would give it: its
+    parameters in ``dtype`` (None: as stored), its buffers as they are (rotary tables stay fp32, as under
+    FSDP's mixed precision). The cast comes first, on the CPU, so the fp32 model is never whole on the
+    device. Returns ``model``, changed in place."""
+    if dtype is not None:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.data = p.data.to(dtype)
+    return model.to(device)
 
 
 def release(modules: list[nn.Module]) -> None:

@@ -14,6 +14,7 @@ import math
 import random
 import signal
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -263,10 +264,21 @@ class Trainer:
         full weights on this process while inside (a no-op unless sharded: ``fsdp.Gatherer``)."""
         return self._gatherer(*modules) if self._gatherer is not None else contextlib.nullcontext()
 
+    @contextlib.contextmanager
+    def scoring(self, module: torch.nn.Module) -> Iterator[torch.nn.Module]:
+        """``ModelHost.scoring``: ``module`` whole on the run's device while inside; under FSDP in the compute
+        dtype, counted with the gathered weights (``train/gathered_mb``)."""
+        if self._gatherer is None:
+            yield module.to(self.dev.device)
+            return
+        module = fsdp.whole_on(module, self.dev.device, self._gatherer.dtype)
+        with self._gatherer.holding(sum(p.numel() * p.element_size() for p in module.parameters())):
+            yield module
+
     def full_weights(self) -> contextlib.AbstractContextManager:
-        """Context in which ``self.model`` and the kind's frozen models hold their full weights on this
-        process (a no-op unless sharded): evaluation and probes call the plain models inside it."""
-        return self.gathered(self.model, *self.frozen)
+        """Context in which the trained model holds its full weights on this process (a no-op unless
+        sharded): a probe calls the plain model inside it, as often as it likes."""
+        return self.gathered(self.model)
 
     # ---- resume ---------------------------------------------------------------------------
     def load_checkpoint(self, path: Path) -> None:
@@ -427,19 +439,30 @@ class Trainer:
         self.model.step_metrics = True  # an evaluation reports the model's diagnostics at every step it runs
         sums: dict[str, torch.Tensor | float] = {}
         weight = 0.0
-        # A val loader that runs the models itself gathers them itself (ModelHost.gathered)
-        weights = self.full_weights() if self.data.eval_loss_reads_model else contextlib.nullcontext()
-        with weights, self.model.averaged_weights():
-            for batch in self.data.val.iter_eval_batches(self.t.eval_batches or None):
+        batches = ((b, True) for b in self.data.val.iter_eval_batches(self.t.eval_batches or None))
+        # Under FSDP the loss runs through the sharded root, block by block as in a training step, with the
+        # processes in step; nothing is gathered whole. (A val loader that runs the models itself gathers
+        # them itself: ModelHost.gathered.) The blocks run eagerly, as a plain model's do.
+        by_block = self.sharded is not None and self.data.eval_loss_reads_model
+        if by_block:
+            batches = fsdp.lockstep((b for b, _ in batches), self.dev.device)
+        stance = torch.compiler.set_stance("force_eager") if by_block else contextlib.nullcontext()
+        with stance, self.model.averaged_weights():
+            for batch, counts in batches:
                 w = float(self.spec.eval_weight(batch))  # on the CPU batch
                 batch = _to_device(batch, self.dev.device)
                 with self.dev.autocast():
-                    loss, metrics = self.spec.loss(self.model, batch)
+                    loss, metrics = self.fwd_model(batch) if by_block else self.spec.loss(self.model, batch)
+                if not counts:  # a spare batch run to keep in step with the other processes
+                    continue
                 # Summed where they are (device tensors on the device): one read after the last batch.
                 for k, v in {"loss": loss, **metrics}.items():
                     v = v.detach().to(_reduce_dtype(self.dev.device)) if torch.is_tensor(v) else float(v)
                     sums[k] = sums.get(k, 0.0) + v * w
                 weight += w
+        if by_block:  # a root keeps its gathered weights after a forward, for a backward that will not come
+            for modules in (self.sharded, *self.frozen_sharded):
+                fsdp.release(modules)
         self.model.train()
         means = weighted_means(sums, weight, self.dist, self.dev.device)
         return {f"eval/{k}": v for k, v in self.data.derive_eval_metrics(means).items()} if means else {}
@@ -760,6 +783,9 @@ class _TrainerHost(ModelHost):
 
     def gathered(self, *modules: Any) -> contextlib.AbstractContextManager:
         return self.trainer.gathered(*modules)
+
+    def scoring(self, module: Any) -> contextlib.AbstractContextManager:
+        return self.trainer.scoring(module)
 
 
 class _Objective(torch.nn.Module):

@@ -1,6 +1,6 @@
 """The frozen reference of a dpo run: loaded once the policy is on its device (``TrainData.bind_model``),
 then either used up front to fill every pair's reference log-probs (``precompute``) or kept beside the
-policy for the loss to run on each batch (``live``)."""
+policy for the loss to run on each training batch (``live``; the held-out pairs' are filled up front)."""
 
 from __future__ import annotations
 
@@ -59,26 +59,38 @@ def precompute_reference_logps(reference: Any, store: PairStore, seq_len: int, m
 
 def make_binder(settings: Any, reference_dir: Path, stores: list[tuple[str, PairStore]], seq_len: int,
                 micro_batch_size: int, distinfo: DistInfo, progress: bool):
-    """``TrainData.bind_model`` of a dpo run: loads the reference on the policy's device, fills the
-    stores' ``ref_logps`` (precompute) or keeps the reference for the loss (live), and binds the loss's
-    settings to the policy."""
+    """``TrainData.bind_model`` of a dpo run: loads the reference, fills the stores' ``ref_logps`` and binds
+    the loss's settings to the policy.
+
+    - precompute: the reference scores every pair, whole on the device (``ModelHost.scoring``), and is freed.
+    - live: it is kept for the loss (``ModelHost.frozen``: sharded under FSDP) and runs on every training
+      batch. It still fills the held-out pairs' table once (they never change, nor does it), so an
+      evaluation runs the policy alone: under FSDP only the policy is gathered whole.
+    """
 
     def bind_model(model: Any, devinfo: Any, host: ModelHost) -> None:
         from lmforge.models import load_model
 
         live = settings.reference == "live"
-        # live: loaded on the CPU, and host.frozen puts it on the device (under FSDP, shard by shard)
-        reference = load_model(reference_dir, map_location="cpu" if live else devinfo.device)
+        # loaded on the CPU: the host puts it on the device (under FSDP never whole in fp32 there)
+        reference = load_model(reference_dir, map_location="cpu")
         reference.eval().requires_grad_(False)
-        if not live:
-            # whole on every process while it scores (each its own share, a different number of batches)
-            for name, store in stores:
+
+        def fill(scorer: Any, which: list[tuple[str, PairStore]]) -> None:
+            # every process scores its own share (a different number of batches): the weights are whole here
+            for name, store in which:
                 store.ref_logps = precompute_reference_logps(
-                    reference, store, seq_len, micro_batch_size, devinfo, distinfo,
+                    scorer, store, seq_len, micro_batch_size, devinfo, distinfo,
                     f"reference log-probs ({name})", progress)
-            reference = None  # every batch now carries its reference log-probs: the model is not needed
+
+        if live:
+            reference = host.frozen(reference)  # called in every micro-batch's loss, alike on every process
+            with host.gathered(reference):
+                fill(reference, [(name, store) for name, store in stores if name != "train"])
         else:
-            reference = host.frozen(reference)  # live: called in every micro-batch's loss, alike on every process
+            with host.scoring(reference) as whole:
+                fill(whole, stores)
+            reference = None  # every batch now carries its reference log-probs: the model is not needed
         bind(model, settings.beta, settings.label_smoothing, reference, settings.rpo_alpha)
 
     return bind_model
