@@ -304,18 +304,18 @@ def test_status_table_and_json_of_every_stage_kind(corpus, tmp_path, capsys):
 def test_a_stage_on_two_processes_runs_under_torchrun_sharded(corpus, tmp_path, capsys, monkeypatch):
     """`processes: 2` trains the stage with torchrun (here FSDP on two CPU processes, gloo): the same
     losses as one process at the same global batch; the stage is recorded and skipped like any other,
-    and its process count is part of its fingerprint. The pipeline itself refuses to run under torchrun."""
+    and its process count is part of its fingerprint. A sharded stage on one process (the default) runs
+    under torchrun too (FSDP needs its process group). The pipeline itself refuses to run under torchrun."""
     data = pipeline_dict(corpus)
     data["stages"] = data["stages"][:2]  # tok, base
     base = _stage(data, "base")
     base["overrides"]["model"].update({"embd_pdrop": 0.0, "resid_pdrop": 0.0, "attn_pdrop": 0.0})
-    base["overrides"]["training"] = {**base["overrides"]["training"], "global_batch_size": 4}
+    base["overrides"]["training"] = {**base["overrides"]["training"], "global_batch_size": 4, "parallel": "fsdp"}
     one = write(tmp_path / "one.yaml", data)
     base.update(processes=2)
-    base["overrides"]["training"]["parallel"] = "fsdp"
     two = write(tmp_path / "two.yaml", data)
     run_pipeline(one, out_dir=tmp_path / "one")
-    capsys.readouterr()
+    assert "1 process: -m torch.distributed.run --standalone --nproc_per_node=1 -m lmforge train" in capsys.readouterr().out
     # from a thread other than the main one (a notebook's or a server's), where no signal handler can be set
     from concurrent.futures import ThreadPoolExecutor
 

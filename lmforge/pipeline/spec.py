@@ -536,7 +536,8 @@ def training_values(stage: Stage, pipe: Pipeline, init_model: dict[str, Any] | N
 
 def stage_processes(stage: Stage) -> int:
     """A training stage's ``processes``: how many processes train it on this machine (``torchrun
-    --standalone --nproc_per_node N``; 1, the default, trains in the pipeline's own process)."""
+    --standalone --nproc_per_node N``; 1, the default, trains in the pipeline's own process unless the
+    stage shards its model: ``training.parallel`` fsdp / hsdp runs under torchrun on one process too)."""
     value = stage.values.get("processes", 1)
     if isinstance(value, str) and value.strip().isdigit():  # from a ${vars.NAME} inside a string
         value = int(value)
@@ -573,9 +574,9 @@ def _validate_training(stage: Stage, pipe: Pipeline) -> None:
     from lmforge.train.fsdp import check_kind
 
     check_kind(cfg.training.parallel, cfg.spec)
-    if cfg.training.parallel != "ddp" and processes < 2:
-        raise LMForgeError(f"training.parallel={cfg.training.parallel} shards the model across processes: give the "
-                           "stage `processes: N` (N >= 2, the GPUs of this machine to use)")
+    if cfg.training.parallel != "ddp" and processes == 1 and sys.platform == "win32":
+        raise LMForgeError(f"training.parallel={cfg.training.parallel} runs the stage under torchrun, which the "
+                           "pipeline stops by passing signals on: that needs Linux or macOS")
     for key in ("path", "train_path", "tokenizer"):
         value = getattr(cfg.data, key, "")
         if value:

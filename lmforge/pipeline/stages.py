@@ -200,7 +200,8 @@ def _run_training(stage: Stage, pipe: Pipeline, resume: bool) -> Outcome:
 
     cfg = resolve_training_config(stage, pipe, runtime=True)
     processes = stage_processes(stage)
-    if processes > 1:
+    # FSDP needs a process group even on one process (training.fsdp_offload on one GPU): torchrun gives it
+    if processes > 1 or cfg.training.parallel != "ddp":
         step, stopped, max_steps = _torchrun(cfg, stage, pipe, processes, resume)
     else:
         result = train(cfg, resume=resume)
@@ -254,7 +255,7 @@ def _torchrun(cfg, stage: Stage, pipe: Pipeline, processes: int, resume: bool) -
     gc.collect()
     if torch.cuda.is_available():  # an earlier stage's cached memory would crowd process 0's GPU
         torch.cuda.empty_cache()
-    print(f"  {processes} processes: {' '.join(cmd[1:])}", flush=True)
+    print(f"  {processes} process{'es' if processes > 1 else ''}: {' '.join(cmd[1:])}", flush=True)
     done, error, stopping = None, [], []
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
                             bufsize=1, env=env, start_new_session=True)
@@ -309,7 +310,8 @@ def _torchrun(cfg, stage: Stage, pipe: Pipeline, processes: int, resume: bool) -
     if stopping:
         raise KeyboardInterrupt
     why = error[0] if error else "their errors are printed above"
-    raise LMForgeError(f"{processes} training processes (torchrun) failed with exit code {proc.returncode}: {why}")
+    raise LMForgeError(f"{processes} training process{'es' if processes > 1 else ''} (torchrun) failed with exit code "
+                       f"{proc.returncode}: {why}")
 
 
 def training_headline(run_dir: Path, spec) -> dict[str, Any] | None:
