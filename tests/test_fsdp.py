@@ -463,7 +463,7 @@ def test_a_frozen_model_is_sharded_at_rest_and_released_after_each_step(tmp_path
 
 
 def test_calls_on_gathered_weights_leave_the_compiled_blocks_to_training(tmp_path):
-    """With training.compile the blocks are compiled in place; a rollout or an evaluation on the gathered
+    """With training.compile the blocks are compiled in place; a rollout or a probe on the gathered
     weights (many shapes, no gradients) must run them eagerly, or it uses up torch.compile's recompile
     limit and the training step falls back to eager."""
     done = script_on_two(tmp_path, _COMPILED_BLOCKS)
@@ -555,3 +555,93 @@ def test_held_out_batches_run_block_by_block_with_every_process_in_step(tmp_path
     done = script_on_two(tmp_path, _LOCKSTEP, share)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("in step over 3 batches") == 2, done.stdout
+
+
+_EVALUATE = '''
+import sys
+
+import torch
+import torch.distributed as dist
+from torch._dynamo.utils import counters
+
+from lmforge.config import load_config
+from lmforge.device import setup_device
+from lmforge.models import build_model
+from lmforge.recipes import TrainData
+from lmforge.train.distributed import init_distributed
+from lmforge.train.loop import Trainer
+
+share, out = sys.argv[1], sys.argv[2]
+distinfo = init_distributed("cpu", alone=True, cpu_collectives=False)
+rank = distinfo.rank
+model_values = {"family": "gpt", "vocab_size": 64, "n_positions": 16, "n_embd": 16, "n_layer": 2, "n_head": 2,
+                "embd_pdrop": 0.0, "resid_pdrop": 0.0, "attn_pdrop": 0.0}
+cfg = load_config(values={"name": "e", "out_dir": out, "model": model_values, "data": {"seq_len": 16},
+                          "training": {"parallel": "fsdp", "compile": True, "device": "cpu", "precision": "fp32",
+                                       "micro_batch_size": 2, "max_steps": 4}})
+gen = torch.Generator().manual_seed(1)
+
+
+def batch(n):
+    labels = torch.randint(0, 64, (2, n), generator=gen)
+    labels[1, n // 2:] = -100  # batches of different weights (predicted tokens)
+    return {"input_ids": torch.randint(0, 64, (2, n), generator=gen), "labels": labels}
+
+
+every = [batch(16) for _ in range(4)]
+shares = {"uneven": (every[:3], every[3:]), "empty": (every, [])}[share]
+
+
+class Train:
+    def next_batch(self):
+        return {"input_ids": torch.randint(0, 64, (2, 16)), "labels": torch.randint(0, 64, (2, 16))}
+
+
+class Val:
+    def iter_eval_batches(self, max_batches=None):
+        return iter(shares[rank])
+
+
+torch.manual_seed(0)
+model = build_model(cfg.model)
+whole = build_model(cfg.model).eval()
+whole.load_state_dict(model.state_dict())
+with torch.no_grad():
+    sums = [(whole(b)[0].item() * int((b["labels"] != -100).sum()), int((b["labels"] != -100).sum())) for b in every]
+expected = sum(s for s, _ in sums) / sum(w for _, w in sums)
+devinfo = setup_device("cpu", "fp32", 1e12, 0)
+trainer = Trainer(cfg, model, TrainData(train=Train(), val=Val()), devinfo, distinfo, cfg.run_dir)
+root = trainer.sharded[-1]
+graphs = lambda: counters["stats"]["unique_graphs"]
+
+
+def check_evaluation():
+    got = trainer.evaluate()["eval/loss"]  # the spare batches (process 1's) must not count
+    assert abs(got - expected) < 1e-5, (got, expected)
+    state = root._get_fsdp_state()._fsdp_param_group
+    assert state.is_sharded and not state.comm_ctx.post_forward_order  # nothing left for the next backward
+
+
+check_evaluation()  # before any training step: the root gathered for the first time here
+assert graphs() == 0, graphs()  # the compiled blocks ran eagerly
+trainer._train_step()  # gradients only: the weights stay those evaluated
+trainer._train_step()
+compiled = graphs()
+assert compiled > 0
+check_evaluation()  # the compiled blocks run eagerly: no graph compiled for evaluation's no-grad forwards
+trainer._train_step()
+assert graphs() == compiled, (graphs(), compiled)
+print(f"rank {rank}: evaluated {expected:.4f} with {len(shares[rank])} batches of its own", flush=True)
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.parametrize("share", ["uneven", "empty"])
+def test_evaluation_under_fsdp_counts_every_held_out_batch_once_and_leaves_training_as_it_was(tmp_path, share):
+    """``Trainer.evaluate`` under FSDP on two processes whose held-out shares differ (3 + 1 batches, or 4 + 0):
+    the held-out loss is a whole model's weighted mean over the four batches (the spare forwards that keep the
+    processes in step do not count), the root is resharded afterwards with no record of the forwards for the
+    next backward, and evaluating between training steps compiles nothing (the compiled blocks run eagerly)."""
+    done = script_on_two(tmp_path, _EVALUATE, share, str(tmp_path / "runs"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("evaluated") == 2, done.stdout

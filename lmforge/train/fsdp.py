@@ -16,8 +16,7 @@ shards of weights, gradients and optimizer state in CPU memory, for GPUs that ca
 A kind's frozen models (dpo's live reference, grpo's and ppo's reference, a reward model that scores
 rollouts) are sharded the same way (``shard_frozen``).
 
-Everything that is not a training step works on full weights. This covers evaluation, a kind's
-probe (generation), rollouts and ``best/``:
+What runs outside a training step:
 
 - ``gathered`` puts the full weights (in the compute dtype) of some of a model's sharded modules on every
   process. Code inside it calls the plain model, a different number of times on each process if it likes,
@@ -151,9 +150,6 @@ def shard_frozen(model: nn.Module, how: dict[str, Any]) -> list[nn.Module]:
     modules = shard(model, model, how, compile_mode=None)
     if hasattr(model, "hidden_states"):
         register_fsdp_forward_method(model, "hidden_states")
-    # set up now, as its first forward would: ``release`` may come first (a run resumed in mid-rollout
-    # trains a step before anything calls the model)
-    modules[-1]._get_fsdp_state()._lazy_init()
     return modules
 
 
@@ -264,34 +260,42 @@ class Gatherer:
 
 
 def lockstep(batches: Any, device: torch.device) -> Iterator[tuple[Any, bool]]:
-    """``(batch, counts)`` pairs from this process's held-out ``batches``, as many on every process, so that a
-    sharded model's forward (whose collectives every process must run alike) can score them block by block.
-    A process whose share has run out gets a spare batch to run while the others finish (``counts`` False:
-    its figures are dropped): its last one, or, if its share was empty, the first of the lowest process
-    with one. Ends when every process has run out. One small collective per batch."""
+    """``(batch, counts)`` pairs from this process's held-out ``batches`` (CPU batches, as loaders give them), as
+    many on every process, so that a sharded model's forward (whose collectives every process must run alike)
+    can score them block by block. A process whose share has run out gets a spare batch to run while the others
+    finish (``counts`` False: its figures are dropped): its last one, or, if its share was empty, the first of
+    the lowest process with one. Ends when every process has run out.
+
+    One small all-reduce per batch says whether any process has another. It is queued before the caller runs
+    the batch it is handed, and read after: on a GPU the host then waits for the forward before, not for this
+    one, so the device always has a batch queued."""
     import torch.distributed as dist
 
     it = iter(batches)
+    if dist.get_world_size() == 1:  # nobody to keep in step with
+        yield from ((b, True) for b in it)
+        return
     batch = next(it, None)
     has = [torch.zeros(1, device=device) for _ in range(dist.get_world_size())]
     dist.all_gather(has, torch.tensor([float(batch is not None)], device=device))
-    holders = [rank for rank, flag in enumerate(has) if flag.item()]
+    holders = [rank for rank, flag in enumerate(torch.cat(has).tolist()) if flag]
     if not holders:
         return
     spare = batch
-    if len(holders) < len(has):  # some share is empty: they borrow a batch to run alongside
+    if len(holders) < len(has):  # some share is empty: they borrow a batch (pickled CPU tensors) to run
         box = [batch]
         dist.broadcast_object_list(box, src=holders[0], device=device if device.type == "cuda" else None)
         spare = batch if batch is not None else box[0]
     while True:
+        following = next(it, None)
+        more = torch.tensor([float(following is not None)], device=device)
+        dist.all_reduce(more)  # queued before this batch's forward
         if batch is not None:
             spare = batch
         yield (batch if batch is not None else spare), batch is not None
-        batch = next(it, None)
-        left = torch.tensor([float(batch is not None)], device=device)
-        dist.all_reduce(left)
-        if not left.item():
+        if not more.item():
             return
+        batch = following
 
 
 def whole_on(model: nn.Module, device: torch.device, dtype: torch.dtype | None) -> nn.Module:
@@ -307,9 +311,10 @@ def whole_on(model: nn.Module, device: torch.device, dtype: torch.dtype | None) 
 
 
 def release(modules: list[nn.Module]) -> None:
-    """After a training step that called a frozen model outside ``gathered`` (dpo's live reference): free its
-    root's gathered weights (a root keeps them after its forward, for a backward that a frozen model never
-    runs) and FSDP's record of its forwards (which only a backward would clear)."""
+    """After forwards outside ``gathered`` that no backward follows (dpo's live reference in a training step,
+    evaluation): free the root's gathered weights (a root keeps them after its forward, for its backward) and
+    FSDP's record of the forwards (which only a backward would clear). Safe before any forward too."""
+    modules[-1]._get_fsdp_state()._lazy_init()  # sets up the record (a no-op once the first forward did)
     modules[-1].reshard()
     _forget_forwards(modules)
 

@@ -65,7 +65,7 @@ def make_binder(settings: Any, reference_dir: Path, stores: list[tuple[str, Pair
     - precompute: the reference scores every pair, whole on the device (``ModelHost.scoring``), and is freed.
     - live: it is kept for the loss (``ModelHost.frozen``: sharded under FSDP) and runs on every training
       batch. It still fills the held-out pairs' table once (they never change, nor does it), so an
-      evaluation runs the policy alone: under FSDP only the policy is gathered whole.
+      evaluation runs the policy alone.
     """
 
     def bind_model(model: Any, devinfo: Any, host: ModelHost) -> None:
