@@ -2,7 +2,8 @@
 
 The first GPU check of the sharded paths the CPU tests reach only on gloo, or not at all: the model built on
 the CPU and moved to the GPU block by block by ``fully_shard``, evaluation running the sharded model block by
-block (``fsdp.lockstep``) over NCCL, and with ``--offload`` the shards kept in CPU memory
+block on the GPU (on one process: ``fsdp.lockstep``'s collectives need two GPUs or more), and with
+``--offload`` the shards kept in CPU memory
 (``training.fsdp_offload``, refused on a CPU run). Data: the running Python's standard library (as
 ``lmforge quickstart`` uses when no Go toolchain is there), a byte-level BPE tokenizer trained on it, packed
 windows. Prints one JSON line per run (held-out losses by step, the most memory PyTorch held, the median

@@ -81,8 +81,8 @@ STEPS: list[tuple[str, list[str], int, int]] = [
     # training.fsdp_offload on one GPU: the 1.3B preset's peak GPU memory against bench_1b's 49.5 GB, and its speed
     ("offload_1b", [*TORCHRUN_ONE, "bench", *LLAMA_1B, "training.parallel=fsdp", "training.fsdp_offload=true",
                     "--steps", "5", "--json"], 240, 120),
-    # a real run, plain / FSDP over one process / offloaded, with evaluation (block by block over NCCL) on the
-    # first GPU: the held-out losses side by side and the memory each held
+    # a real run, plain / FSDP over one process / offloaded, with evaluation (the sharded model block by block)
+    # on a GPU: the held-out losses side by side and the memory each held
     ("fsdp_train_check", [PY, "benchmarks/fsdp_train_check.py", "--out", "{out}/fsdp_train", "--offload"], 240, 120),
     # Inductor's coordinate-descent tuning of its kernels' launch settings (longer compile)
     ("bench_124m_cdt", ["env", "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1", PY, "-m", "lmforge", "bench", *GPT2_124M,

@@ -620,6 +620,7 @@ def check_evaluation():
     assert abs(got - expected) < 1e-5, (got, expected)
     state = root._get_fsdp_state()._fsdp_param_group
     assert state.is_sharded and not state.comm_ctx.post_forward_order  # nothing left for the next backward
+    assert trainer._gatherer.peak == 0  # block by block: no whole model gathered
 
 
 check_evaluation()  # before any training step: the root gathered for the first time here

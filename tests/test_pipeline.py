@@ -447,8 +447,8 @@ BAD = {
                                ["stage 'ex'", "'checkpoint: tok' names a tokenizer stage"]),
     "processes": (lambda d: _stage(d, "base").update(processes=0),
                   ["stage 'base'", "'processes' must be a whole number >= 1", "got 0"]),
-    "fsdp on one process": (lambda d: _stage(d, "ft")["overrides"].update({"training.parallel": "fsdp"}),
-                            ["stage 'ft'", "training.parallel=fsdp shards the model", "`processes: N`"]),
+    "unknown parallel": (lambda d: _stage(d, "ft")["overrides"].update({"training.parallel": "zero3"}),
+                         ["stage 'ft'", "training.parallel must be ddp, fsdp or hsdp", "'zero3'"]),
 }
 
 

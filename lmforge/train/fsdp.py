@@ -168,8 +168,8 @@ def gathered(modules: list[nn.Module], root: nn.Module | None = None) -> Iterato
         m.unshard()
     try:
         # The blocks are compiled in place (training.compile): calls in here (a rollout's decoding at
-        # every cache length, evaluation) run them eagerly, as they run the plain model under DDP, and
-        # do not use up the recompiles the training step needs.
+        # every cache length, grpo's and ppo's held-out replies, a probe) run them eagerly, as they run
+        # the plain model under DDP, and do not use up the recompiles the training step needs.
         with torch.compiler.set_stance("force_eager"):
             yield
     finally:
@@ -267,8 +267,9 @@ def lockstep(batches: Any, device: torch.device) -> Iterator[tuple[Any, bool]]:
     the lowest process with one. Ends when every process has run out.
 
     One small all-reduce per batch says whether any process has another. It is queued before the caller runs
-    the batch it is handed, and read after: on a GPU the host then waits for the forward before, not for this
-    one, so the device always has a batch queued."""
+    the batch it is handed, and read after; on a GPU its result comes back by a copy and an event recorded
+    before that batch's forward, so the host waits for the forward before, not for this one, and the device
+    keeps a batch queued (unless the forward itself reads a value back)."""
     import torch.distributed as dist
 
     it = iter(batches)
@@ -288,11 +289,18 @@ def lockstep(batches: Any, device: torch.device) -> Iterator[tuple[Any, bool]]:
         spare = batch if batch is not None else box[0]
     while True:
         following = next(it, None)
-        more = torch.tensor([float(following is not None)], device=device)
+        more = torch.full((1,), float(following is not None), device=device)  # a fill: no copy from the host
         dist.all_reduce(more)  # queued before this batch's forward
+        ready = None
+        if device.type == "cuda":
+            more = more.to("cpu", non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
         if batch is not None:
             spare = batch
         yield (batch if batch is not None else spare), batch is not None
+        if ready is not None:
+            ready.synchronize()  # the all-reduce and its copy, not the forward queued after them
         if not more.item():
             return
         batch = following
