@@ -29,6 +29,15 @@ def script_on_two(tmp_path: Path, code: str, *args: str, timeout: float = 300):
     return run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
                 *args], timeout=timeout, cwd=REPO)
 
+
+def passes_on_two(tmp_path: Path, code: str, mark: str, *args: str) -> None:
+    """Run ``code`` on two processes (``script_on_two``): it must exit cleanly, each process printing ``mark``
+    once its asserts have passed."""
+    done = script_on_two(tmp_path, code, *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count(mark) == 2, done.stdout
+
+
 NO_DROPOUT = {"embd_pdrop": 0.0, "resid_pdrop": 0.0, "attn_pdrop": 0.0}
 
 
@@ -420,9 +429,7 @@ def test_a_call_outside_the_step_gathers_only_the_models_it_names(tmp_path):
     value model's blocks and a frozen model stay sharded), computes what the whole model computes, and a
     nested call gathers only what the outer one did not (leaving the outer's weights in place). The bytes
     it reports are the full weights it holds; a model it does not hold is refused before any gathering."""
-    done = script_on_two(tmp_path, _GATHERER)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("one part at a time") == 2, done.stdout
+    passes_on_two(tmp_path, _GATHERER, "one part at a time")
 
 
 _EMPTY_SHARE = '''
@@ -448,27 +455,21 @@ dist.destroy_process_group()
 def test_an_evaluation_share_left_empty_on_one_process_is_averaged_over_the_others(tmp_path):
     """A held-out set smaller than the processes leaves one with nothing to score: it still reduces the
     same metrics as the others (a mismatched all-reduce hangs under NCCL) and the means are the others'."""
-    done = script_on_two(tmp_path, _EMPTY_SHARE)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("'loss': 2.5") == 2, done.stdout
+    passes_on_two(tmp_path, _EMPTY_SHARE, "'loss': 2.5")
 
 
 def test_a_frozen_model_is_sharded_at_rest_and_released_after_each_step(tmp_path):
     """A frozen model (a reference) keeps 1 / world_size of its weights; called outside ``gathered`` it
     gathers them, and ``release`` after the step frees its root's weights and FSDP's record of its
     forwards (which only a backward would clear), even before its first call."""
-    done = script_on_two(tmp_path, _FROZEN)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("frozen") == 2, done.stdout
+    passes_on_two(tmp_path, _FROZEN, "frozen")
 
 
 def test_calls_on_gathered_weights_leave_the_compiled_blocks_to_training(tmp_path):
     """With training.compile the blocks are compiled in place; a rollout or a probe on the gathered
     weights (many shapes, no gradients) must run them eagerly, or it uses up torch.compile's recompile
     limit and the training step falls back to eager."""
-    done = script_on_two(tmp_path, _COMPILED_BLOCKS)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled graphs") == 2, done.stdout
+    passes_on_two(tmp_path, _COMPILED_BLOCKS, "compiled graphs")
 
 
 _WHOLE_ON = '''
@@ -502,9 +503,7 @@ def test_a_model_put_whole_on_the_device_holds_the_weights_fsdp_would_gather(tmp
     """``fsdp.whole_on`` (``ModelHost.scoring``: dpo's reference filling its table under FSDP): the
     parameters in the compute dtype, equal to those a bf16 FSDP gathering holds, buffers left in fp32,
     and the same outputs."""
-    done = script_on_two(tmp_path, _WHOLE_ON)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("whole as gathered") == 2, done.stdout
+    passes_on_two(tmp_path, _WHOLE_ON, "whole as gathered")
 
 
 _LOCKSTEP = '''
@@ -552,9 +551,7 @@ def test_held_out_batches_run_block_by_block_with_every_process_in_step(tmp_path
     """``fsdp.lockstep`` (evaluation under FSDP): with three held-out batches on one process and one (or
     none) on the other, both run three sharded forwards (whose collectives would otherwise hang or fail),
     the figures of the batches that count are a whole model's, and the spare batches are flagged."""
-    done = script_on_two(tmp_path, _LOCKSTEP, share)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("in step over 3 batches") == 2, done.stdout
+    passes_on_two(tmp_path, _LOCKSTEP, "in step over 3 batches", share)
 
 
 _EVALUATE = '''
@@ -643,6 +640,4 @@ def test_evaluation_under_fsdp_counts_every_held_out_batch_once_and_leaves_train
     the held-out loss is a whole model's weighted mean over the four batches (the spare forwards that keep the
     processes in step do not count), the root is resharded afterwards with no record of the forwards for the
     next backward, and evaluating between training steps compiles nothing (the compiled blocks run eagerly)."""
-    done = script_on_two(tmp_path, _EVALUATE, share, str(tmp_path / "runs"))
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("evaluated") == 2, done.stdout
+    passes_on_two(tmp_path, _EVALUATE, "evaluated", share, str(tmp_path / "runs"))
