@@ -17,6 +17,11 @@ and at the 1.3B preset's (width 2048, 16 heads of 128).
    and mixing, around a cheap stand-in for attention) forward + backward through the operators
    (``model.mhc_kernels=triton``) against the PyTorch ops compiled by Inductor (``torch``), with the relative
    difference of the output and of every gradient.
+6. **Rotary embeddings** at the Llama models' shapes (125M: 32 x 1024, 12 heads of 64; 1.3B: 8 x 2048, 16
+   heads of 128): the attention's input work (split the q/k/v projection, rotate q and k, SDPA) compiled,
+   forward + backward, with the rotation as lmforge does it now (in the projection's [B, T, heads, D] layout,
+   half-width tables) against the way before (after the transpose to [B, heads, T, D], full-width tables),
+   and SDPA alone on the same q, k, v as the floor.
 
 Times are CUDA-event medians over ``--repeats`` after warm-up; a matmul peak is measured first
 (``lmforge.device.measure_matmul_flops``). Usage:
@@ -153,6 +158,62 @@ def attention(batch: int, heads: int, seq: int, head_dim: int, repeats: int) -> 
     return rows
 
 
+def rotary(batch: int, heads: int, seq: int, head_dim: int, repeats: int) -> list[dict]:
+    from lmforge.models.gpt import _rotary
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    width = heads * head_dim
+    qkv = torch.randn(batch, seq, 3 * width, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    grad = torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2, device="cuda", dtype=torch.float32) / head_dim)
+    freqs = torch.arange(seq, device="cuda", dtype=torch.float32)[:, None] * inv_freq
+    half = (freqs.cos(), freqs.sin())
+    full = (torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin())
+    positions = torch.arange(seq, device="cuda")
+
+    def split(x):
+        q, k, v = x.split(width, dim=-1)
+        return (t.view(batch, seq, heads, head_dim) for t in (q, k, v))
+
+    def now(x):  # lmforge.models.gpt.Attention: rotate, then transpose
+        q, k, v = split(x)
+        cos, sin = (t[positions].to(x.dtype).unsqueeze(-2) for t in half)
+        q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+
+    def before(x):  # the code before: transpose, then rotate with full-width tables
+        q, k, v = (t.transpose(1, 2) for t in split(x))
+        cos, sin = (t[positions].to(x.dtype) for t in full)
+
+        def rotate_half(t):
+            t1, t2 = t.chunk(2, dim=-1)
+            return torch.cat((-t2, t1), dim=-1)
+
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def floor(x):  # no rotation: what the attention's input work costs without it
+        q, k, v = (t.transpose(1, 2) for t in split(x))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    rows, ref = [], None
+    for name, fn in (("now", now), ("before", before), ("sdpa_only", floor)):
+        compiled = torch.compile(fn)
+
+        def run():
+            qkv.grad = None
+            out = compiled(qkv)
+            out.backward(grad)
+            return out
+        out = run().float()
+        if ref is None:
+            ref = out
+        rows.append({"what": "rotary", "shape": [batch, heads, seq, head_dim], "variant": name,
+                     "ms": round(time_ms(run, repeats), 3),
+                     "out_rel_err_vs_now": float(f"{((out - ref).norm() / ref.norm()).item():.2e}")})
+    return rows
+
+
 def sinkhorn(tokens: int, repeats: int) -> list[dict]:
     from lmforge.models.mhc import sinkhorn as op
     from lmforge.models.mhc import sinkhorn_log
@@ -271,6 +332,8 @@ def main() -> None:
         lambda: attention(8, 16, 2048, 128, args.repeats),
         lambda: sinkhorn(16 * 1024 * 2, args.repeats),
         lambda: mhc_sub_layer(32 * 1024, 4, 768, args.repeats),
+        lambda: rotary(32, 12, 1024, 64, args.repeats),
+        lambda: rotary(8, 16, 2048, 128, args.repeats),
     ]
     for section in sections:
         try:
