@@ -3,7 +3,8 @@
 Per parameter, AdamW training holds fp32 weights (4 bytes), fp32 gradients (4) and two fp32 moments
 (8): 16 bytes. DDP keeps all of them on every GPU. FSDP over N GPUs keeps 16 / N, and gathers in
 bf16 the weights of the block that runs and of the next one (prefetched), plus their fp32
-gradients while it reduces them. Activations are counted with activation checkpointing at
+gradients while it reduces them, and the root's own weights (embeddings, final norm, head), which stay
+gathered from its forward to its backward. Activations are counted with activation checkpointing at
 micro-batch 1:
 
 - one bf16 block input per layer (seq x width x 2 bytes);
@@ -24,7 +25,13 @@ ones (fp32 shards, 4 / N bytes per parameter). A rollout (grpo, ppo) gathers one
 the policy while it decodes, then each scorer. dpo's live reference, called in the training step,
 gathers one block at a time there, as the trained model does; before training it is gathered whole in
 bf16 once, to fill the held-out pairs' reference log-probs. dpo's precompute scores with the reference
-whole in bf16 (not sharded), freed before training. The last table gives the largest preset per kind.
+whole in bf16 (not sharded), freed before training. The third table gives the largest preset per kind.
+
+The last two tables are for one GPU with ``training.fsdp_offload`` (a torchrun job of one process): the
+weights, gradients and AdamW state (16 bytes per parameter) and the frozen models' fp32 weights stay in
+CPU memory, and the GPU holds what a step gathers (two blocks and the root, with their gradients), the
+activations, and whatever is gathered whole: a rollout's model and KV cache, dpo's reference while it
+scores before training.
 
 A 10% margin is kept for the allocator and CUDA's own context. The parameter counts come from
 lmforge's models built on the meta device. Usage:
@@ -60,10 +67,12 @@ KINDS = {
 
 
 def footprint(preset: str, seq: int, vocab: int, gpus: int, kind: str = "lm", decode_batch: int = 64,
-              decode_tokens: int = 512) -> tuple[int, float, float]:
-    """(parameters, DDP bytes per GPU, FSDP bytes per GPU) for training ``preset`` with ``kind``. A
-    rollout decodes ``decode_batch`` sequences at once (recipe.generation_batch_size), each up to
-    ``decode_tokens`` long (its longest prompt + recipe.max_new_tokens)."""
+              decode_tokens: int = 512, offload: bool = False) -> tuple[int, float, float, float]:
+    """(parameters, DDP bytes per GPU, FSDP bytes per GPU, FSDP bytes of CPU memory per process) for training
+    ``preset`` with ``kind``. A rollout decodes ``decode_batch`` sequences at once (recipe.generation_batch_size),
+    each up to ``decode_tokens`` long (its longest prompt + recipe.max_new_tokens). ``offload``
+    (training.fsdp_offload): the shards (weights, gradients, AdamW state, frozen models) are in CPU memory,
+    and the GPU holds what a step, a rollout or a scoring pass gathers."""
     cfg = GPTConfig(**{**SHAPES[preset], "vocab_size": vocab, "n_positions": seq})
     params = count_parameters(cfg)
     embed = vocab * cfg.n_embd
@@ -87,14 +96,17 @@ def footprint(preset: str, seq: int, vocab: int, gpus: int, kind: str = "lm", de
     # dpo's live reference in the step: two blocks gathered in bf16 (one running, one prefetched), its root
     # (embeddings, head) gathered until the step ends, and its fp32 logits (no activations kept: no grad)
     in_step = 2 * block * 2 + 2 * embed * 2 + seq * vocab * 4 if frozen and not rollouts else 0
-    training = trained * (16 * params / gpus + 2 * block * (2 + 4) + activations) + frozen_shards + in_step
     shards = trained * 16 * params / gpus + frozen_shards
+    on_gpu = 0 if offload else shards  # training.fsdp_offload keeps the shards in CPU memory
+    nonblock = params - block * layers  # the root's own weights: embeddings, final norm, head
+    # in a step: two blocks (the one running, the next prefetched) and the root, gathered in bf16 with
+    # their gradients reduced in fp32 (the root keeps its weights gathered from its forward to its backward)
+    training = on_gpu + trained * ((2 * block + nonblock) * (2 + 4) + activations) + in_step
     if rollouts:
         # A rollout, and the held-out replies, gather one model at a time in bf16 (ModelHost.gathered): the
         # policy with its root (which also holds a second trained model's embeddings and head: ppo's value
         # model) while it decodes, then each scorer over the rollout, one sequence's fp32 logits at a time.
-        nonblock = params - block * layers
-        gathered = shards + 2 * (params + (trained - 1) * nonblock) + max(seq * vocab * 4, decoding(2))
+        gathered = on_gpu + 2 * (params + (trained - 1) * nonblock) + max(seq * vocab * 4, decoding(2))
     else:
         # Evaluation runs block by block, as the training step's forward: it holds less than the step.
         gathered = 0
@@ -102,9 +114,10 @@ def footprint(preset: str, seq: int, vocab: int, gpus: int, kind: str = "lm", de
     # dpo's precompute holds the reference whole in bf16 (ModelHost.scoring) while it scores every pair;
     # dpo's live reference, its fp32 shards and, gathered whole in bf16, itself, to score the held-out pairs.
     whole_reference = before or (frozen and not rollouts)
-    precompute = (4 * params / gpus + frozen_shards + 2 * params + seq * vocab * 4) if whole_reference else 0
+    before_training = 0 if offload else 4 * params / gpus + frozen_shards
+    precompute = (before_training + 2 * params + seq * vocab * 4) if whole_reference else 0
     fsdp = max(training, gathered, precompute)
-    return params, ddp / 0.9, fsdp / 0.9
+    return params, ddp / 0.9, fsdp / 0.9, (shards if offload else 0) / 0.9
 
 
 def main() -> None:
@@ -124,7 +137,7 @@ def main() -> None:
           f"{args.seq_len}, vocabulary {args.vocab}; FSDP over {args.gpus} GPUs")
     print("| preset | parameters | DDP (GB per GPU) | FSDP (GB per GPU) |")
     print("| --- | --- | --- | --- |")
-    for name, params, ddp, fsdp in rows:
+    for name, params, ddp, fsdp, _ in rows:
         print(f"| {name} | {params / 1e6:,.0f}M | {ddp / GB:,.1f} | {fsdp / GB:,.1f} |")
     memories = [float(m) for m in args.memory.split(",")]
 
@@ -146,6 +159,21 @@ def main() -> None:
     print("| --- |" + " --- |" * len(kinds))
     for memory in memories:
         cells = [largest(lambda r, k=k: by_kind[k][r[0]][2] <= memory * GB) for k in kinds]
+        print(f"| {memory:g} GB | " + " | ".join(cells) + " |")
+    # One GPU, training.fsdp_offload (torchrun --nproc_per_node=1): the GPU holds what is gathered, the CPU the rest
+    offloaded = {k: {p: footprint(p, args.seq_len, args.vocab, 1, k, args.decode_batch, args.decode_tokens,
+                                  offload=True) for p, *_ in rows} for k in kinds}
+    print("\none GPU with training.fsdp_offload (torchrun --nproc_per_node=1): GPU memory / CPU memory per preset")
+    print("| preset | " + " | ".join(kinds) + " |")
+    print("| --- |" + " --- |" * len(kinds))
+    for name, *_ in rows:
+        cells = [f"{offloaded[k][name][2] / GB:,.1f} / {offloaded[k][name][3] / GB:,.0f}" for k in kinds]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    print("\nlargest preset that fits one GPU with training.fsdp_offload, per training kind")
+    print("| GPU memory | " + " | ".join(kinds) + " |")
+    print("| --- |" + " --- |" * len(kinds))
+    for memory in memories:
+        cells = [largest(lambda r, k=k: offloaded[k][r[0]][2] <= memory * GB) for k in kinds]
         print(f"| {memory:g} GB | " + " | ".join(cells) + " |")
 
 
