@@ -434,6 +434,48 @@ def test_cli_generated_end_to_end(tmp_path, capsys):
     assert sorted(ratings.tolist(), reverse=True) == all_ratings[:5]
 
 
+def test_cli_keeps_the_hardest_test_puzzles_and_no_shared_grid(tmp_path, capsys):
+    out = tmp_path / "hard"
+    argv = ["data", "sudoku", "--out", str(out), "--generate", "12", "--hardest", "4", "--test-generate", "30",
+            "--test-hardest", "6", "--seed", "3", "--workers", "1", "--no-progress"]
+    assert main(argv) == 0
+    assert "test from generated (30 puzzles, hardest 6)" in capsys.readouterr().out
+    test = PuzzleSplit(out, "test")
+    pool = generate_puzzles(30, seed=3, show_progress=False, workers=1, stream=1)  # the test pool, no repeats
+    assert sorted(test.ratings.tolist(), reverse=True) == sorted((p.rating for p in pool), reverse=True)[:6]
+    kept = {bytes(r) for r in np.asarray(test.inputs)}
+    assert kept <= {bytes(p.question + 1) for p in pool}
+    record = json.loads((out / "lmforge_sudoku.json").read_text())
+    assert (record["test_pool"], record["test_hardest"]) == (30, 6)
+
+    for bad, expected in (("0", "--test-hardest 0: must be between 1 and the number of test puzzles (30)"),
+                          ("31", "--test-hardest 31: must be between 1")):
+        target = tmp_path / f"bad{bad}"
+        assert main(["data", "sudoku", "--out", str(target), "--generate", "12", "--test-generate", "30",
+                     "--test-hardest", bad, "--workers", "1", "--no-progress"]) == 2
+        assert expected in capsys.readouterr().err
+        assert not target.exists()
+
+
+def test_a_generated_test_puzzle_sharing_a_solution_with_a_train_puzzle_is_replaced(capsys):
+    import argparse
+
+    from lmforge.recipes.puzzles.cli_data import _generated_test_set, _grids
+
+    args = argparse.Namespace(min_clues=30, max_clues=36, seed=5, workers=1, progress=False)
+    first = generate_puzzles(1, seed=5, show_progress=False, workers=1, stream=1)[0]
+    # a train puzzle with another question but the first test puzzle's solution grid
+    other = first.question.copy()
+    other[np.flatnonzero(other)[0]] = 0
+    train = [Puzzle(other, first.answer, 0, "test")]
+    assert b"q" + first.question.tobytes() not in _grids(train)
+    test = _generated_test_set(args, 3, _grids(train))
+    assert len(test) == 3 and not any(np.array_equal(p.answer, first.answer) for p in test)
+    assert "shared a question or solution grid" in capsys.readouterr().out
+    # without the train set the same first puzzle is kept
+    assert np.array_equal(_generated_test_set(args, 1, set())[0].answer, first.answer)
+
+
 def test_cli_from_csv(tmp_path, puzzles, capsys):
     train_csv, test_csv = tmp_path / "train.csv", tmp_path / "test.csv"
     train_csv.write_text("source,q,a,rating\n" + "\n".join(csv_rows(puzzles[:8])) + "\n")

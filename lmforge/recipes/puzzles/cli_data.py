@@ -10,28 +10,35 @@ from lmforge.recipes.puzzles.sudoku import (build_sudoku_dataset, check_out_dir,
                                             read_sudoku_csv, subsample)
 
 
-def _generated_test_set(args: argparse.Namespace, count: int, train_questions: set[bytes]) -> list:
-    """``count`` generated test puzzles (RNG stream 1, train uses 0) none of whose questions is in
-    ``train_questions`` or repeats: duplicates are dropped and replaced by further puzzles."""
-    test, seen, next_index, dropped = [], set(train_questions), 0, 0
+def _generated_test_set(args: argparse.Namespace, count: int, train_grids: set[bytes]) -> list:
+    """``count`` generated test puzzles (RNG stream 1, train uses 0) none of whose question or solution grid
+    is in ``train_grids`` (the train pool's questions and solutions) or repeats one: such puzzles are
+    dropped and replaced by further ones."""
+    test, seen, next_index, dropped = [], set(train_grids), 0, 0
     while len(test) < count:
         want = count - len(test)
         batch = generate_puzzles(want, args.min_clues, args.max_clues, seed=args.seed, workers=args.workers,
                                  show_progress=args.progress, stream=1, start_index=next_index)
         next_index += want
         for p in batch:
-            key = p.question.tobytes()
-            if key in seen:
+            keys = (b"q" + p.question.tobytes(), b"a" + p.answer.tobytes())
+            if any(key in seen for key in keys):
                 dropped += 1
             else:
-                seen.add(key)
+                seen.update(keys)
                 test.append(p)
         if dropped > 10 * count + 100:
             raise LMForgeError(f"could not generate {count} test puzzles that differ from the train puzzles "
                                f"({dropped} duplicates); widen --min-clues/--max-clues or ask for fewer.")
     if dropped:
-        print(f"  dropped {dropped} generated test puzzle(s) that repeated a train or test puzzle (replaced)")
+        print(f"  dropped {dropped} generated test puzzle(s) that shared a question or solution grid with a train "
+              "or test puzzle (replaced)")
     return test
+
+
+def _grids(puzzles: list) -> set[bytes]:
+    """The question and solution grids of ``puzzles``, as ``_generated_test_set`` compares them."""
+    return {b"q" + p.question.tobytes() for p in puzzles} | {b"a" + p.answer.tobytes() for p in puzzles}
 
 
 def cmd_data_sudoku(args: argparse.Namespace) -> int:
@@ -44,6 +51,10 @@ def cmd_data_sudoku(args: argparse.Namespace) -> int:
         if value is not None and not 1 <= value <= (args.generate or value):
             raise LMForgeError(f"{flag} {value}: must be between 1 and the number of train puzzles"
                                + (f" ({args.generate})." if args.generate else "."))
+    if args.test_hardest is not None and not 1 <= args.test_hardest <= (args.test_generate or args.test_hardest):
+        raise LMForgeError(f"--test-hardest {args.test_hardest}: must be between 1 and the number of test puzzles"
+                           + (f" ({args.test_generate}): generate a larger pool with --test-generate."
+                              if args.test_generate else "."))
     check_out_dir(args.out, args.overwrite)  # before generating: fail fast
     if args.generate is not None:
         train = generate_puzzles(args.generate, args.min_clues, args.max_clues, seed=args.seed,
@@ -53,7 +64,7 @@ def cmd_data_sudoku(args: argparse.Namespace) -> int:
         train = read_sudoku_csv(args.csv)
         train_source = str(args.csv)
     pool_size = len(train)
-    train_questions = {p.question.tobytes() for p in train}
+    train_grids = _grids(train)
     if args.hardest is not None:
         train = hardest(train, args.hardest)
     if args.subsample_size is not None:
@@ -62,27 +73,32 @@ def cmd_data_sudoku(args: argparse.Namespace) -> int:
     if args.test_csv is not None:
         test = read_sudoku_csv(args.test_csv)
         test_source = str(args.test_csv)
-        overlap = sum(p.question.tobytes() in train_questions for p in test)
+        overlap = sum(bool(_grids([p]) & train_grids) for p in test)
         if overlap:
-            print(f"  note: {overlap} test puzzle(s) of {args.test_csv} also appear in the train set")
+            print(f"  note: {overlap} test puzzle(s) of {args.test_csv} share a question or solution grid with "
+                  "the train set")
     else:
         count = args.test_generate if args.test_generate is not None else min(1000, max(1, pool_size // 10))
-        test = _generated_test_set(args, count, train_questions)
+        test = _generated_test_set(args, count, train_grids)
         test_source = "generated"
+    test_pool = len(test)
+    if args.test_hardest is not None:
+        test = hardest(test, args.test_hardest, "--test-hardest")
 
     generated = args.generate is not None or args.test_csv is None
     provenance = {
         "train_source": train_source, "test_source": test_source, "seed": args.seed,
         "clue_range": [args.min_clues, args.max_clues] if generated else None,
         "num_aug": args.num_aug, "train_pool": pool_size, "hardest": args.hardest,
-        "subsample_size": args.subsample_size}
+        "subsample_size": args.subsample_size, "test_pool": test_pool, "test_hardest": args.test_hardest}
     summary = build_sudoku_dataset(args.out, train, test, num_aug=args.num_aug, seed=args.seed,
                                    overwrite=args.overwrite, show_progress=args.progress, provenance=provenance)
     print(f"sudoku: {summary['out']}")
     print(f"  train from {train_source} ({pool_size} puzzles"
           + (f", hardest {args.hardest}" if args.hardest is not None else "")
           + (f", subsample {args.subsample_size}" if args.subsample_size is not None else "")
-          + f"), test from {test_source}")
+          + f"), test from {test_source}"
+          + (f" ({test_pool} puzzles, hardest {args.test_hardest})" if args.test_hardest is not None else ""))
     for name, split in summary["splits"].items():
         buckets = ", ".join(f"{b} {split['rating_buckets'][b]}" for b in DIFFICULTY_NAMES)
         print(f"  {name}: {split['puzzles']} puzzles, {split['examples']} examples in {split['groups']} groups; "
@@ -99,8 +115,9 @@ def add_data_verbs(data_verbs: argparse._SubParsersAction) -> None:
                     "Sudoku-Extreme style CSV (--csv, header source,q,a,rating); --hardest and "
                     "--subsample-size select among them, --num-aug adds augmented copies (digit relabelling, "
                     "transposition, band/row/stack/column shuffles). Test puzzles come from --test-csv or are "
-                    "generated with other seeds than the train puzzles and never repeat a train puzzle. "
-                    "Ratings: the solver's guesses for generated puzzles (0 = naked singles suffice), the "
+                    "generated with other seeds than the train puzzles and share no question or solution grid "
+                    "with a train puzzle; --test-hardest keeps the hardest of them. Ratings: the solver's "
+                    "guesses for generated puzzles (0 = naked singles suffice), the "
                     "CSV's rating column for imported ones.")
     p.add_argument("--out", required=True, metavar="DIR",
                    help="output dataset directory; must be new or empty unless --overwrite (required)")
@@ -111,7 +128,8 @@ def add_data_verbs(data_verbs: argparse._SubParsersAction) -> None:
     test = p.add_mutually_exclusive_group()
     test.add_argument("--test-csv", metavar="TEST.csv", help="read the test puzzles from a CSV")
     test.add_argument("--test-generate", type=int, metavar="M",
-                      help="generate M test puzzles, none equal to a train puzzle (default when no --test-csv: "
+                      help="generate M test puzzles, none sharing a question or solution grid with a train "
+                           "puzzle (default when no --test-csv: "
                            "a tenth of the train puzzles, at least 1 and at most 1000)")
     p.add_argument("--min-clues", type=int, default=30, metavar="N",
                    help="fewest clues of a generated puzzle, at least 17 (default: 30)")
@@ -119,6 +137,9 @@ def add_data_verbs(data_verbs: argparse._SubParsersAction) -> None:
                    help="most clues of a generated puzzle, at most 80 (default: 36)")
     p.add_argument("--hardest", type=int, metavar="K",
                    help="keep only the K train puzzles with the highest rating (default: keep all)")
+    p.add_argument("--test-hardest", type=int, metavar="K",
+                   help="keep only the K test puzzles with the highest rating, e.g. the hardest 1,000 of "
+                        "--test-generate 100000 (default: keep all)")
     p.add_argument("--subsample-size", type=int, metavar="K",
                    help="keep a seeded random subset of K train puzzles, after --hardest (default: keep all)")
     p.add_argument("--num-aug", type=int, default=0, metavar="A",

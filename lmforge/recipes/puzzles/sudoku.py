@@ -466,12 +466,13 @@ def subsample(puzzles: Sequence[Puzzle], size: int, seed: int) -> list[Puzzle]:
     return [puzzles[i] for i in keep.tolist()]
 
 
-def hardest(puzzles: Sequence[Puzzle], k: int) -> list[Puzzle]:
-    """The ``k`` puzzles with the highest rating (ties: earlier first), in their original order."""
+def hardest(puzzles: Sequence[Puzzle], k: int, flag: str = "--hardest") -> list[Puzzle]:
+    """The ``k`` puzzles with the highest rating (ties: earlier first), in their original order. ``flag``: the
+    option that asked for them, for the error messages."""
     if k < 1:
-        raise LMForgeError(f"--hardest {k}: must be at least 1.")
+        raise LMForgeError(f"{flag} {k}: must be at least 1.")
     if k > len(puzzles):
-        raise LMForgeError(f"--hardest {k} is larger than the {len(puzzles)} puzzles available; ask for fewer.")
+        raise LMForgeError(f"{flag} {k} is larger than the {len(puzzles)} puzzles available; ask for fewer.")
     ratings = np.array([p.rating for p in puzzles], dtype=np.int64)
     keep = np.sort(np.argsort(-ratings, kind="stable")[:k])
     return [puzzles[i] for i in keep.tolist()]
