@@ -32,7 +32,8 @@ def _add_train(sub) -> None:
                                    f"default the kind that trains its model.family): {_kinds_summary()}. Every "
                                    "config key, with its value, is listed by --print-config; the README's table "
                                    "explains them.")
-    p.add_argument("recipe", help=RECIPE_HELP + " (not needed with seed 004's --stage S)")
+    p.add_argument("recipe", help=RECIPE_HELP + "; or, for a kind's defaults, its first override (`lmforge train "
+                                  "kind=dpo training.init_from=runs/sft ...`) (not needed with seed 004's --stage S)")
     p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CKPT",
                    help="continue the run from its latest checkpoint (or from CKPT): model, optimizer, "
@@ -54,7 +55,9 @@ def _cmd_train(args) -> int:
         # `--resume training.max_steps=300`: argparse took the override for --resume's CKPT
         args.overrides.append(args.resume)
         args.resume = "latest"
-    cfg = load_config(args.recipe, args.overrides)
+    # `lmforge train kind=dpo ...`: no recipe, a kind's defaults and the overrides
+    bare = "=" in args.recipe and not Path(args.recipe).exists()
+    cfg = load_config(None if bare else args.recipe, [args.recipe, *args.overrides] if bare else args.overrides)
     if args.print_config:
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return 0

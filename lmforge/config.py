@@ -415,6 +415,10 @@ def validate_run_config(cfg: RunConfig) -> None:
         (t.parallel in ("ddp", "fsdp", "hsdp"), f"training.parallel must be ddp, fsdp or hsdp, got {t.parallel!r}"),
         (t.fsdp_checkpoint in ("sharded", "gathered"),
          f"training.fsdp_checkpoint must be sharded or gathered, got {t.fsdp_checkpoint!r}"),
+        (not t.fsdp_offload or t.parallel != "ddp",
+         "training.fsdp_offload keeps FSDP's shards in CPU memory, and this run is training.parallel=ddp (a whole "
+         "copy on each GPU): set training.parallel=fsdp too, launched with torchrun (--nproc_per_node=1 on one "
+         "GPU), or drop training.fsdp_offload"),
         (t.compile_mode in COMPILE_MODES,
          f"training.compile_mode must be one of {', '.join(COMPILE_MODES)}, got {t.compile_mode!r}"),
         (t.compile or t.compile_mode == "default",

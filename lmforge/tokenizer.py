@@ -140,11 +140,20 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; no bos/eos is added."""
-        return self._backend.encode(text, add_special_tokens=False).ids
+        try:
+            return self._backend.encode(text, add_special_tokens=False).ids
+        except TypeError:
+            check_text(text)
+            raise
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of many texts, encoded in parallel on the Rust side."""
-        return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
+        try:
+            return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
+        except TypeError:
+            for text in texts:
+                check_text(text)
+            raise
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text of ``ids``. Special tokens are kept by default so that decode inverts encode exactly."""
@@ -327,3 +336,18 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path, 
     backend.train_from_iterator(itertools.chain([first], non_empty), trainer=trainer)
     with reporting_write_faults(Path(out_dir)):
         return Tokenizer(backend).save(out_dir) / TOKENIZER_FILE
+
+
+def check_text(text: object) -> None:
+    """The error for a text the Rust tokenizer refused: one holding an unpaired surrogate, which is what Python
+    makes of bytes that are not UTF-8 in a command-line argument or terminal input (``surrogateescape``)."""
+    if not isinstance(text, str):
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start]
+        byte = f"byte 0x{ord(bad) - 0xDC00:02x}" if 0xDC80 <= ord(bad) <= 0xDCFF else f"{ascii(bad)}"
+        raise LMForgeError(f"the text holds {byte} at position {e.start}, which is not UTF-8 text (a command-line "
+                           "argument or terminal input in another encoding?); use a UTF-8 locale, or give the text "
+                           "in a UTF-8 file (e.g. --prompt-file)") from None

@@ -176,3 +176,15 @@ def test_generate_refuses_a_tokenizer_larger_than_the_model_vocab(trained, tmp_p
     assert main(["generate", str(ckpt), "--prompt", "func"]) == 2
     err = capsys.readouterr().err
     assert "tokens but the model only" in err and "do not belong together" in err
+
+
+def test_train_takes_a_kind_as_its_first_override_as_the_docs_write_it(capsys):
+    """`lmforge train kind=dpo ...` (README, docs/ppo.md): no recipe, the kind's defaults and the overrides.
+    It was refused as an unknown recipe 'kind=dpo'."""
+    import yaml
+
+    assert main(["train", "kind=dpo", "name=prefs", "recipe.beta=0.2", "--print-config"]) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert (cfg["kind"], cfg["name"], cfg["recipe"]["beta"]) == ("dpo", "prefs", 0.2)
+    assert main(["train", "kind=dpoo", "--print-config"]) == 2
+    assert "unknown training kind 'dpoo'" in capsys.readouterr().err

@@ -45,6 +45,10 @@ def test_wrong_types_and_values_are_rejected():
         parse_overrides(["training.max_steps"])
     with pytest.raises(LMForgeError, match="unknown recipe 'go_coder_tiyn'.*go_coder_tiny"):
         load_config("go_coder_tiyn")
+    # was silently ignored under ddp: a GPU user would believe the shards offloaded
+    with pytest.raises(LMForgeError, match="fsdp_offload .* training.parallel=ddp .* set training.parallel=fsdp"):
+        load_config("go_coder_tiny", ["training.fsdp_offload=true"])
+    assert load_config("go_coder_tiny", ["training.fsdp_offload=true", "training.parallel=fsdp"]).training.fsdp_offload
 
 
 def test_resolved_config_round_trips_through_yaml(tmp_path):

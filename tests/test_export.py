@@ -67,11 +67,16 @@ def test_export_refuses_what_transformers_cannot_express_and_keeps_existing_outp
     _, ckpt = checkpoint(tmp_path / "plain", tokenizer_dir, flavor="llama")
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
-    with pytest.raises(LMForgeError, match="not empty"):
+    with pytest.raises(LMForgeError, match="not an earlier export") as refused:
         export_hf(ckpt, tmp_path / "mine")
+    assert "--overwrite" not in str(refused.value)  # it would be refused too: not suggested (a probe followed it)
     with pytest.raises(LMForgeError, match="not an earlier export"):
         export_hf(ckpt, tmp_path / "mine", overwrite=True)
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+    export_hf(ckpt, tmp_path / "hf")
+    with pytest.raises(LMForgeError, match="holds an earlier export; pass --overwrite"):
+        export_hf(ckpt, tmp_path / "hf")
+    export_hf(ckpt, tmp_path / "hf", overwrite=True)
 
 
 def test_cli_export_names_the_formats_a_puzzle_model_does_have(tmp_path, capsys):

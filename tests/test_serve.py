@@ -190,15 +190,31 @@ def error_of(server, payload, path="/v1/completions", raw=None):
     # with a 500 (a server_error event inside a 200 stream).
     ({"model": "tiny", "prompt": "x", "top_k": 10**30}, 400, "top_k", "between"),
     ({"model": "tiny", "prompt": "x", "top_k": 10**30, "stream": True}, 400, "top_k", "between"),
+    # Found by a bad-input probe: a lone UTF-16 surrogate ("\ud800" in JSON) failed the tokenizer with a 500.
+    ({"model": "tiny", "prompt": "a\ud800"}, 400, "prompt", "unpaired surrogate"),
+    ({"model": "tiny", "prompt": ["ok", "b\udc00"], "stream": True}, 400, "prompt[1]", "unpaired surrogate"),
 ])
 def test_bad_completion_requests_get_openai_style_4xx(server, payload, status, param, words):
     code, error = error_of(server, payload, raw=b"{not json" if payload is None else None)
     assert code == status and error["param"] == param and words in error["message"]
 
 
-def test_hostile_bodies_get_4xx_not_a_server_error(server):
+def test_hostile_bodies_get_4xx_not_a_server_error(server, local):
     code, error = error_of(server, None, raw=b"[" * 100_000)  # was a 500: RecursionError in json.loads
     assert code == 400 and "too deeply" in error["message"]
+    # A prompt longer than the context could hold at the tokenizer's longest token is refused untokenized
+    # (a 6.9 MB prompt was tokenized whole first, holding the event loop for 14 s); one character less is
+    # tokenized and refused by its token count.
+    tokenizer = local[1]
+    context = httpx.get(server.base + "/v1/models").json()["data"][0]["context_length"]
+    bound = 3 * max(len(tokenizer.token_bytes(i)) for i in range(tokenizer.vocab_size)) * context
+    code, error = error_of(server, {"model": "tiny", "prompt": "a" * (bound + 1)})
+    assert code == 400 and error["param"] == "prompt" and f"{bound + 1:,} characters" in error["message"]
+    code, error = error_of(server, {"model": "tiny", "messages": [{"role": "user", "content": "a" * (bound + 1)}]},
+                           path="/v1/chat/completions")
+    assert code == 400 and error["param"] == "messages" and "characters" in error["message"]
+    code, error = error_of(server, {"model": "tiny", "prompt": "a" * bound})
+    assert code == 400 and "characters" not in error["message"] and "tokens" in error["message"]
     huge = json.dumps({"model": "tiny", "prompt": "x" * (9 << 20)}).encode()  # was read whole into memory
     code, error = error_of(server, None, path="/v1/chat/completions", raw=huge)
     assert code == 413 and error["code"] == "body_too_large"
@@ -250,6 +266,8 @@ def test_every_documented_field_is_accepted_and_no_other(server):
     ({"model": "tiny", "messages": GREETING, "top_logprobs": 2}, "needs \"logprobs\": true"),
     ({"model": "tiny", "messages": GREETING, "logprobs": True, "top_logprobs": 21}, "between 0 and 20"),
     ({"model": "tiny", "messages": GREETING, "logprobs": 1}, "true or false"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x\udc00y"}]}, "'messages[0].content' contains an "
+                                                                               "unpaired surrogate"),
 ])
 def test_bad_chat_requests_get_400(server, payload, words):
     code, error = error_of(server, payload, path="/v1/chat/completions")
@@ -300,6 +318,21 @@ def test_terminal_chat_streams_replies_and_resets(checkpoint):
                        input=script, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.count(f"model> {HELLO}\n") == 2 and "(conversation cleared)" in r.stdout
+
+
+def test_text_that_is_not_utf8_is_named_not_a_traceback(checkpoint):
+    """Bytes that are not UTF-8 on the command line or typed into the chat (Python reads them as lone
+    surrogates) failed inside the tokenizer with a TypeError and its traceback, and ended the chat."""
+    r = subprocess.run([sys.executable, "-m", "lmforge", "chat", str(checkpoint), "--temperature", "0"],
+                       input=b"caf\xe9\nSay hello\n/exit\n", capture_output=True, timeout=120)
+    out = r.stdout.decode()
+    assert r.returncode == 0 and "Traceback" not in r.stderr.decode()
+    assert "(the text holds byte 0xe9 at position 3, which is not UTF-8 text" in out
+    assert out.count(f"model> {HELLO}\n") == 1  # the next line is answered
+    r = subprocess.run([sys.executable, "-m", "lmforge", "generate", str(checkpoint), "--prompt", b"a\xff"],
+                       capture_output=True, timeout=120)
+    assert r.returncode == 2 and "byte 0xff at position 1, which is not UTF-8" in r.stderr.decode()
+    assert "Traceback" not in r.stderr.decode() and r.stdout == b""
 
 
 def test_terminal_chat_refuses_bad_settings(checkpoint):

@@ -98,6 +98,21 @@ def test_refuses_to_clobber_existing_run_without_resume(tmp_path, data_dir):
         train(load_config(str(recipe)))
     assert sorted(p.name for p in (tmp_path / "runs" / "t" / "checkpoints").iterdir()) == before
 
+    # The step checkpoints deleted to save space (best/ kept), then one left incomplete: a new run, and a
+    # --resume with nothing complete to resume from, are refused and change nothing.
+    ckpts = tmp_path / "runs" / "t" / "checkpoints"
+    best = (ckpts / "best" / "model.safetensors").read_bytes()
+    metrics = (tmp_path / "runs" / "t" / "metrics.jsonl").read_text()
+    for step in ckpts.glob("step-*"):
+        shutil.rmtree(step)
+    with pytest.raises(LMForgeError, match="already holds a trained model in .*best.*name=NEW"):
+        train(load_config(str(recipe)))
+    (ckpts / "step-000002").mkdir()
+    with pytest.raises(LMForgeError, match=r"--resume: .* no complete checkpoint .*/best, step-000002 \(incomplete"):
+        train(load_config(str(recipe)), resume=True)
+    assert (ckpts / "best" / "model.safetensors").read_bytes() == best
+    assert (tmp_path / "runs" / "t" / "metrics.jsonl").read_text() == metrics
+
 
 def test_nan_loss_stops_naming_step_and_last_checkpoint(tmp_path, data_dir):
     recipe = write_recipe(tmp_path / "r.yaml", data_dir, tmp_path / "runs",
@@ -536,3 +551,19 @@ def test_resume_takes_the_learning_rate_from_the_new_config(tmp_path, data_dir):
     for step, lr in ((3, 3e-3), (6, 1e-4)):  # what the optimizer used, not only what was logged
         groups = load_state(ckpts / f"step-{step:06d}" / "optimizer.safetensors", "optimizer")["optimizer"]["param_groups"]
         assert [g["lr"] for g in groups] == pytest.approx([lr] * len(groups)), step
+
+
+def test_data_of_another_tokenizer_is_refused_with_a_fix_that_works(tmp_path, data_dir, trained_run):
+    """With training.init_from the tokenizer is the weights' (data.tokenizer pointing elsewhere is refused), so
+    the message names only re-preparing the data; without it, data.tokenizer is a fix too."""
+    from tests.train_helpers import make_prepared_data
+
+    other = make_prepared_data(tmp_path / "other", vocab_size=300)
+    recipe = write_recipe(tmp_path / "r.yaml", other, tmp_path / "runs", training={"max_steps": 1})
+    with pytest.raises(LMForgeError, match="tokenized with a different tokenizer") as refused:
+        train(load_config(str(recipe), [f"training.init_from={trained_run.best_checkpoint}"]))
+    assert "re-run `lmforge data prepare` with this tokenizer" in str(refused.value)
+    assert "data.tokenizer" not in str(refused.value)
+    recipe = write_recipe(tmp_path / "r2.yaml", data_dir, tmp_path / "runs", training={"max_steps": 1})
+    with pytest.raises(LMForgeError, match="point data.tokenizer at the one the data was made with"):
+        train(load_config(str(recipe), [f"data.tokenizer={other.parent / 'tokenizer'}"]))

@@ -69,10 +69,13 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, overwrite: 
     out = Path(out).resolve()
     remove_stale(out)  # an export killed mid-replacement may have moved the previous one aside
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        # only an earlier export may be replaced: --overwrite is named where it would be taken
+        if not (out.is_dir() and (out / "config.json").is_file()):
+            raise LMForgeError(f"--out {out} exists and is not an earlier export (no config.json); choose another "
+                               "directory")
         if not overwrite:
-            raise LMForgeError(f"--out {out} exists and is not empty; pass --overwrite or choose another directory")
-        if not (out / "config.json").is_file():
-            raise LMForgeError(f"--out {out} is not an earlier export (no config.json); choose another directory")
+            raise LMForgeError(f"--out {out} holds an earlier export; pass --overwrite to replace it or choose "
+                               "another directory")
     with atomic_directory(out) as tmp:
         save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})

@@ -11,8 +11,10 @@ import sys
 import warnings
 from typing import TextIO
 
+from lmforge.errors import LMForgeError
 from lmforge.infer.engine import SamplingParams
 from lmforge.infer.generate import StreamingDecoder, generate_tokens
+from lmforge.tokenizer import check_text
 
 HELP = "commands: /reset forgets the conversation, /exit quits (or Ctrl-D); Ctrl-C stops a reply"
 
@@ -46,6 +48,11 @@ def chat(checkpoint: str, system: str | None = None, max_tokens: int = 512, temp
             print("(conversation cleared)", file=stdout, flush=True)
             continue
         if not text.strip():
+            continue
+        try:
+            check_text(text)
+        except LMForgeError as e:  # a line that is not UTF-8: say so and keep the conversation
+            print(f"({e})", file=stdout, flush=True)
             continue
         history.append({"role": "user", "content": text})
         ids = [tokenizer.eos_id, *tokenizer.encode(tokenizer.apply_chat_template(history))]

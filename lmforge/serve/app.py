@@ -189,6 +189,19 @@ def create_app(engine: Engine, tokenizer: Any, model_id: str, api_key: str | Non
     created = int(time.time())
     n_ctx = engine.n_ctx
     compilers: list[GrammarCompiler] = []  # built at the first constrained request (~0.2 s at 50k tokens)
+    # The most characters a prompt may have: a token stands for at most `longest` bytes (so as many
+    # characters), and a tokenizer's normaliser may merge up to 3 characters into one (Unicode composition).
+    # A longer text cannot fit the context and is refused before it is tokenized: tokenizing megabytes
+    # holds the event loop (a 6.9 MB prompt kept /health waiting 14 s).
+    longest = max(len(tokenizer.token_bytes(i)) for i in range(tokenizer.vocab_size))
+    max_chars = 3 * max(longest, 1) * n_ctx
+
+    def encode(text: str, param: str) -> list[int]:
+        if len(text) > max_chars:
+            raise bad(f"This model's maximum context length is {n_ctx} tokens. However, your prompt has "
+                      f"{len(text):,} characters, more than {n_ctx} tokens can hold (this server refuses prompts "
+                      f"over {max_chars:,} characters without tokenizing them); shorten the prompt.", param)
+        return tokenizer.encode(text)
 
     def grammar_for(req: ChatRequest):
         """The compiled grammar of the request's constraint; a 400 naming what cannot be compiled."""
@@ -273,7 +286,7 @@ def create_app(engine: Engine, tokenizer: Any, model_id: str, api_key: str | Non
         req: CompletionRequest = parse_completion(parse_json(await _body(request)), model_id, tokenizer.vocab_size)
         c = req.common
         # A text prompt starts after the document separator, as every document did in training.
-        prompt_ids = [[tokenizer.eos_id, *tokenizer.encode(p)] if isinstance(p, str) else list(p)
+        prompt_ids = [[tokenizer.eos_id, *encode(p, "prompt")] if isinstance(p, str) else list(p)
                       for p in req.prompts]
         max_tokens = max_tokens_for(c, prompt_ids, default=16, prompt_param="prompt")  # 16: OpenAI's default
         choices = []
@@ -322,7 +335,7 @@ def create_app(engine: Engine, tokenizer: Any, model_id: str, api_key: str | Non
             prompt = tokenizer.apply_chat_template(req.messages, tools=req.tools or None)
         except LMForgeError as e:
             raise bad(str(e), "messages") from None
-        ids = [tokenizer.eos_id, *tokenizer.encode(prompt)]
+        ids = [tokenizer.eos_id, *encode(prompt, "messages")]
         max_tokens = max_tokens_for(c, [ids], default=None, prompt_param="messages")
         grammar = grammar_for(req)
         marker = TOOL_CALL_OPEN if req.tools else None

@@ -208,7 +208,33 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         raise bad("the request body nests arrays or objects too deeply") from None
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
+    _check_unicode(body)
     return body
+
+
+def _check_unicode(body: dict[str, Any]) -> None:
+    """A 400 naming the first string of ``body`` (a key or a value) that holds an unpaired UTF-16 surrogate
+    (JSON's ``"\\ud800"`` escape alone): it is not Unicode text, and no tokenizer can encode it."""
+    todo: list[tuple[str, Any]] = [("", body)]
+    while todo:  # iterative: the body may nest as deeply as the JSON parser allowed
+        where, value = todo.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                _encodable(key, f"a key of {where or 'the body'}")
+                todo.append((f"{where}.{key}" if where else key, item))
+        elif isinstance(value, list):
+            todo.extend((f"{where}[{i}]", item) for i, item in enumerate(value))
+        elif isinstance(value, str):
+            _encodable(value, f"'{where}'", where)
+
+
+def _encodable(text: str, what: str, param: str | None = None) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad(f"{what} contains an unpaired surrogate ({ascii(text[e.start])} at position {e.start}), which is "
+                  "not Unicode text; send valid Unicode (encode each surrogate pair's character whole)",
+                  param) from None
 
 
 def _int(body: dict, name: str, default: int | None, lo: int, hi: int | None = None) -> int | None:

@@ -162,8 +162,20 @@ def _resume_point(run_dir: Path, resume: bool | str) -> Path | None:
                                "resuming would mix two histories in one run. Resume into a new run "
                                "(name=NEW --resume PATH) or move the newer checkpoints away.")
         return path
+    # What a run from scratch would replace: a model in best/ (kept even where the step checkpoints were
+    # deleted to save space) and step directories, complete or not.
+    incomplete = sorted(p.name for p in ckpt_root.iterdir() if ckpt.STEP_DIR.match(p.name) and p.is_dir()
+                        and not (p / ckpt.STATE_FILE).is_file()) if ckpt_root.is_dir() else []
+    held = ([f"a trained model in {ckpt_root / 'best'}"] if (ckpt_root / "best").is_dir() else []) + \
+        [f"{name} (incomplete: no {ckpt.STATE_FILE})" for name in incomplete]
     if resume:
         if existing is None:
+            if held:
+                raise LMForgeError(
+                    f"--resume: {ckpt_root} has no complete checkpoint to resume from, and it holds "
+                    f"{', '.join(held)}, which starting over would replace. Resume from a complete checkpoint "
+                    f"(--resume PATH), choose another run name (name=NEW), or move {run_dir} away to start "
+                    "over — nothing was overwritten.")
             print(f"note: --resume given but {ckpt_root} has no checkpoint yet; starting from scratch")
         return existing
     if existing is not None:
@@ -171,6 +183,10 @@ def _resume_point(run_dir: Path, resume: bool | str) -> Path | None:
             f"{run_dir} already has checkpoints (latest {existing.name}). Pass --resume to continue it, "
             f"or choose another run name (name=NEW) — nothing was overwritten."
         )
+    if held:
+        raise LMForgeError(
+            f"{run_dir} already holds {', '.join(held)}; a new run there would replace it. Choose another run "
+            f"name (name=NEW), or move {run_dir} away to start over — nothing was overwritten.")
     return None
 
 

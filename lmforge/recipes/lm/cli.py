@@ -46,6 +46,7 @@ def add_generate_args(group) -> None:
 def run_generate(args) -> int:
     from lmforge.infer.generate import generate_text
     from lmforge.infer.loading import load_for_inference
+    from lmforge.tokenizer import check_text
 
     prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")  # shells pass "\n" literally
     if args.prompt_file:
@@ -53,6 +54,7 @@ def run_generate(args) -> int:
             prompt = Path(args.prompt_file).read_text()
         except (OSError, UnicodeDecodeError) as e:
             raise LMForgeError(f"cannot read --prompt-file {args.prompt_file}: {e}") from e
+    check_text(prompt)  # before loading: --prompt in another encoding than UTF-8
     model, tokenizer, _ = load_for_inference(args.checkpoint, args.device, args.precision, quantize=args.quantize)
     sys.stdout.write(prompt)
     sys.stdout.flush()

@@ -143,9 +143,11 @@ def check_vocab(cfg: RunConfig, tokenizer_path: Path) -> None:
     data_dir = token_data_dir(cfg)
     meta = TokenDataset(data_dir, "train")
     if meta.tokenizer_sha256 and meta.tokenizer_sha256 != tok.sha256:
+        # with training.init_from the tokenizer is the weights' (another would be refused): only the data can change
+        other = ("" if cfg.training.init_from else
+                 " or point data.tokenizer at the one the data was made with")
         raise LMForgeError(f"the data in {data_dir} was tokenized with a different tokenizer than "
-                           f"{tokenizer_path}; re-run `lmforge data prepare` with this tokenizer or point "
-                           "data.tokenizer at the one the data was made with")
+                           f"{tokenizer_path}; re-run `lmforge data prepare` with this tokenizer{other}")
     model_vocab = getattr(cfg.model, "vocab_size", None)
     if model_vocab is None:
         return
