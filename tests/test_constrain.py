@@ -140,6 +140,18 @@ def test_json_schema_replies_always_validate(model, tokenizer, compiler, index):
         assert text == json.dumps(value, ensure_ascii=False) or "." in text or "\\" in text
 
 
+def test_a_schema_no_value_satisfies_is_refused_and_a_recursive_one_is_not(tokenizer, compiler):
+    with pytest.raises(LMForgeError, match="admits no value at all"):
+        compiler.json_schema({"$ref": "#"})
+    with pytest.raises(LMForgeError, match="admits no value at all"):
+        compiler.json_schema({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"})
+    tree = {"type": "object", "properties": {"child": {"$ref": "#"}}}  # nests, and {} ends it
+    matcher = compiler.json_schema(tree).matcher()
+    for token in tokenizer.encode('{"child": {}}'):
+        assert matcher.accept(token)
+    assert matcher.can_end
+
+
 def test_strict_schema_generates_only_listed_properties(model, tokenizer, compiler):
     schema = {"type": "object", "properties": {"k": {"enum": [1, 2]}}}
     value = json.loads(decode(model, tokenizer, compiler.json_schema(schema), 0, max_new=100)[0])

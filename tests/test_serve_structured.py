@@ -152,6 +152,10 @@ def test_constrained_and_free_requests_share_a_batch(client):
      "not among the tools"),
     ({"tool_choice": "required"}, "tool_choice", "no 'tools'"),
     ({"tool_choice": "sometimes", "tools": BOUNDED_TOOLS}, "tool_choice", "\"required\""),
+    # a probe found these compiled and replied "" with status 200: no value satisfies them
+    ({"response_format": schema_format({"$ref": "#"})}, "response_format", "admits no value at all"),
+    ({"response_format": schema_format({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                                        "$ref": "#/$defs/a"})}, "response_format", "admits no value at all"),
 ])
 def test_constraints_that_cannot_be_honoured_are_a_400_naming_the_part(client, extra, param, words):
     with pytest.raises(openai.BadRequestError) as info:

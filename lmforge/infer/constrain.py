@@ -316,6 +316,16 @@ class GrammarCompiler:
         matcher = llg.LLMatcher(self._tokenizer, source, log_level=0)
         if matcher.is_error():
             raise LMForgeError(explain(matcher.get_error()))
+        # A grammar that allows nothing at its start (a schema whose $ref leads back to itself before any
+        # value: {"$ref": "#"}) compiles, and its reply would be empty; llguidance stops such a matcher
+        # at its first mask.
+        first = matcher.deep_copy()
+        mask = torch.zeros(self.bitmask_words, dtype=torch.int32)
+        first.unsafe_compute_mask_ptr(mask.data_ptr(), self.bitmask_words * 4)
+        if first.is_stopped() and not first.is_accepting():
+            raise LMForgeError("it admits no value at all: a $ref leads back to itself before any value is "
+                               "written (e.g. {\"$ref\": \"#\"}, or two $defs naming each other); give each "
+                               "recursion a value to start with (an object, an array)")
         return Grammar(kind, source, matcher, self)
 
     def _check(self, schema: dict[str, Any]) -> str:
