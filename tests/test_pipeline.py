@@ -449,6 +449,21 @@ BAD = {
                   ["stage 'base'", "'processes' must be a whole number >= 1", "got 0"]),
     "unknown parallel": (lambda d: _stage(d, "ft")["overrides"].update({"training.parallel": "zero3"}),
                          ["stage 'ft'", "training.parallel must be ddp, fsdp or hsdp", "'zero3'"]),
+    # found by a bad-input probe: these failed only when their stage ran, after the stages above it (some with
+    # a raw TypeError, others naming a CLI flag or training.device instead of the stage's key)
+    "tokenizer include": (lambda d: _stage(d, "tok").update(include=7),
+                          ["stage 'tok'", "'include' must be a list of glob patterns (strings), got 7"]),
+    "tokenizer max_bytes": (lambda d: _stage(d, "tok").update(max_bytes=-5),
+                            ["stage 'tok'", "'max_bytes' must be a whole number of bytes > 0, got -5"]),
+    "eval limit": (lambda d: d["stages"].append({"name": "ev", "kind": "eval", "task": "lm", "checkpoint": "ft",
+                                                 "data": "${vars.corpus}", "limit": "lots"}),
+                   ["stage 'ev'", "'limit' must be a whole number >= 0 (0: all), got 'lots'"]),
+    "eval batch_size": (lambda d: d["stages"].append({"name": "ev", "kind": "eval", "task": "lm", "checkpoint": "ft",
+                                                      "data": "${vars.corpus}", "batch_size": 0}),
+                        ["stage 'ev'", "'batch_size' must be a whole number >= 1, got 0"]),
+    "eval device": (lambda d: d["stages"].append({"name": "ev", "kind": "eval", "task": "lm", "checkpoint": "ft",
+                                                  "data": "${vars.corpus}", "device": "gpu please"}),
+                    ["stage 'ev'", "'device' must be auto, cpu, cuda, cuda:N or mps, got 'gpu please'"]),
 }
 
 

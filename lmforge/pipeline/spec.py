@@ -438,6 +438,7 @@ def _validate_tokenizer(stage: Stage, pipe: Pipeline) -> None:
     v["sources"] = sources
     if "include" in v and isinstance(v["include"], str):
         v["include"] = [v["include"]]
+    _check_values(v)
     vocab = v.get("vocab_size")
     if not isinstance(vocab, int) or vocab <= 0:
         raise LMForgeError(f"'vocab_size' is required: a positive number of tokens, got {vocab!r}")
@@ -445,6 +446,57 @@ def _validate_tokenizer(stage: Stage, pipe: Pipeline) -> None:
                     ("sources", "out_dir", "show_progress", "overwrite"), "")
     for src in sources:
         check_input_path(src, pipe, "sources")
+
+
+def _whole(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _strings(x: Any) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(s, str) and s for s in x)
+
+
+# A stage key's form, checked before anything runs: (test, what it must be).
+VALUE_RULES: dict[str, tuple[Any, str]] = {
+    "include": (_strings, "a list of glob patterns (strings)"),
+    "max_bytes": (lambda x: _whole(x) and x > 0, "a whole number of bytes > 0"),
+    "text_field": (lambda x: isinstance(x, str) and bool(x), "a field name (a string)"),
+    "exclude_tests": (lambda x: isinstance(x, bool), "true or false"),
+    "min_frequency": (lambda x: _whole(x) and x >= 1, "a whole number >= 1"),
+    "seed": (_whole, "a whole number"),
+    "split": (lambda x: isinstance(x, str) and bool(x), "a split's name (a string)"),
+    "limit": (lambda x: _whole(x) and x >= 0, "a whole number >= 0 (0: all)"),
+    "batch_size": (lambda x: _whole(x) and x >= 1, "a whole number >= 1"),
+    "max_new_tokens": (lambda x: _whole(x) and x >= 1, "a whole number >= 1"),
+    "metric": (lambda x: isinstance(x, str), "a figure's name (a string)"),
+}
+
+
+def _check_values(values: dict[str, Any]) -> None:
+    for key, value in values.items():
+        rule = VALUE_RULES.get(key)
+        if rule is not None and not rule[0](value):
+            raise LMForgeError(f"'{key}' must be {rule[1]}, got {value!r}")
+    if "device" in values:
+        _check_device(values["device"])
+
+
+def _check_device(value: Any) -> None:
+    """A stage's ``device``: the error now, before the stages above it run, naming this key."""
+    import torch
+
+    if not isinstance(value, str) or not value:
+        raise LMForgeError(f"'device' must be auto, cpu, cuda, cuda:N or mps, got {value!r}")
+    if value == "auto":
+        return
+    try:
+        device = torch.device(value)
+    except RuntimeError:
+        raise LMForgeError(f"'device' must be auto, cpu, cuda, cuda:N or mps, got {value!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise LMForgeError(f"'device: {value}', but PyTorch sees no CUDA/ROCm GPU here; use device: auto or cpu")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise LMForgeError(f"'device: {value}', but MPS is not available here; use device: auto or cpu")
 
 
 def check_input_path(path: str, pipe: Pipeline, key: str) -> None:
@@ -472,6 +524,9 @@ def _validate_eval(stage: Stage, pipe: Pipeline) -> None:
         raise LMForgeError(f"'task' must be one of {', '.join(EVAL_TASKS)}, got {task!r}.{_hint(task, EVAL_TASKS)}")
     own, _ = EVAL_TASKS[task]
     _check_keys(v, ("task", "checkpoint", "baseline", "data", "metric", *own), f"task {task}")
+    if "include" in v and isinstance(v["include"], str):
+        v["include"] = [v["include"]]
+    _check_values(v)
     _need_training_stage(stage, "checkpoint", pipe)
     _need_training_stage(stage, "baseline", pipe, required=False)
     data = v.get("data")
