@@ -429,7 +429,8 @@ def consolidate(ckpt: Path, out: Path | None = None) -> Path:
 
     ckpt = Path(ckpt)
     if not ckpt.is_dir():
-        raise LMForgeError(f"{ckpt} does not exist: pass a step checkpoint, runs/NAME/checkpoints/step-NNNNNN")
+        what = "is a file, not a checkpoint directory" if ckpt.exists() else "does not exist"
+        raise LMForgeError(f"{ckpt} {what}: pass a step checkpoint, runs/NAME/checkpoints/step-NNNNNN")
     if not is_sharded(ckpt):
         if (ckpt / WEIGHTS_FILE).is_file():
             raise LMForgeError(f"{ckpt} is an ordinary checkpoint already ({WEIGHTS_FILE}): nothing to consolidate")
@@ -437,6 +438,9 @@ def consolidate(ckpt: Path, out: Path | None = None) -> Path:
                            "a run trained with training.fsdp_checkpoint=sharded, runs/NAME/checkpoints/step-NNNNNN")
     if out is not None and Path(out).exists():
         raise LMForgeError(f"{out} exists: name a new directory, or leave OUT out to consolidate {ckpt} in place")
+    if out is not None and Path(out).resolve().is_relative_to(ckpt.resolve()):
+        raise LMForgeError(f"{out} lies inside {ckpt}: name a directory outside it, or leave OUT out to consolidate "
+                           f"{ckpt} in place")
     weights = read_sharded_weights(ckpt)
     training = read_sharded_training_state(ckpt) if (ckpt / STATE_FILE).is_file() else None
 

@@ -487,6 +487,13 @@ def test_a_sharded_checkpoint_is_read_without_pickle_and_consolidates(lm_run, tm
     assert "holds no sharded checkpoint" in capsys.readouterr().err
     assert main(["checkpoint", "consolidate", str(tmp_path / "not-there")]) == 2
     assert "not-there does not exist" in capsys.readouterr().err
+    (tmp_path / "rows.jsonl").write_text("{}\n")  # a probe's: "does not exist" was said of a file
+    assert main(["checkpoint", "consolidate", str(tmp_path / "rows.jsonl")]) == 2
+    assert "rows.jsonl is a file, not a checkpoint directory" in capsys.readouterr().err
+    before = sorted(p.relative_to(sharded) for p in sharded.rglob("*"))
+    assert main(["checkpoint", "consolidate", str(sharded), str(sharded / "inner")]) == 2  # was written inside
+    assert "lies inside" in capsys.readouterr().err
+    assert sorted(p.relative_to(sharded) for p in sharded.rglob("*")) == before
 
 
 def test_shards_that_overlap_and_leave_a_gap_are_refused(tmp_path):

@@ -93,6 +93,9 @@ def test_bad_input_is_refused_before_any_compute(tmp_path, tool_sft):
         train(ppo_config(tmp_path, tool_sft, prompts_per_rollout=6))
     with pytest.raises(LMForgeError, match="init_from"):
         train(ppo_config(tmp_path, tool_sft, training={"init_from": ""}))
+    # dpo's mode names given as ppo's reference path
+    with pytest.raises(LMForgeError, match=r"recipe.reference=live does not exist: .*\(live is one of dpo's"):
+        train(ppo_config(tmp_path, tool_sft, reference="live"))
     assert not (tmp_path / "runs").exists()  # nothing was trained or written
 
 
@@ -119,7 +122,7 @@ def test_checkpoints_are_gpt_models_with_the_value_model_beside_and_resume_is_ex
     from lmforge.recipes.ppo.model import ActorCritic, actor_critic_config
 
     model = ActorCritic(actor_critic_config(policy.config, None))
-    with pytest.raises(LMForgeError, match="not a checkpoint of a ppo run"):
+    with pytest.raises(LMForgeError, match="no value/ directory .* if it is another kind.s, start a ppo run from it"):
         model.load_checkpoint_weights(tool_sft.checkpoint, "cpu")
     damaged = cut / "runs" / "full" / "checkpoints" / "step-000003"
     (damaged / "value" / "model.safetensors").write_bytes(b"not safetensors")

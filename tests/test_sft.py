@@ -324,6 +324,13 @@ def test_sft_bad_input_is_refused_before_training(tokenizer, base_checkpoint, tm
         train(sft_config(tmp_path, tmp_path / "missing.jsonl", base_checkpoint))
     with pytest.raises(LMForgeError, match="does not exist"):
         train(sft_config(tmp_path, data, tmp_path / "no-such-checkpoint"))
+    from lmforge.models import build_model
+    from lmforge.recipes.puzzles.trm import TRMConfig
+
+    trm = build_model(TRMConfig(seq_len=81, vocab_size=11, num_puzzle_identifiers=4, hidden_size=32, num_heads=2,
+                                L_layers=1, H_cycles=1, L_cycles=1, puzzle_emb_len=2)).save_pretrained(tmp_path / "trm")
+    with pytest.raises(LMForgeError, match="holds a 'trm' model; the sft kind fine-tunes the 'gpt' family's models"):
+        train(sft_config(tmp_path, data, trm))  # the message named a config class (GPTConfig)
     with pytest.raises(LMForgeError, match="seq_len"):
         cfg = sft_config(tmp_path, data, base_checkpoint)
         cfg.data.seq_len = 4096

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.errors import LMForgeError
+from lmforge.recipes import family_of_config
 
 # What fine-tuning may change of the model it starts from: regularisation, not shape.
 TUNABLE_MODEL_KEYS = ("embd_pdrop", "resid_pdrop", "attn_pdrop")
@@ -86,7 +87,7 @@ def init_model_config(cfg: Any, kind: str) -> Path | None:
     klass, config = read_model_config(source)
     if type(config) is not type(cfg.model):
         raise LMForgeError(f"training.init_from={cfg.training.init_from} holds a {klass.family!r} model; the {kind} "
-                           f"kind trains the {type(cfg.model).__name__} family's models")
+                           f"kind trains the {family_of_config(cfg.model)!r} family's models")
     for key in TUNABLE_MODEL_KEYS:
         if hasattr(config, key):
             setattr(config, key, getattr(cfg.model, key))
@@ -123,8 +124,10 @@ def check_reference(path: str | Path, setting: str, policy_config: Any, tokenize
     from lmforge.tokenizer import Tokenizer
 
     if not Path(path).exists():
+        dpo = (f" ({path} is one of dpo's recipe.reference modes; here {setting} is a checkpoint's path)"
+               if str(path) in ("live", "precompute") else "")
         raise LMForgeError(f"{setting}={path} does not exist: point it at the checkpoint (or run directory) to "
-                           "compare the policy with")
+                           f"compare the policy with{dpo}")
     model_dir = resolve_model_dir(path)
     klass, config = read_model_config(model_dir)
     if type(config) is not type(policy_config):

@@ -68,8 +68,10 @@ class ActorCritic(LMForgeModel):
 
     def _check_checkpoint(self, directory: Path) -> None:
         if not (Path(directory) / VALUE_DIR).is_dir():
-            raise LMForgeError(f"{directory} has no {VALUE_DIR}/ directory: it is not a checkpoint of a ppo run, so a "
-                               "ppo run cannot resume from it (start one with training.init_from instead)")
+            raise LMForgeError(f"{directory} has no {VALUE_DIR}/ directory (a ppo checkpoint holds the value model "
+                               "there): if it is a ppo run's checkpoint, it is incomplete, so resume from an earlier "
+                               "one (--resume runs/NAME/checkpoints/step-NNNNNN); if it is another kind's, start a "
+                               "ppo run from it with training.init_from")
 
     def load_checkpoint_weights(self, directory: Path, device: torch.device | str) -> None:
         self._check_checkpoint(directory)

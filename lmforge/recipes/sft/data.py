@@ -19,7 +19,7 @@ from lmforge.posttrain.render import (
     RenderStats,
     render_examples,
 )
-from lmforge.recipes import TrainData
+from lmforge.recipes import TrainData, family_of_config
 from lmforge.train.distributed import DistInfo
 
 SPLIT_FILES = ("jsonl", "json", "parquet")
@@ -95,7 +95,7 @@ def init_model_config(cfg) -> Path | None:
     klass, config = read_model_config(source)
     if type(config) is not type(cfg.model):
         raise LMForgeError(f"training.init_from={cfg.training.init_from} holds a {klass.family!r} model; the sft kind "
-                           f"fine-tunes the {type(cfg.model).__name__} family's models")
+                           f"fine-tunes the {family_of_config(cfg.model)!r} family's models")
     for key in TUNABLE_MODEL_KEYS:
         setattr(config, key, getattr(cfg.model, key))
     cfg.model = dataclasses.replace(config)
