@@ -93,13 +93,8 @@ class ModelHost:
     returns the model as it is and ``gathered`` does nothing. Under ``training.parallel`` fsdp / hsdp the
     loop hands a host that shards and gathers (``lmforge.train.loop``)."""
 
-    # Where a kind loads a model it keeps or scores with (``load_model(dir, map_location=host.load_location)``):
-    # the CPU here. The loop's host says the run's device (no CPU copy on the way: under DDP every process
-    # would hold one), or the CPU under FSDP, which shards or casts the model from there.
-    load_location: Any = "cpu"
-
     def frozen(self, module: Any) -> Any:
-        """Keep a frozen model for the run (a reference, a reward model; load it at ``load_location``) and put it on
+        """Keep a frozen model for the run (a reference, a reward model; load it on the CPU) and put it on
         the run's device; returns it. Under FSDP it is sharded like the trained model, and outside
         ``gathered`` only its ``forward`` (and ``hidden_states``) may be called, alike on every process (as
         dpo's loss calls its live reference, once per micro-batch). This base keeps it where it is."""
@@ -116,7 +111,7 @@ class ModelHost:
     @contextlib.contextmanager
     def scoring(self, module: Any) -> Iterator[Any]:
         """Context in which a frozen model needed only for a while (dpo's reference filling its table of
-        log-probs before training; load it at ``load_location``) is whole on the run's device; yields it. Under
+        log-probs before training; load it on the CPU) is whole on the run's device; yields it. Under
         FSDP it is not sharded: its weights are cast to the compute dtype on the CPU (buffers keep
         theirs, as FSDP's mixed precision does) and then moved, so it holds what ``gathered`` would
         hold for it, without the shards beside. Drop it after the block to free it. This base keeps it

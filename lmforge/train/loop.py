@@ -777,7 +777,6 @@ class _TrainerHost(ModelHost):
 
     def __init__(self, trainer: Trainer):
         self.trainer = trainer
-        self.load_location = "cpu" if trainer.sharded else trainer.dev.device
 
     def frozen(self, module: Any) -> Any:
         return self.trainer.keep_frozen(module)

@@ -72,8 +72,8 @@ def make_binder(settings: Any, reference_dir: Path, stores: list[tuple[str, Pair
         from lmforge.models import load_model
 
         live = settings.reference == "live"
-        # under FSDP loaded on the CPU: the host puts it on the device, never whole in fp32 there
-        reference = load_model(reference_dir, map_location=host.load_location)
+        # loaded on the CPU: the host puts it on the device (under FSDP never whole in fp32 there)
+        reference = load_model(reference_dir, map_location="cpu")
         reference.eval().requires_grad_(False)
 
         def fill(scorer: Any, which: list[tuple[str, PairStore]]) -> None:

@@ -285,9 +285,8 @@ def build_grpo_data(cfg, distinfo: DistInfo) -> TrainData:
         if reference_dir is not None:
             from lmforge.models import load_model
 
-            # under FSDP loaded on the CPU: host.frozen puts it on the device, shard by shard
-            reference = load_model(reference_dir, map_location=host.load_location)
-            reference = host.frozen(reference.eval().requires_grad_(False))
+            # loaded on the CPU: host.frozen puts each on the device (under FSDP, shard by shard)
+            reference = host.frozen(load_model(reference_dir).eval().requires_grad_(False))
         rewards.place(devinfo.device, host.frozen)
         loader.bind(model, devinfo, reference, host.gathered)
         if held is not None:
