@@ -56,7 +56,9 @@ def _cmd_train(args) -> int:
         args.overrides.append(args.resume)
         args.resume = "latest"
     # `lmforge train kind=dpo ...`: no recipe, a kind's defaults and the overrides
-    bare = "=" in args.recipe and not Path(args.recipe).exists()
+    key = args.recipe.split("=", 1)[0]  # a path that does not exist (runs/lr=3e-4/x.yaml) stays a recipe
+    bare = ("=" in args.recipe and not Path(args.recipe).exists() and "/" not in key
+            and not args.recipe.endswith((".yaml", ".yml")))
     cfg = load_config(None if bare else args.recipe, [args.recipe, *args.overrides] if bare else args.overrides)
     if args.print_config:
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")

@@ -467,6 +467,23 @@ BAD = {
 }
 
 
+def test_a_device_this_machine_lacks_is_refused_at_run_not_at_status(golden, tmp_path, trains, monkeypatch):
+    """A file with an eval stage on `device: cuda` can be inspected anywhere; running it where PyTorch sees no
+    GPU stops before the first stage, naming the stage and its key."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    file, out = copy_of(golden, tmp_path)
+    data = yaml.safe_load(file.read_text())
+    data["stages"].append({"name": "ev", "kind": "eval", "task": "lm", "checkpoint": "ft", "data": "${vars.corpus}",
+                           "device": "cuda"})
+    write(file, data)
+    assert [row.stage for row in pipeline_status(file, out_dir=out)][-1] == "ev"
+    with pytest.raises(LMForgeError, match=r"stage 'ev' \(eval\): 'device: cuda', but this machine has no such"):
+        run_pipeline(file, out_dir=out, force=["ft"])
+    assert trains == []
+
+
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_pipeline_files_are_refused_before_anything_runs(golden, tmp_path, trains, case):
     file, out = copy_of(golden, tmp_path)

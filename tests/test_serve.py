@@ -193,6 +193,7 @@ def error_of(server, payload, path="/v1/completions", raw=None):
     # Found by a bad-input probe: a lone UTF-16 surrogate ("\ud800" in JSON) failed the tokenizer with a 500.
     ({"model": "tiny", "prompt": "a\ud800"}, 400, "prompt", "unpaired surrogate"),
     ({"model": "tiny", "prompt": ["ok", "b\udc00"], "stream": True}, 400, "prompt[1]", "unpaired surrogate"),
+    ({"model": "tiny", "prompt": ["a\ud800", "b\udc00"]}, 400, "prompt[0]", "unpaired surrogate"),  # the first
 ])
 def test_bad_completion_requests_get_openai_style_4xx(server, payload, status, param, words):
     code, error = error_of(server, payload, raw=b"{not json" if payload is None else None)
@@ -215,6 +216,10 @@ def test_hostile_bodies_get_4xx_not_a_server_error(server, local):
     assert code == 400 and error["param"] == "messages" and "characters" in error["message"]
     code, error = error_of(server, {"model": "tiny", "prompt": "a" * bound})
     assert code == 400 and "characters" not in error["message"] and "tokens" in error["message"]
+    fits = "é" * ((context - 8) // 2)  # at most 2 byte-level tokens a character: fits, and is answered
+    r = httpx.post(server.base + "/v1/completions", json={"model": "tiny", "prompt": fits, "max_tokens": 1},
+                   timeout=HANG)
+    assert r.status_code == 200, r.text
     huge = json.dumps({"model": "tiny", "prompt": "x" * (9 << 20)}).encode()  # was read whole into memory
     code, error = error_of(server, None, path="/v1/chat/completions", raw=huge)
     assert code == 413 and error["code"] == "body_too_large"
@@ -323,8 +328,12 @@ def test_terminal_chat_streams_replies_and_resets(checkpoint):
 def test_text_that_is_not_utf8_is_named_not_a_traceback(checkpoint):
     """Bytes that are not UTF-8 on the command line or typed into the chat (Python reads them as lone
     surrogates) failed inside the tokenizer with a TypeError and its traceback, and ended the chat."""
+    import os
+
+    # a strict stdin, as a UTF-8 locale gives (C.UTF-8 reads it with surrogateescape anyway)
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8:strict"}
     r = subprocess.run([sys.executable, "-m", "lmforge", "chat", str(checkpoint), "--temperature", "0"],
-                       input=b"caf\xe9\nSay hello\n/exit\n", capture_output=True, timeout=120)
+                       input=b"caf\xe9\nSay hello\n/exit\n", capture_output=True, timeout=120, env=env)
     out = r.stdout.decode()
     assert r.returncode == 0 and "Traceback" not in r.stderr.decode()
     assert "(the text holds byte 0xe9 at position 3, which is not UTF-8 text" in out

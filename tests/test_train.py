@@ -112,6 +112,12 @@ def test_refuses_to_clobber_existing_run_without_resume(tmp_path, data_dir):
         train(load_config(str(recipe)), resume=True)
     assert (ckpts / "best" / "model.safetensors").read_bytes() == best
     assert (tmp_path / "runs" / "t" / "metrics.jsonl").read_text() == metrics
+    # best/ set aside by a write cut between its two renames (the run would put it back, then replace it)
+    (ckpts / "step-000002").rmdir()
+    (ckpts / "best").rename(ckpts / ".old-best")
+    with pytest.raises(LMForgeError, match=r"already holds .old-best \(set aside by an interrupted write"):
+        train(load_config(str(recipe)))
+    assert (ckpts / ".old-best" / "model.safetensors").read_bytes() == best
 
 
 def test_nan_loss_stops_naming_step_and_last_checkpoint(tmp_path, data_dir):

@@ -29,6 +29,8 @@ def chat(checkpoint: str, system: str | None = None, max_tokens: int = 512, temp
     model, tokenizer, _ = load_for_inference(checkpoint, device, precision, quantize=quantize)
     model_dir, n_ctx = resolve_model_dir(checkpoint), model.config.n_positions
     interactive = stdin.isatty()
+    if hasattr(stdin, "reconfigure"):  # bytes that are not UTF-8 reach check_text (and its message) in any locale
+        stdin.reconfigure(errors="surrogateescape")
     base = [{"role": "system", "content": system}] if system else []
     history = list(base)
     turn = 0

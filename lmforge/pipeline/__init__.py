@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.errors import LMForgeError
-from lmforge.pipeline.spec import Pipeline, Stage, load_pipeline
+from lmforge.pipeline.spec import Pipeline, Stage, check_devices, load_pipeline
 from lmforge.pipeline.stages import (
     describe,
     latest_step,
@@ -112,6 +112,7 @@ def run_pipeline(file: str | os.PathLike, force: list[str] | tuple[str, ...] = (
             pipe.stage(name, "--force stage")  # an unknown name: did you mean
             raise LMForgeError(f"--force {name}: that stage is not among the stages this run covers "
                                f"({', '.join(s.name for s in selected)})")
+    check_devices(pipe, selected)
     summary = RunSummary(pipeline=pipe.name, out_dir=str(pipe.out_dir))
     log(f"pipeline {pipe.name} ({pipe.path}): {len(selected)} of {len(pipe.stages)} stages -> {pipe.out_dir}")
     with RunLock(pipe.out_dir):

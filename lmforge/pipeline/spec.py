@@ -453,7 +453,7 @@ def _whole(x: Any) -> bool:
 
 
 def _strings(x: Any) -> bool:
-    return isinstance(x, list) and bool(x) and all(isinstance(s, str) and s for s in x)
+    return isinstance(x, list) and all(isinstance(s, str) and s for s in x)
 
 
 # A stage key's form, checked before anything runs: (test, what it must be).
@@ -468,7 +468,7 @@ VALUE_RULES: dict[str, tuple[Any, str]] = {
     "limit": (lambda x: _whole(x) and x >= 0, "a whole number >= 0 (0: all)"),
     "batch_size": (lambda x: _whole(x) and x >= 1, "a whole number >= 1"),
     "max_new_tokens": (lambda x: _whole(x) and x >= 1, "a whole number >= 1"),
-    "metric": (lambda x: isinstance(x, str), "a figure's name (a string)"),
+    "metric": (lambda x: x is None or isinstance(x, str), "a figure's name (a string)"),
 }
 
 
@@ -482,7 +482,8 @@ def _check_values(values: dict[str, Any]) -> None:
 
 
 def _check_device(value: Any) -> None:
-    """A stage's ``device``: the error now, before the stages above it run, naming this key."""
+    """A stage's ``device`` names a device (whether this machine has it is ``check_devices``'s, at run time:
+    a pipeline with ``device: cuda`` can be inspected on a machine without one)."""
     import torch
 
     if not isinstance(value, str) or not value:
@@ -490,13 +491,25 @@ def _check_device(value: Any) -> None:
     if value == "auto":
         return
     try:
-        device = torch.device(value)
+        torch.device(value)
     except RuntimeError:
         raise LMForgeError(f"'device' must be auto, cpu, cuda, cuda:N or mps, got {value!r}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise LMForgeError(f"'device: {value}', but PyTorch sees no CUDA/ROCm GPU here; use device: auto or cpu")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise LMForgeError(f"'device: {value}', but MPS is not available here; use device: auto or cpu")
+
+
+def check_devices(pipe: Pipeline, stages: list[Stage]) -> None:
+    """Before a run: each of ``stages`` that names a ``device`` names one this machine has (the error now, not
+    after the stages above it)."""
+    import torch
+
+    for stage in stages:
+        value = stage.values.get("device", "auto")
+        if stage.training or value == "auto":
+            continue
+        kind = torch.device(value).type
+        missing = {"cuda": not torch.cuda.is_available(), "mps": not torch.backends.mps.is_available()}
+        if missing.get(kind, False):
+            raise LMForgeError(f"{pipe.path}: {stage.where()}: 'device: {value}', but this machine has no such device "
+                               "(PyTorch sees none); use device: auto or cpu")
 
 
 def check_input_path(path: str, pipe: Pipeline, key: str) -> None:

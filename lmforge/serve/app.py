@@ -190,9 +190,10 @@ def create_app(engine: Engine, tokenizer: Any, model_id: str, api_key: str | Non
     n_ctx = engine.n_ctx
     compilers: list[GrammarCompiler] = []  # built at the first constrained request (~0.2 s at 50k tokens)
     # The most characters a prompt may have: a token stands for at most `longest` bytes (so as many
-    # characters), and a tokenizer's normaliser may merge up to 3 characters into one (Unicode composition).
-    # A longer text cannot fit the context and is refused before it is tokenized: tokenizing megabytes
-    # holds the event loop (a 6.9 MB prompt kept /health waiting 14 s).
+    # characters), and a normaliser's composition merges at most a few characters into one: 3x that bound.
+    # A longer text cannot fit the context (with lmforge's byte-level tokenizers and byte-fallback ones; a
+    # foreign tokenizer whose normaliser deletes characters could fit more) and is refused before it is
+    # tokenized: tokenizing megabytes holds the event loop (a 6.9 MB prompt kept /health waiting 14 s).
     longest = max(len(tokenizer.token_bytes(i)) for i in range(tokenizer.vocab_size))
     max_chars = 3 * max(longest, 1) * n_ctx
 

@@ -216,14 +216,14 @@ def _check_unicode(body: dict[str, Any]) -> None:
     """A 400 naming the first string of ``body`` (a key or a value) that holds an unpaired UTF-16 surrogate
     (JSON's ``"\\ud800"`` escape alone): it is not Unicode text, and no tokenizer can encode it."""
     todo: list[tuple[str, Any]] = [("", body)]
-    while todo:  # iterative: the body may nest as deeply as the JSON parser allowed
+    while todo:  # iterative: the body may nest as deeply as the JSON parser allowed; depth first, in order
         where, value = todo.pop()
         if isinstance(value, dict):
-            for key, item in value.items():
+            for key in value:
                 _encodable(key, f"a key of {where or 'the body'}")
-                todo.append((f"{where}.{key}" if where else key, item))
+            todo.extend(reversed([(f"{where}.{key}" if where else key, item) for key, item in value.items()]))
         elif isinstance(value, list):
-            todo.extend((f"{where}[{i}]", item) for i, item in enumerate(value))
+            todo.extend(reversed([(f"{where}[{i}]", item) for i, item in enumerate(value)]))
         elif isinstance(value, str):
             _encodable(value, f"'{where}'", where)
 

@@ -35,8 +35,9 @@ def seed_everything(seed: int) -> None:
 
 
 def train(cfg: RunConfig, resume: bool | str = False, clock: Callable[[], float] = time.perf_counter) -> TrainResult:
-    """Train ``cfg``. ``resume=True`` continues from the run's latest checkpoint (or starts fresh when
-    there is none); a path resumes from that checkpoint. ``clock`` is what the loop times itself with
+    """Train ``cfg``. ``resume=True`` continues from the run's latest checkpoint (or starts fresh when the
+    run holds nothing yet; a best/ model or an incomplete checkpoint and nothing complete is refused); a
+    path resumes from that checkpoint. ``clock`` is what the loop times itself with
     (tests pass a fake one). Returns a ``TrainResult``."""
     sharded = cfg.training.parallel != "ddp"
     distinfo = init_distributed(cfg.training.device, alone=sharded,
@@ -166,8 +167,11 @@ def _resume_point(run_dir: Path, resume: bool | str) -> Path | None:
     # deleted to save space) and step directories, complete or not.
     incomplete = sorted(p.name for p in ckpt_root.iterdir() if ckpt.STEP_DIR.match(p.name) and p.is_dir()
                         and not (p / ckpt.STATE_FILE).is_file()) if ckpt_root.is_dir() else []
+    # (.old-NAME: a checkpoint an interrupted write set aside, which the run would put back afterwards)
+    aside = sorted(p.name for p in ckpt_root.glob(".old-*") if p.is_dir()) if ckpt_root.is_dir() else []
     held = ([f"a trained model in {ckpt_root / 'best'}"] if (ckpt_root / "best").is_dir() else []) + \
-        [f"{name} (incomplete: no {ckpt.STATE_FILE})" for name in incomplete]
+        [f"{name} (incomplete: no {ckpt.STATE_FILE})" for name in incomplete] + \
+        [f"{name} (set aside by an interrupted write: rename it back to {name[len('.old-'):]})" for name in aside]
     if resume:
         if existing is None:
             if held:
