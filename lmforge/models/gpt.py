@@ -9,8 +9,9 @@ llama: RMSNorm with learned scale, rotary position embeddings, SwiGLU MLP, no bi
 RoPE convention: "rotate half", exactly as HF ``LlamaForCausalLM`` computes it: the head dimension
 is split into two halves (not interleaved pairs), ``inv_freq[i] = rope_theta ** (-2i / head_dim)``,
 ``cos``/``sin`` are ``cat(freqs, freqs)`` and ``q' = q * cos + rotate_half(q) * sin`` with
-``rotate_half([x1, x2]) = [-x2, x1]`` (``_rotary`` computes the same on the two halves). Our q/k projection rows are therefore in HF's order and an
-export to HF Llama needs no permutation (Meta's original checkpoints use interleaved pairs instead).
+``rotate_half([x1, x2]) = [-x2, x1]`` (``_rotary`` computes the same on the two halves). Our q/k
+projection rows are therefore in HF's order and an export to HF Llama needs no permutation (Meta's
+original checkpoints use interleaved pairs instead).
 
 Presets (``model.preset``) fill the sizes a config does not set explicitly; parameter counts:
 

@@ -409,9 +409,9 @@ def _eval_lm(stage: Stage, pipe: Pipeline, path: Path) -> dict[str, Any]:
     from lmforge.eval.lm import evaluate
 
     v = stage.values
-    return evaluate(path, eval_data_path(stage, pipe), split=v.get("split", "val"), max_tokens=v.get("limit") or None,
-                    batch_size=v.get("batch_size", 8), device=v.get("device", "auto"),
-                    include=tuple(v.get("include") or ()), progress=False)
+    return evaluate(path, eval_data_path(stage, pipe), split=v.get("split", "val"),
+                    max_tokens=v.get("limit") or None, batch_size=v.get("batch_size", 8),
+                    device=v.get("device", "auto"), include=tuple(v.get("include") or ()), progress=False)
 
 
 def _eval_tool_calls(stage: Stage, pipe: Pipeline, path: Path) -> dict[str, Any]:

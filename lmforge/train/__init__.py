@@ -165,13 +165,13 @@ def _resume_point(run_dir: Path, resume: bool | str) -> Path | None:
         return path
     # What a run from scratch would replace: a model in best/ (kept even where the step checkpoints were
     # deleted to save space) and step directories, complete or not.
-    incomplete = sorted(p.name for p in ckpt_root.iterdir() if ckpt.STEP_DIR.match(p.name) and p.is_dir()
-                        and not (p / ckpt.STATE_FILE).is_file()) if ckpt_root.is_dir() else []
     # (.old-NAME: a checkpoint an interrupted write set aside, which the run would put back afterwards)
-    aside = sorted(p.name for p in ckpt_root.glob(".old-*") if p.is_dir()) if ckpt_root.is_dir() else []
+    dirs = sorted(p for p in ckpt_root.iterdir() if p.is_dir()) if ckpt_root.is_dir() else []
     held = ([f"a trained model in {ckpt_root / 'best'}"] if (ckpt_root / "best").is_dir() else []) + \
-        [f"{name} (incomplete: no {ckpt.STATE_FILE})" for name in incomplete] + \
-        [f"{name} (set aside by an interrupted write: rename it back to {name[len('.old-'):]})" for name in aside]
+        [f"{p.name} (incomplete: no {ckpt.STATE_FILE})" for p in dirs
+         if ckpt.STEP_DIR.match(p.name) and not (p / ckpt.STATE_FILE).is_file()] + \
+        [f"{p.name} (set aside by an interrupted write: rename it back to {p.name[len('.old-'):]})" for p in dirs
+         if p.name.startswith(".old-")]
     if resume:
         if existing is None:
             if held:
