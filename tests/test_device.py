@@ -81,6 +81,8 @@ def test_peak_memory_is_the_process_high_water_mark_in_mib():
     assert done.returncode == 0, done.stderr
     before, after, peak, again = map(float, done.stdout.split())
     assert after - before > 0.95 * 800, (before, after)  # the array is resident
-    # its peak: the resident size now, in MiB (the kernel's two counts differ by a few pages)
-    assert abs(peak - after) < 0.05 * 800, (after, peak)
+    # its peak: at least the resident size now, in MiB (the kernel's two counts differ by a few pages), and not
+    # KiB or bytes; it may be above it where the kernel dropped some of the process's file pages (its libraries'
+    # code, read again when needed) since their peak, as on a machine busy with other jobs
+    assert after - 0.05 * 800 < peak < 1.5 * after, (after, peak)
     assert again >= peak  # a process's peak cannot be reset on a CPU

@@ -256,7 +256,7 @@ def test_status_table_and_json_of_every_stage_kind(corpus, tmp_path, capsys):
                            "args": {"n_train": 8, "n_val": 4, "n_test": 4}}]
     data["stages"] += [
         {"name": "bpb", "kind": "eval", "task": "lm", "checkpoint": "ft", "baseline": "base",
-         "data": "${stages.stories.out}/val.txt"},
+         "data": "${stages.stories.out}/val.txt", "limit": 0},  # 0: every token
         {"name": "calls_eval", "kind": "eval", "task": "tool-calls", "checkpoint": "ft", "data": "calls",
          "limit": 2, "max_new_tokens": 4, "metric": "parse_rate"},
         {"name": "export", "kind": "export", "checkpoint": "ft", "formats": ["hf", "gguf"]},
@@ -297,6 +297,15 @@ def test_status_table_and_json_of_every_stage_kind(corpus, tmp_path, capsys):
     bpb = json.loads((out / "bpb" / "metrics.json").read_text())
     assert f"bpb {bpb['checkpoint']['metrics']['bpb']:.4f} (base: {bpb['baseline']['metrics']['bpb']:.4f})" in lines["bpb"]
     assert "parse_rate" in lines["calls_eval"] and "hf, gguf f16" in lines["export"]
+    # the names a stage's metric: is checked against before it runs are the figures evaluation reports
+    from lmforge.eval.lm import FIGURES, evaluate
+    from lmforge.posttrain.toolcalls import METRIC_DOC
+
+    calls = json.loads((out / "calls_eval" / "metrics.json").read_text())["checkpoint"]["metrics"]
+    assert set(METRIC_DOC) == {k for k, v in calls.items() if k not in ("replies", "examples")}
+    assert set(FIGURES) == {k for k, v in bpb["checkpoint"]["metrics"].items() if k != "data"}
+    every = evaluate(out / "ft" / "checkpoints" / "best", out / "stories" / "val.txt", progress=False)
+    assert bpb["checkpoint"]["metrics"]["tokens"] == every["tokens"] > 0
     assert (out / "export" / "hf" / "config.json").is_file() and (out / "export" / "tiny-f16.gguf").is_file()
 
 
@@ -461,6 +470,13 @@ BAD = {
     "eval batch_size": (lambda d: d["stages"].append({"name": "ev", "kind": "eval", "task": "lm", "checkpoint": "ft",
                                                       "data": "${vars.corpus}", "batch_size": 0}),
                         ["stage 'ev'", "'batch_size' must be a whole number >= 1, got 0"]),
+    "eval metric": (lambda d: d["stages"].append({"name": "ev", "kind": "eval", "task": "lm", "checkpoint": "ft",
+                                                  "data": "${vars.corpus}", "metric": "bbp"}),
+                    ["stage 'ev'", "'metric: bbp' is not a lm figure. Did you mean 'bpb'?", "loss, ppl, bpb, tokens"]),
+    "tool-call metric": (lambda d: d["stages"].append({"name": "ev", "kind": "eval", "task": "tool-calls",
+                                                       "checkpoint": "ft", "data": "${vars.corpus}",
+                                                       "metric": "exact_arg"}),
+                         ["stage 'ev'", "'metric: exact_arg' is not a tool-calls figure. Did you mean 'exact_args'?"]),
     "eval device": (lambda d: d["stages"].append({"name": "ev", "kind": "eval", "task": "lm", "checkpoint": "ft",
                                                   "data": "${vars.corpus}", "device": "gpu please"}),
                     ["stage 'ev'", "'device' must be auto, cpu, cuda, cuda:N or mps, got 'gpu please'"]),

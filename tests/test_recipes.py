@@ -265,3 +265,97 @@ def test_hrgc_counts_the_tokens_it_read_not_the_padding():
     c = count(model, {"plan_ids": plan, "code_ids": code})
     assert (c.tokens, c.examples) == (13, 2)
     assert c.flops == 5 * model.planner.flops_per_token(4) + 8 * model.generator.flops_per_token(6)
+
+
+def _one_small_model_per_family() -> list:
+    from lmforge.models.gpt import GPT, GPTConfig
+    from lmforge.models.reward import RewardModel, reward_config_from
+    from lmforge.recipes.hrgc.model import HRGC, HRGCConfig, ModuleConfig
+    from lmforge.recipes.puzzles.baseline import PuzzleTransformer, PuzzleTransformerConfig
+    from lmforge.recipes.puzzles.hrm import HRM, HRMConfig
+    from lmforge.recipes.puzzles.trm import TRM, TRMConfig
+
+    gpt = GPTConfig(flavor="llama", vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    puzzle = dict(seq_len=9, vocab_size=11, num_puzzle_identifiers=2, hidden_size=16, num_heads=2)
+    module = dict(n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    return [GPT(gpt), GPT(GPTConfig(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+                                    tie_word_embeddings=False)),
+            RewardModel(reward_config_from(gpt)),
+            HRGC(HRGCConfig(vocab_size=64, planner_config=ModuleConfig(**module),
+                            generator_config=ModuleConfig(**module))),
+            TRM(TRMConfig(**puzzle, L_layers=1, H_cycles=1, L_cycles=1)),  # rotary tables: buffers not saved
+            HRM(HRMConfig(**puzzle, H_layers=1, L_layers=1, pos_encodings="learned")),
+            PuzzleTransformer(PuzzleTransformerConfig(**puzzle, halt_max_steps=1))]
+
+
+def test_every_family_loads_its_saved_tensors_without_a_random_initialisation(tmp_path):
+    """``from_pretrained`` builds the model on the meta device and takes the file's tensors: it draws no random
+    numbers (a 1.3B model spent ~30 s initialising weights it threw away, and a load moved a run's seed
+    stream), leaves nothing on the meta device, and gives back every tensor, the unsaved ones (rotary tables)
+    rebuilt. A bf16 file loads into the model's own fp32."""
+    from lmforge.models.base import LMForgeModel
+
+    models = _one_small_model_per_family()
+    assert {m.family for m in models} == set(recipes.families()) - {"actor_critic"}  # ppo saves a gpt + value/
+    for i, model in enumerate(models):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_()
+        directory = model.save_pretrained(tmp_path / str(i))
+        state = torch.random.get_rng_state()
+        loaded = LMForgeModel.from_pretrained(directory)
+        assert torch.equal(torch.random.get_rng_state(), state), model.family
+        mine, theirs = dict(model.named_buffers()), dict(loaded.named_buffers())
+        mine.update(model.named_parameters()), theirs.update(loaded.named_parameters())
+        assert mine.keys() == theirs.keys() and mine, model.family
+        for name, tensor in theirs.items():
+            assert tensor.device.type == "cpu" and torch.equal(tensor, mine[name]), (model.family, name)
+    from safetensors.torch import load_file, save_file
+
+    weights = tmp_path / "0" / "model.safetensors"
+    save_file({k: v.bfloat16() for k, v in load_file(str(weights)).items()}, str(weights))
+    loaded = LMForgeModel.from_pretrained(tmp_path / "0")
+    assert {p.dtype for p in loaded.parameters()} == {torch.float32}
+    assert torch.equal(loaded.tok_embed.weight, models[0].tok_embed.weight.bfloat16().float())
+
+
+def test_a_module_with_unsaved_buffers_must_say_how_to_rebuild_them():
+    from lmforge.models.base import _rebuild_unsaved_buffers
+
+    class Table(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("table", torch.empty(3, device="meta"), persistent=False)
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), Table())
+    with pytest.raises(TypeError, match=r"Table \(1\) has buffers it does not save; give it a reset_buffers"):
+        _rebuild_unsaved_buffers(model, "cpu")
+    Table.reset_buffers = lambda self, device: setattr(self, "table", torch.arange(3.0, device=device))
+    _rebuild_unsaved_buffers(model, "cpu")
+    assert torch.equal(model[1].table, torch.arange(3.0))
+
+
+def test_a_loaded_model_keeps_its_weights_when_its_directory_is_saved_over(tmp_path, monkeypatch):
+    """A loaded model's tensors are a memory map of its file: ``save_pretrained`` into that directory writes
+    new files and renames them into place, so the loaded model does not change (safetensors before 0.5
+    wrote in place; the stand-in below does the same)."""
+    from safetensors.torch import save
+
+    from lmforge.models import base
+    from lmforge.models.gpt import GPT, GPTConfig
+
+    def in_place(tensors, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(save(tensors, metadata=metadata))
+
+    monkeypatch.setattr(base, "save_file", in_place)
+    config = GPTConfig(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    torch.manual_seed(0)
+    first, second = GPT(config), GPT(config)
+    first.save_pretrained(tmp_path)
+    loaded = load_model(tmp_path)
+    second.save_pretrained(tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), first.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(load_model(tmp_path).state_dict().values(),
+                                                 second.state_dict().values()))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml", "model.safetensors"]

@@ -50,6 +50,9 @@ def nll_of_tokens(model, tokens: np.ndarray, seq_len: int, batch_size: int, devi
     return total_nll, total
 
 
+FIGURES = ("loss", "ppl", "bpb", "tokens")  # what ``evaluate`` reports (bpb where the data's bytes are known)
+
+
 def lm_metrics(loss: float, bytes_per_token: float) -> dict[str, float]:
     """Perplexity and bits per byte from a mean loss in nats per token (bpb needs the data's
     UTF-8 bytes per token; 0 leaves it out)."""

@@ -20,6 +20,7 @@ from torch import nn
 
 from lmforge.checkpoint import SHARDS_FILE, WEIGHTS_FILE, is_sharded, read_sharded_weights
 from lmforge.errors import LMForgeError
+from lmforge.files import atomic_file
 from lmforge.recipes import model_class
 from lmforge.typed import dataclass_from_dict
 
@@ -127,7 +128,9 @@ class LMForgeModel(nn.Module):
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         config = {"family": self.family, **dataclasses.asdict(self.config)}
-        with open(directory / CONFIG_FILE, "w") as f:
+        # Each file is written beside its place and renamed there: a model loaded from this directory reads its
+        # weights from a memory map of the old file, which must not change under it.
+        with atomic_file(directory / CONFIG_FILE) as tmp, open(tmp, "w") as f:
             yaml.safe_dump(config, f, sort_keys=False)
         if not weights:
             return directory
@@ -135,7 +138,8 @@ class LMForgeModel(nn.Module):
         # before .cpu(), which copies each tensor of a GPU model separately and hides the sharing.
         state = {k: v.detach().contiguous().cpu()
                  for k, v in _dedupe_shared(self.state_dict() if state_dict is None else state_dict).items()}
-        save_file(state, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+        with atomic_file(directory / WEIGHTS_FILE) as tmp:
+            save_file(state, str(tmp), metadata={"format": "pt"})
         return directory
 
     @classmethod
@@ -146,7 +150,10 @@ class LMForgeModel(nn.Module):
         klass, config = read_model_config(directory)
         if cls is not LMForgeModel and not issubclass(klass, cls):
             raise LMForgeError(f"{directory} holds a {klass.family!r} model, not a {cls.family!r} model")
-        model = klass(config)
+        # Built on the meta device and given the file's tensors (assign=True): no random initialisation and
+        # no second copy of the weights (a 1.3B model loaded in ~30 s and twice its size before).
+        with torch.device("meta"):
+            model = klass(config)
         try:
             state = _read_weights(directory, map_location)
         except LMForgeError:
@@ -156,8 +163,10 @@ class LMForgeModel(nn.Module):
                 f"cannot read {weights_path}: {e}. The file is corrupt or truncated; "
                 "use an earlier checkpoint (runs/NAME/checkpoints/) or retrain."
             ) from e
+        expected = model.state_dict()
+        state = {k: v.to(expected[k].dtype) if k in expected else v for k, v in state.items()}
         try:
-            missing, unexpected = model.load_state_dict(state, strict=False)
+            missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
         except RuntimeError as e:  # tensors whose shapes differ from the config's
             raise LMForgeError(
                 f"{weights_path} does not match its {CONFIG_FILE}: {e}. The checkpoint is corrupt or was edited."
@@ -169,6 +178,7 @@ class LMForgeModel(nn.Module):
                 f"unexpected {unexpected[:5]}. The checkpoint is corrupt or was edited."
             )
         model.tie_weights()
+        _rebuild_unsaved_buffers(model, map_location)
         return model.to(map_location)
 
     # Whether save_pretrained writes one model directory (a sharded checkpoint's shards can stand in for it).
@@ -231,6 +241,19 @@ def _read_weights(directory: Path, device: str | torch.device) -> dict[str, torc
     if is_sharded(directory):
         return {k: v.to(device) for k, v in read_sharded_weights(directory).items()}
     return load_file(str(directory / WEIGHTS_FILE), device=str(device))
+
+
+def _rebuild_unsaved_buffers(model: nn.Module, device: str | torch.device) -> None:
+    """The buffers a model does not save (``persistent=False``: tables computed from its config) are still on
+    the meta device after ``from_pretrained``'s load: each module that has them rebuilds them with its
+    ``reset_buffers(device)``."""
+    for name, module in model.named_modules():
+        if not any(b.is_meta for b in module.buffers(recurse=False)):
+            continue
+        if not hasattr(module, "reset_buffers"):
+            raise TypeError(f"{type(module).__name__} ({name}) has buffers it does not save; give it a "
+                            "reset_buffers(device) method that computes them, so from_pretrained can")
+        module.reset_buffers(device)
 
 
 def _dedupe_shared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

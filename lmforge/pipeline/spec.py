@@ -551,8 +551,24 @@ def _validate_eval(stage: Stage, pipe: Pipeline) -> None:
             raise LMForgeError(f"'data: {data}' names a {pipe.stage(data).kind} stage; name a data stage or a path")
     else:
         check_input_path(data, pipe, "data")
-    if task == "tool-calls":
-        GENERATORS["tool-calls"].load()  # the evaluator lives beside the generator
+    metric = v.get("metric")
+    if metric:  # a misspelt name would otherwise stop the stage only after its evaluation ran
+        figures = _eval_figures(task)
+        if metric not in figures:
+            raise LMForgeError(f"'metric: {metric}' is not a {task} figure.{_hint(metric, figures)} The figures: "
+                               f"{', '.join(figures)}")
+
+
+def _eval_figures(task: str) -> tuple[str, ...]:
+    """The figures an eval task reports, by name (``metric:`` picks the headline among them)."""
+    if task == "lm":
+        from lmforge.eval.lm import FIGURES
+
+        return FIGURES
+    import importlib
+
+    GENERATORS["tool-calls"].load()  # the evaluator lives beside the generator
+    return tuple(importlib.import_module(GENERATORS["tool-calls"].module).METRIC_DOC)
 
 
 # ---- training stages -----------------------------------------------------------------------------

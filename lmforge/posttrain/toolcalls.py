@@ -545,6 +545,7 @@ METRIC_DOC = {
     "call_rows": "rows whose reference is a tool call",
     "no_call_rows": "rows whose reference is a plain reply and that hold no tool result (no tool needed)",
     "answer_rows": "rows whose reference is a plain answer after a tool result",
+    "answer_checkable_rows": "answer rows whose reference contains a tool-result value (see answer_mentions_result)",
     "parse_rate": "call rows whose reply holds >= 1 call parse_tool_calls accepts",
     "tool_name_acc": "call rows whose first parsed call has the reference's tool name",
     "exact_args": "call rows with the right name and arguments equal to the reference's as JSON objects",

@@ -64,11 +64,18 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim: int, seq_len: int, theta: float):
         super().__init__()
-        inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-        freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
+        self.head_dim, self.seq_len, self.theta = head_dim, seq_len, theta
+        self.register_buffer("cos", torch.empty(seq_len, head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(seq_len, head_dim), persistent=False)
+        self.reset_buffers(self.cos.device)
+
+    def reset_buffers(self, device: torch.device | str) -> None:
+        """Compute the tables (on ``device``): at construction, and after a load onto the meta device."""
+        hd = self.head_dim
+        inv_freq = self.theta ** (-torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd)
+        freqs = torch.outer(torch.arange(self.seq_len, dtype=torch.float32, device=device), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.cos, self.sin = emb.cos(), emb.sin()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, heads, S, head_dim]
         half = x.shape[-1] // 2
