@@ -264,6 +264,13 @@ def fine_tuned_from(checkpoint: str | os.PathLike) -> str | None:
     return source if source and Path(source).exists() else None
 
 
+def _use_an_earlier_one(model_dir: Path) -> str:
+    parent = Path(model_dir).resolve().parent
+    if parent.name == "checkpoints":
+        return f"use an earlier one in {parent}"
+    return "use an earlier checkpoint of the run (runs/NAME/checkpoints/) or retrain"
+
+
 def checkpoint_family(path: str | Path, strict: bool = False) -> str | None:
     """The model family a checkpoint (or run directory) holds, from its config.yaml alone. When that
     cannot be read: None, or with ``strict`` an error that says what is wrong and what to pass."""
@@ -278,12 +285,12 @@ def checkpoint_family(path: str | Path, strict: bool = False) -> str | None:
         try:
             config = yaml.safe_load(config_path.read_text()) or {}
         except (yaml.YAMLError, UnicodeDecodeError) as e:
-            raise LMForgeError(f"{config_path} is not valid YAML ({e}); the checkpoint is corrupt: use an earlier "
-                               f"one in {model_dir.parent}") from e
+            raise LMForgeError(f"{config_path} is not valid YAML ({e}); the checkpoint is corrupt: "
+                               f"{_use_an_earlier_one(model_dir)}") from e
         family = config.get("family") if isinstance(config, dict) else None
         if not isinstance(family, str) or not family:
             raise LMForgeError(f"{config_path} names no model family (a 'family:' key); the checkpoint is corrupt: "
-                               f"use an earlier one in {model_dir.parent}")
+                               f"{_use_an_earlier_one(model_dir)}")
         return family
     except (LMForgeError, OSError):
         if strict:

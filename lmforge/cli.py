@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -66,8 +67,8 @@ def _cmd_train(args) -> int:
     result = train(cfg, resume=args.resume or False)
     if result.is_main:
         ev = ", ".join(f"{k.split('/')[-1]} {v:.4f}" for k, v in result.eval_metrics.items())
-        print(f"done: step {result.step} ({result.stopped}); train loss {result.train_loss:.4f}"
-              + (f"; eval {ev}" if ev else ""))
+        loss = "" if math.isnan(result.train_loss) else f"; train loss {result.train_loss:.4f}"  # nan: no step ran
+        print(f"done: step {result.step} ({result.stopped}){loss}" + (f"; eval {ev}" if ev else ""))
         print(f"checkpoint: {result.last_checkpoint}" + (f" | best: {result.best_checkpoint}"
                                                           if result.best_checkpoint else ""))
         if result.stopped == "signal":
@@ -208,6 +209,8 @@ HARNESS_OPTIONS = ("--num-fewshot", "--include-path", "--no-cache", "--log-sampl
 def _cmd_eval(args) -> int:
     """`lmforge eval`: the checkpoint kind's own evaluation, or lm-evaluation-harness tasks (--tasks)."""
     given = {token.split("=", 1)[0] for token in args.argv if token.startswith("--")}
+    if (args.limit or 0) < 0:  # for every kind: a slice [:-N] would silently drop the last N items
+        raise LMForgeError(f"--limit must be >= 0 (0 = all), got {args.limit}")
     if args.tasks is None:
         stray = [o for o in HARNESS_OPTIONS if o in given]
         if stray:
@@ -218,8 +221,8 @@ def _cmd_eval(args) -> int:
     if other:
         raise LMForgeError(f"{', '.join(other)} cannot be combined with --tasks: --tasks runs lm-evaluation-harness "
                            "tasks on their own data (see `lmforge eval --help`)")
-    if args.limit < 0 or (args.num_fewshot is not None and args.num_fewshot < 0):
-        raise LMForgeError("--limit and --num-fewshot must be >= 0")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise LMForgeError("--num-fewshot must be >= 0")
     from lmforge.eval.harness import run_tasks
 
     out = run_tasks(args.checkpoint, args.tasks, limit=args.limit or None, device=args.device,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from typing import Any
@@ -49,6 +50,19 @@ def _unknown_key_message(dotted: str, key: str, cls: type, prefix: str) -> str:
     return f"unknown config key '{dotted}'.{hint} Valid keys here: {', '.join(where + n for n in names)}"
 
 
+def _number(value: Any) -> float | int | None:
+    """``value`` as a number, or None. A number written as text counts: YAML 1.1 reads ``lr: 1e-3`` as the
+    string '1e-3'."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
 def _coerce(value: Any, hint: Any, dotted: str) -> Any:
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
@@ -80,14 +94,14 @@ def _coerce(value: Any, hint: Any, dotted: str) -> Any:
         if isinstance(value, bool):
             return value
         raise LMForgeError(f"config key '{dotted}' expects true or false, got {value!r}")
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+    if hint in (int, float):
+        number = _number(value)
+        if hint is int and (number is None or not math.isfinite(number) or int(number) != number):
             raise LMForgeError(f"config key '{dotted}' expects an integer, got {value!r}")
-        return int(value)
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise LMForgeError(f"config key '{dotted}' expects a number, got {value!r}")
-        return float(value)
+        if number is None or not math.isfinite(number):
+            what = "a number" if number is None else "a finite number"
+            raise LMForgeError(f"config key '{dotted}' expects {what}, got {value!r}")
+        return hint(number)
     if hint is str:
         if isinstance(value, (dict, list)):
             raise LMForgeError(f"config key '{dotted}' expects a string, got {value!r}")

@@ -131,7 +131,7 @@ def test_bad_arguments_give_clear_errors_not_tracebacks(trained, tmp_path, capsy
         (["train", "go_coder_tiny", "training.beta1=2"], "training.beta1 and training.beta2 must be in [0, 1)"),
         (["train", "go_coder_tiny", "data.seq_len=512", f"data.path={data_dir}"], "longer than the model's context"),
         (["eval", str(result.run_dir), "--data", str(data_dir), "--batch-size", "0"], "--batch-size"),
-        (["eval", str(result.run_dir), "--data", str(data_dir), "--limit", "-1"], "--limit >= 0"),
+        (["eval", str(result.run_dir), "--data", str(data_dir), "--limit", "-1"], "--limit must be >= 0 (0 = all), got -1"),
         (["train", "go_coder_tiny", "recipe=5"], "config section 'recipe' must be a mapping"),
         (["eval", str(result.run_dir), "--data", str(base / "corpus"), "--include", "/abs/*.go"],
          "globs must be non-empty and relative"),

@@ -1,7 +1,7 @@
 import pytest
 import yaml
 
-from lmforge.config import list_recipes, load_config, parse_overrides
+from lmforge.config import RECIPE_DIR, list_recipes, load_config, parse_overrides
 from lmforge.errors import LMForgeError
 
 
@@ -58,3 +58,25 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
     assert raw["model"]["family"] == "gpt" and raw["model"]["n_embd"] == 96
     again = load_config(str(tmp_path / "config.yaml"))
     assert again.to_dict() == cfg.to_dict()
+
+
+def test_numbers_in_a_recipe_file_are_numbers_and_must_be_finite(tmp_path):
+    """YAML 1.1 reads `lr: 1e-3` as the string '1e-3': in a recipe file it is the number the user wrote, as on
+    the command line. Infinite or NaN values are refused for every number (an integer key raised OverflowError)."""
+    recipe = yaml.safe_load((RECIPE_DIR / "go_coder_tiny.yaml").read_text())
+    recipe["training"].update(lr="1e-3", peak_flops="1.5e12", max_steps="2e2")
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert yaml.safe_load(path.read_text().replace("'", ""))["training"]["lr"] == "1e-3"  # the quirk itself
+    path.write_text(path.read_text().replace("'", ""))
+    t = load_config(str(path)).training
+    assert (t.lr, t.peak_flops, t.max_steps) == (1e-3, 1.5e12, 200) and isinstance(t.max_steps, int)
+    for override, expected in (("training.max_steps=.inf", "'training.max_steps' expects an integer, got inf"),
+                               ("training.max_steps=.nan", "'training.max_steps' expects an integer, got nan"),
+                               ("training.max_steps=2.5", "expects an integer, got 2.5"),
+                               ("training.lr=.inf", "'training.lr' expects a finite number, got inf"),
+                               ("training.max_time_minutes=-.inf", "expects a finite number, got -inf"),
+                               ("training.lr=abc", "'training.lr' expects a number, got 'abc'"),
+                               ("training.lr=true", "'training.lr' expects a number, got True")):
+        with pytest.raises(LMForgeError, match=expected.replace(".", r"\.")):
+            load_config(str(path), [override])

@@ -419,3 +419,32 @@ def test_the_training_forward_compiles_to_one_graph(extra, mixing_operators, mon
     with torch.autocast("cpu", dtype=torch.bfloat16):
         explained = torch._dynamo.explain(model)({"input_ids": ids, "labels": ids})
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+def test_an_edited_config_is_named_with_its_file_and_the_fix(tmp_path, monkeypatch):
+    """A checkpoint's config.yaml with a bad value names the file (not a key 'DIR/config.yaml.eos_token_id');
+    an eos id outside the vocabulary is refused; a corrupt one relative to the working directory still names
+    where earlier checkpoints are."""
+    from lmforge.checkpoint import checkpoint_family
+
+    tiny().save_pretrained(tmp_path / "m")
+    config = yaml.safe_load((tmp_path / "m" / "config.yaml").read_text())
+    for key, value, problem in (("eos_token_id", VOCAB + 5, f"model.eos_token_id={VOCAB + 5} is not a token of the "
+                                                             f"model's vocabulary of {VOCAB}"),
+                                ("eos_token_id", float("inf"), "config key 'eos_token_id' expects an integer, got inf"),
+                                ("foo", 1, "unknown config key 'foo'")):
+        (tmp_path / "m" / "config.yaml").write_text(yaml.safe_dump({**config, key: value}))
+        with pytest.raises(LMForgeError) as e:
+            LMForgeModel.from_pretrained(tmp_path / "m")
+        assert f"{tmp_path / 'm' / 'config.yaml'} does not describe a valid gpt model ({problem}" in str(e.value)
+        assert "the checkpoint was edited or is corrupt" in str(e.value)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m" / "config.yaml").write_text("vocab_size: 64\n")
+    with pytest.raises(LMForgeError, match=r"names no model family .* use an earlier checkpoint of the run"):
+        checkpoint_family("m", strict=True)
+    run = tmp_path / "runs" / "x" / "checkpoints"
+    tiny().save_pretrained(run / "step-000002")
+    (run / "step-000002" / "config.yaml").write_text("vocab_size: [\n")
+    monkeypatch.chdir(run)
+    with pytest.raises(LMForgeError, match=f"(?s)not valid YAML .* use an earlier one in {run}$"):
+        checkpoint_family("step-000002", strict=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from lmforge.cli import main
@@ -573,3 +574,30 @@ def test_data_of_another_tokenizer_is_refused_with_a_fix_that_works(tmp_path, da
     recipe = write_recipe(tmp_path / "r2.yaml", data_dir, tmp_path / "runs", training={"max_steps": 1})
     with pytest.raises(LMForgeError, match="point data.tokenizer at the one the data was made with"):
         train(load_config(str(recipe), [f"data.tokenizer={other.parent / 'tokenizer'}"]))
+
+
+def test_a_refused_resume_leaves_the_runs_files_as_they_were(tmp_path, data_dir, capsys):
+    """The run's config.yaml and tokenizer/ are rewritten only by a resume that was accepted: one refused
+    (another model shape, another tokenizer's data) changes nothing, so the run still resumes as it was. An
+    accepted resume with changed settings says which; a resume of a finished run prints no loss."""
+    from tests.train_helpers import make_prepared_data
+
+    recipe = write_recipe(tmp_path / "r.yaml", data_dir, tmp_path / "runs", training={"max_steps": 2})
+    assert main(["train", str(recipe)]) == 0
+    run = tmp_path / "runs" / "t"
+    files = {p: p.read_bytes() for p in [run / "config.yaml", *(run / "tokenizer").iterdir()]}
+    with pytest.raises(LMForgeError, match="does not fit this model"):
+        train(load_config(str(recipe), ["model.n_layer=3"]), resume=True)
+    other = make_prepared_data(tmp_path / "other", vocab_size=300)
+    with pytest.raises(LMForgeError, match="not with the tokenizer the run was trained with"):
+        train(load_config(str(recipe), [f"data.path={other}"]), resume=True)
+    assert {p: p.read_bytes() for p in files} == files
+    capsys.readouterr()
+    assert main(["train", str(run / "config.yaml"), "--resume", "training.max_steps=3", "training.lr=1e-4"]) == 0
+    out = capsys.readouterr().out
+    assert "note: resuming with settings that differ from" in out and "training.lr 0.003 -> 0.0001" in out
+    assert "training.max_steps 2 -> 3" in out and "done: step 3" in out
+    assert yaml.safe_load((run / "config.yaml").read_text())["training"]["lr"] == 1e-4
+    assert main(["train", str(run / "config.yaml"), "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "done: step 3 (completed)" in out and "nan" not in out and "differ" not in out

@@ -286,4 +286,8 @@ def read_model_config(directory: str | os.PathLike) -> tuple[type, Any]:
         raise LMForgeError(f"{config_path} must hold a mapping of model settings; the checkpoint is corrupt.")
     family = raw.pop("family", None)
     klass = model_class(family)
-    return klass, dataclass_from_dict(klass.config_class, raw, prefix=str(config_path))
+    try:
+        return klass, dataclass_from_dict(klass.config_class, raw)
+    except LMForgeError as e:
+        raise LMForgeError(f"{config_path} does not describe a valid {klass.family} model ({e}): the checkpoint was "
+                           "edited or is corrupt; use an earlier checkpoint (runs/NAME/checkpoints/) or retrain") from e

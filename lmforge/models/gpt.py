@@ -177,6 +177,9 @@ class GPTConfig:
             check(self.head_dim % 2 == 0,
                   f"rotary embeddings need an even head size, but model.n_embd / model.n_head = {self.head_dim}")
         check(self.n_inner >= 0, f"model.n_inner must be >= 0 (0 = default width), got {self.n_inner}")
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # vocab_size 0: the trainer fills it in
+            check(0 <= getattr(self, key) < (self.vocab_size or 2**62),
+                  f"model.{key}={getattr(self, key)} is not a token of the model's vocabulary of {self.vocab_size}")
         check(self.activation_function in ACTIVATIONS,
               f"unknown model.activation_function {self.activation_function!r}; use one of: {', '.join(ACTIVATIONS)}")
         for key in ("embd_pdrop", "resid_pdrop", "attn_pdrop"):

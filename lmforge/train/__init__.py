@@ -8,10 +8,11 @@ import random
 import shutil
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
+import yaml
 
 from lmforge import checkpoint as ckpt
 from lmforge.config import RunConfig
@@ -93,18 +94,25 @@ def _train(cfg: RunConfig, resume: bool | str, distinfo: DistInfo, clock: Callab
         model.to(devinfo.device)  # under FSDP, sharding moves each block's shard there: never the whole model
     seed_everything(cfg.seed + distinfo.rank)  # dropout differs per rank
 
+    if resume_from is not None:
+        _check_same_tokenizer(tokenizer_path, run_dir / "tokenizer")
     if distinfo.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         ckpt.clean_partial(run_dir / "checkpoints")
-        cfg.save(run_dir / "config.yaml")
-        if tokenizer_path is not None:
-            _copy_tokenizer(tokenizer_path, run_dir / "tokenizer")
+        if resume_from is None:
+            _write_run_files(cfg, tokenizer_path)
     barrier(distinfo)
 
     extra = (lambda d: _copy_tokenizer(tokenizer_path, d)) if tokenizer_path is not None else None
     trainer = Trainer(cfg, model, data, devinfo, distinfo, run_dir, extra_files=extra, clock=clock)
     if resume_from is not None:
         trainer.load_checkpoint(resume_from)
+        if distinfo.is_main:  # only a resume that was accepted rewrites the run's config
+            changed = _changed_settings(run_dir / "config.yaml", cfg)
+            if changed:
+                print(f"note: resuming with settings that differ from {run_dir / 'config.yaml'} (now saved there): "
+                      + ", ".join(changed))
+            _write_run_files(cfg, tokenizer_path)
     if distinfo.is_main:
         n = model.num_parameters()
         where = (f"resuming from {resume_from} (step {trainer.step})" if resume_from
@@ -203,6 +211,43 @@ def _load_initial_weights(model, path: str, distinfo: DistInfo) -> None:
     model.load_initial_weights(load_model(source_dir), str(source_dir))
     if distinfo.is_main:
         print(f"initial weights from {source_dir}")
+
+
+def _write_run_files(cfg: RunConfig, tokenizer_path: Path | None) -> None:
+    cfg.save(cfg.run_dir / "config.yaml")
+    if tokenizer_path is not None:
+        _copy_tokenizer(tokenizer_path, cfg.run_dir / "tokenizer")
+
+
+def _check_same_tokenizer(tokenizer_path: Path | None, saved: Path) -> None:
+    """A resume reads its data with the tokenizer the run was trained with: another one's ids mean other text."""
+    mine = saved / TOKENIZER_FILE
+    if tokenizer_path is None or not mine.is_file():
+        return
+    theirs = tokenizer_path.parent / TOKENIZER_FILE
+    if not theirs.is_file() or theirs.read_bytes() != mine.read_bytes():
+        raise LMForgeError(f"the data of this resume is tokenized with {tokenizer_path.parent}, not with the "
+                           f"tokenizer the run was trained with ({saved}): resume with the run's data settings (see "
+                           f"{saved.parent / 'config.yaml'}), or start a new run from its weights with "
+                           "training.init_from")
+
+
+def _changed_settings(saved: Path, cfg: RunConfig, limit: int = 8) -> list[str]:
+    """``key old -> new`` for each setting of ``cfg`` that differs from the run config saved at ``saved``."""
+    try:
+        old = yaml.safe_load(saved.read_text())
+    except (OSError, yaml.YAMLError):
+        return []
+
+    def flat(d: Any, prefix: str = "") -> dict[str, Any]:
+        if not isinstance(d, dict):
+            return {prefix[:-1]: d}
+        return {k: v for key, value in d.items() for k, v in flat(value, f"{prefix}{key}.").items()}
+
+    before, after = flat(old), flat(cfg.to_dict())
+    changed = [f"{k} {before.get(k)!r} -> {after.get(k)!r}" for k in after
+               if k in before and before[k] != after[k] and k != "resume_from_checkpoint"]
+    return changed[:limit] + ([f"... ({len(changed) - limit} more)"] if len(changed) > limit else [])
 
 
 def _copy_tokenizer(tokenizer_path: Path, directory: Path) -> None:

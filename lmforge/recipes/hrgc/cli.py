@@ -19,8 +19,8 @@ def add_eval_args(group) -> None:
 def run_eval(args) -> int:
     from lmforge.recipes.hrgc.evaluate import evaluate_hrgc
 
-    if (args.limit or 0) < 0 or args.max_iterations < 0:
-        raise LMForgeError("--limit and --max-iterations must be >= 0")
+    if args.max_iterations < 0:
+        raise LMForgeError("--max-iterations must be >= 0")
     m = evaluate_hrgc(args.checkpoint, require_data(args, "a directory written by `lmforge data go-functions`"), split=args.split or "test", limit=args.limit or 0, device=args.device,
                       max_iterations=args.max_iterations or None, compile_check=not args.no_compile)
     if args.json:

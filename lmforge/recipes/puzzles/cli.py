@@ -12,8 +12,8 @@ def run_eval(args) -> int:
     from lmforge.recipes.puzzles.evaluate import evaluate_puzzles
 
     batch_size = 256 if args.batch_size is None else args.batch_size
-    if batch_size < 1 or (args.limit or 0) < 0:
-        raise LMForgeError("--batch-size must be >= 1 and --limit >= 0")
+    if batch_size < 1:
+        raise LMForgeError("--batch-size must be >= 1")
     m = evaluate_puzzles(args.checkpoint, require_data(args, "a puzzle dataset directory (`lmforge data sudoku`) or a Sudoku CSV"), split=args.split or "test",
                          batch_size=batch_size, device=args.device, limit=args.limit or 0)
     if args.json:
