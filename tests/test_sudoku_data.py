@@ -157,6 +157,24 @@ def test_augmentation_is_an_exact_symmetry(puzzles):
     assert all(np.array_equal(x, y) for x, y in zip(a1, a2))
 
 
+def test_many_copies_at_once_are_exact_and_independent_symmetries(puzzles):
+    """``copies=N`` (how the train split gets its augmentations, without a Python loop per copy): each row an
+    exact symmetry of the puzzle, transposed about half of the time, the copies different from each other."""
+    p = puzzles[1]
+    qs, as_ = augment(p.question, p.answer, np.random.default_rng(3), copies=400)
+    assert qs.shape == as_.shape == (400, 81) and qs.dtype == as_.dtype == np.uint8
+    orig_rows = sorted(np.count_nonzero(p.question.reshape(9, 9), axis=1))
+    transposed = 0
+    for q, a in zip(qs, as_):
+        assert is_valid_solution(q, a) and np.count_nonzero(q) == np.count_nonzero(p.question)
+        assert sorted(np.bincount(q, minlength=10)[1:]) == sorted(np.bincount(p.question, minlength=10)[1:])
+        assert np.array_equal(a[q > 0], q[q > 0])  # the clues stay where the answer has them
+        transposed += sorted(np.count_nonzero(q.reshape(9, 9), axis=1)) != orig_rows
+    assert len({q.tobytes() for q in qs}) == 400 and 120 < transposed < 280
+    again = augment(p.question, p.answer, np.random.default_rng(3), copies=400)
+    assert np.array_equal(again[0], qs) and np.array_equal(again[1], as_)
+
+
 # --- HRM layout ------------------------------------------------------------------------------------------
 
 def test_layout_round_trip(tmp_path, puzzles):

@@ -258,23 +258,33 @@ def clue_count(puzzle: Puzzle) -> int:
 _POSITIONS = np.arange(81).reshape(9, 9)
 
 
-def _symmetry(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """A random Sudoku symmetry as (digit map of length 10, cell index map of length 81)."""
-    digits = np.concatenate([[0], rng.permutation(9) + 1]).astype(np.uint8)
-    transpose = rng.random() < 0.5
-    rows = (rng.permutation(3)[:, None] * 3 + np.stack([rng.permutation(3) for _ in range(3)])).reshape(9)
-    cols = (rng.permutation(3)[:, None] * 3 + np.stack([rng.permutation(3) for _ in range(3)])).reshape(9)
-    base = _POSITIONS.T if transpose else _POSITIONS
-    return digits, base[rows[:, None], cols[None, :]].reshape(81)
+def _symmetries(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` random Sudoku symmetries at once (no Python loop: the papers' 1,000 copies of 1,000 puzzles are a
+    million), as digit maps (n, 10) and cell index maps (n, 81)."""
+    digits = np.zeros((n, 10), dtype=np.uint8)
+    digits[:, 1:] = rng.permuted(np.tile(np.arange(1, 10, dtype=np.uint8), (n, 1)), axis=1)
+    transpose = rng.random(n) < 0.5
+
+    def lines() -> np.ndarray:  # (n, 9): the bands (or stacks) shuffled, and the lines inside each
+        outer = rng.permuted(np.tile(np.arange(3), (n, 1)), axis=1)
+        inner = rng.permuted(np.tile(np.arange(3), (n, 3, 1)), axis=2)
+        return (outer[:, :, None] * 3 + inner).reshape(n, 9)
+
+    rows, cols = lines(), lines()
+    base = np.where(transpose[:, None, None], _POSITIONS.T, _POSITIONS)
+    return digits, base[np.arange(n)[:, None, None], rows[:, :, None], cols[:, None, :]].reshape(n, 81)
 
 
-def augment(question: np.ndarray, answer: np.ndarray,
-            rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def augment(question: np.ndarray, answer: np.ndarray, rng: np.random.Generator,
+            copies: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Apply one random exact symmetry to both grids: relabel digits 1-9 (0 stays blank), transpose
     with probability 0.5, shuffle the bands and the rows inside each band, the stacks and the columns
-    inside each stack. A valid (question, answer) pair stays valid, with the same number of clues."""
-    digits, index = _symmetry(rng)
-    return digits[np.asarray(question)[index]], digits[np.asarray(answer)[index]]
+    inside each stack. A valid (question, answer) pair stays valid, with the same number of clues.
+    ``copies=N``: N independent symmetries, as (N, 81) arrays."""
+    digits, index = _symmetries(rng, 1 if copies is None else copies)
+    which = np.arange(len(index))[:, None]
+    q, a = digits[which, np.asarray(question)[index]], digits[which, np.asarray(answer)[index]]
+    return (q[0], a[0]) if copies is None else (q, a)
 
 
 # ---- generation ---------------------------------------------------------------------------------------
@@ -565,8 +575,8 @@ def build_sudoku_dataset(out_dir: str | Path, train: Sequence[Puzzle], test: Seq
     for i, p in enumerate(tqdm(train, desc="augmenting", unit=" puzzles", disable=not show_progress or not num_aug)):
         row = i * group
         tq[row], ta[row], tr[row:row + group] = p.question, p.answer, p.rating
-        for j in range(1, group):
-            tq[row + j], ta[row + j] = augment(p.question, p.answer, rng)
+        if num_aug:
+            tq[row + 1:row + group], ta[row + 1:row + group] = augment(p.question, p.answer, rng, copies=num_aug)
     eq = np.stack([p.question for p in test])
     ea = np.stack([p.answer for p in test])
     er = np.array([p.rating for p in test], dtype=np.int32)
