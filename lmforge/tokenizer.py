@@ -72,6 +72,7 @@ class Tokenizer:
         # on chats needs to know whether the template is really the one the model will be prompted with.
         self.has_chat_template = bool(chat_template) or self.is_native
         self._bytes: list[bytes] | None = None  # token_bytes' table, built on first use
+        self._longest: int | None = None  # max_chars' longest token in bytes
 
     def _foreign_specials(self, named: dict[str, str | None]) -> dict[str, str | None]:
         vocab = self._backend.get_vocab(with_added_tokens=True)
@@ -167,6 +168,16 @@ class Tokenizer:
         if self._bytes is None:
             self._bytes = _token_bytes_table(self._backend)
         return self._bytes[token_id] if 0 <= token_id < len(self._bytes) else b""
+
+    def max_chars(self, n_tokens: int) -> int:
+        """The most characters ``n_tokens`` tokens can stand for: a token stands for at most its longest byte
+        string (so as many characters), and a normaliser's composition merges at most a few characters into
+        one: 3x that bound. A longer text cannot fit (with lmforge's byte-level tokenizers and byte-fallback
+        ones; a foreign tokenizer whose normaliser deletes characters could fit more), so callers refuse it
+        before tokenizing: tokenizing megabytes takes seconds to minutes and gigabytes."""
+        if self._longest is None:
+            self._longest = max(1, *(len(self.token_bytes(i)) for i in range(self.vocab_size)))
+        return 3 * self._longest * n_tokens
 
     def apply_chat_template(self, messages: list[dict], tools: list | None = None,
                             add_generation_prompt: bool = True) -> str:

@@ -147,6 +147,10 @@ def test_malformed_jsonl_names_file_and_line(tmp_path):
     path.write_text('{"text": "ok"}\n\n{"body": "x"}\n', encoding="utf-8")
     with pytest.raises(LMForgeError, match=rf"{path}:3: no field 'text' \(fields: \['body'\]\).*--text-fie"):
         list(iter_documents([path]))
+    # nested too deeply for Python's json: the same error, not a RecursionError traceback
+    path.write_text('{"text": "ok"}\n{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n", encoding="utf-8")
+    with pytest.raises(LMForgeError, match=rf"{path}:2: not valid JSON \(maximum recursion depth"):
+        list(iter_documents([path]))
 
 
 def test_missing_path_and_unmatched_globs_are_clear_errors(tmp_path, tok_dir):

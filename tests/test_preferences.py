@@ -226,6 +226,27 @@ def test_splits_from_a_directory_or_held_out_from_one_file(tmp_path):
     assert read_preference_splits(one) == (read_preferences(one), [])
     with pytest.raises(LMForgeError, match="val_fraction must be >= 0 and < 1"):
         read_preference_splits(one, val_fraction=1.0)
+    # a directory with held-out files but no train file is refused (it was read whole: test pairs trained on)
+    (folder / "train.jsonl").rename(folder / "trian.jsonl")
+    write_jsonl(folder / "test.jsonl", [PLAIN_ROW])
+    with pytest.raises(LMForgeError, match=r"set has no train.jsonl .*only held-out files \(test.jsonl, val.jsonl\)"):
+        read_preference_splits(folder, val_fraction=0.3)
+
+
+def test_skipped_bad_rows_are_reported_when_no_pair_is_left(tmp_path):
+    from lmforge.config import load_config
+    from lmforge.recipes.reward.data import build_reward_data
+    from lmforge.tokenizer import train_tokenizer
+    from lmforge.train.distributed import DistInfo
+
+    tokenizer = train_tokenizer(["Name a prime. 2 is prime."] * 20, vocab_size=300, out_dir=tmp_path / "tok",
+                                show_progress=False)
+    path = write_jsonl(tmp_path / "bad.jsonl", ['{"prompt": "hi", "chosen"'])
+    cfg = load_config(values={"kind": "reward", "data": {"train_path": str(path), "tokenizer": str(tokenizer),
+                                                         "seq_len": 64}, "recipe": {"skip_bad_rows": True}})
+    with pytest.raises(LMForgeError, match=r"0 of 0 pairs kept; 0 tokens; 1 malformed rows skipped "
+                                           rf"\(recipe.skip_bad_rows\); first: {re.escape(str(path))}:1: not valid"):
+        build_reward_data(cfg, DistInfo())
 
 
 # ----- bad rows
@@ -268,6 +289,8 @@ BAD_ROWS = {
     "unknown_role": ({"prompt": [{"role": "bot", "content": "hi"}], "chosen": [assistant("a")],
                       "rejected": [assistant("b")]}, "prompt[0].role is 'bot', not a known role"),
     "bad_tools": ({**PLAIN_ROW, "tools": "[{not json"}, "tools is a string that is not JSON"),
+    "nested_too_deep": ('{"prompt": ' + "[" * 100_000 + "]" * 100_000 + ', "chosen": "a", "rejected": "b"}',
+                        "not valid JSON (maximum recursion depth exceeded"),
 }
 
 

@@ -4,6 +4,7 @@ prompt + completion sequences, log-probs read back per sequence, and the objecti
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -60,6 +61,38 @@ def test_prompt_rows_are_the_conversation_before_the_reference(policy, tool_sft,
         path.write_text(json.dumps(open_row) + "\n" + bad + "\n")
         with pytest.raises(LMForgeError, match=f"rows.jsonl:2: .*{message}"):
             read_prompt_rows(path)
+
+
+def test_prompt_rows_are_checked_as_the_sft_reader_checks_conversations(tmp_path):
+    from lmforge.posttrain.toolcalls import load_rows
+
+    good = {"messages": [{"role": "user", "content": "café?"}], "answer": "4"}
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(good).encode() + b"\n")  # a BOM is skipped, as in sft files
+    assert read_prompt_rows(path) == [good]
+    # tools come out as the sft reader writes them (a bare function definition is an OpenAI tool spec)
+    path.write_text(json.dumps({**good, "tools": [{"name": "f", "parameters": {"type": "object"}}]}) + "\n")
+    [row] = read_prompt_rows(path)
+    assert row["tools"] == [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    user = {"role": "user", "content": "hi"}
+    for bad, message in ((b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', "not valid JSON"),  # Latin-1
+                         (b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "not valid JSON"),
+                         ({**good, "tools": [5]}, "tools[0] is a int, not a tool spec"),
+                         ({**good, "tools": [{"type": "function", "function": {"description": "x"}}]},
+                          "tools[0] has no function name"),
+                         ({"messages": [user, {"role": "assistant", "content": "", "tool_calls": 5}, user]},
+                          "messages[1].tool_calls is a int"),
+                         ({"messages": [user, {"role": "assistant", "tool_calls": [
+                             {"type": "function", "function": {"name": "f", "arguments": '{"a": NaN}'}}]}, user]},
+                          "messages[1].tool_calls[0] (f): the arguments cannot be written as JSON")):
+        line = bad if isinstance(bad, bytes) else json.dumps(bad).encode()
+        path.write_bytes(json.dumps(good).encode() + b"\n" + line)
+        with pytest.raises(LMForgeError, match=f"rows.jsonl:2: .*{re.escape(message)}"):
+            read_prompt_rows(path)
+    # a scored row's reference calls that are not a list are refused like any other bad reference call
+    path.write_text(json.dumps({"messages": [user, {"role": "assistant", "content": "", "tool_calls": 5}]}) + "\n")
+    with pytest.raises(LMForgeError, match="rows.jsonl:1: a reference tool call"):
+        load_rows(path)
 
 
 def test_sampler_is_reproducible_by_seed_whatever_the_batch(policy):

@@ -159,6 +159,25 @@ def test_a_client_that_leaves_mid_stream_does_not_hurt_the_server(client, server
     assert r.choices[0].text
 
 
+def test_a_client_that_leaves_during_its_upload_is_one_log_line(server):
+    """A probe found a whole "Exception in ASGI application" ClientDisconnect traceback in the log."""
+    import socket
+    import time
+
+    before = len(server.log.read_text())
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000\r\n\r\n{\"model\": ")
+    deadline = time.monotonic() + HANG  # guards against a hang only
+    while time.monotonic() < deadline:
+        log = server.log.read_text()[before:]
+        if "the client disconnected" in log or "Exception in ASGI application" in log:
+            break
+        time.sleep(0.1)
+    assert "the client disconnected while sending the request body" in log and "Traceback" not in log, log
+    assert httpx.get(server.base + "/health", timeout=HANG).status_code == 200
+
+
 def error_of(server, payload, path="/v1/completions", raw=None):
     r = httpx.post(server.base + path, content=raw if raw is not None else json.dumps(payload),
                    headers={"Content-Type": "application/json"}, timeout=HANG)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -14,6 +15,14 @@ import pytest
 from .serve_helpers import ASK_TOOL, GREETING, HELLO, TOOLS, Server, train_chat_model
 
 HANG = 120  # seconds: only a guard against a hang on a busy machine
+ENDLESS_OBJECT = {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}},
+                  "$ref": "#/$defs/n"}
+# Endless too, but only once allOf's branches are merged (an object that requires itself), which the compile-time
+# check does not model: the grammar fails in the middle of the reply.
+MERGED_ENDLESS = {"allOf": [{"type": "object"}, {"properties": {"c": {"$ref": "#"}}, "required": ["c"]}]}
+NESTED_300 = {"type": "integer"}
+for _ in range(300):
+    NESTED_300 = {"type": "object", "properties": {"a": NESTED_300}, "required": ["a"]}
 SCHEMA = {"type": "object", "properties": {
     "city": {"enum": ["Paris", "Rome", "Berlin"]},
     "count": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -46,6 +55,10 @@ def client(checkpoint):
 
 def schema_format(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+
+
+def function(name: str, parameters: dict | None = None) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters or {"type": "object"}}}
 
 
 def test_json_schema_replies_always_parse_and_validate(client):
@@ -156,9 +169,56 @@ def test_constrained_and_free_requests_share_a_batch(client):
     ({"response_format": schema_format({"$ref": "#"})}, "response_format", "admits no value at all"),
     ({"response_format": schema_format({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
                                         "$ref": "#/$defs/a"})}, "response_format", "admits no value at all"),
+    # and these were a 500 with llguidance's parser state once the reply entered the recursion: every value
+    # of the part named holds another one without end
+    ({"response_format": schema_format({"type": "array", "items": {"$ref": "#"}, "minItems": 1})},
+     "response_format", "at #: no finite value"),
+    ({"response_format": schema_format(ENDLESS_OBJECT)}, "response_format", "at #/$defs/n: no finite value"),
+    ({"response_format": schema_format({"type": "object", "properties": {"x": {"$ref": "#/$defs/n"}},
+                                        "$defs": ENDLESS_OBJECT["$defs"]})},  # optional, but a reply may go there
+     "response_format", "at #/$defs/n: no finite value"),
+    ({"tools": [function("f", ENDLESS_OBJECT)], "tool_choice": "required"}, "tools",
+     "tools[0] (f) parameters cannot be used for constrained decoding: at #/$defs/n: no finite value"),
+    # a tool named '</tool_call>' ended its own forced call and came back as content; OpenAI's rule for names
+    ({"tools": [function("</tool_call>")], "tool_choice": "required"}, "tools[0].function.name",
+     "must match ^[a-zA-Z0-9_-]{1,64}$"),
+    ({"tools": [function("ok"), function("   ")]}, "tools[1].function.name", "must match"),
+    ({"tools": [function("ok"), function("x" * 65)]}, "tools[1].function.name", "must match"),
+    # these were reported as param 'tool_choice'
+    ({"tools": [function("f"), function("f")], "tool_choice": "required"}, "tools", "two tools are named 'f'"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": True}}], "tool_choice": "required"},
+     "tools", "must be a JSON schema object"),
+    # a chain of 3,000 $refs crashed the server process (llguidance's recursion), 300 levels were a 500
+    ({"response_format": schema_format({"$defs": {**{f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(3000)},
+                                                  "d3000": {"type": "integer"}}, "$ref": "#/$defs/d0"})},
+     "response_format", "holds 3001 $refs, more than the 256"),
+    ({"response_format": schema_format(NESTED_300)}, "response_format",
+     "the JSON schema nests more than 128 levels of JSON"),
 ])
 def test_constraints_that_cannot_be_honoured_are_a_400_naming_the_part(client, extra, param, words):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="tiny", messages=GREETING, **extra)
     error = info.value.body
     assert error["param"] == param and words in error["message"]
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"response_format": schema_format(MERGED_ENDLESS)}, "response_format"),
+    ({"tools": [function("f", MERGED_ENDLESS)], "tool_choice": "required"}, "tools"),
+])
+def test_a_grammar_that_fails_mid_reply_is_a_client_error(client, extra, param):
+    """A probe found a 500 (an error event in a stream) carrying llguidance's parser state."""
+    body = {"model": "tiny", "messages": GREETING, "max_tokens": 100, "temperature": 0, **extra}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**body)
+    error = info.value.body
+    assert error["param"] == param and error["code"] == "invalid_schema"
+    assert "constrained decoding failed" in error["message"] and "no finite value" in error["message"]
+    assert "parser" not in error["message"] and "<state>" not in error["message"]
+    # A stream has sent its 200 already: the error comes as its last event, then [DONE].
+    r = httpx.post(f"{client.base_url}chat/completions", json={**body, "stream": True}, timeout=HANG)
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert r.status_code == 200 and events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"] == error
+    assert client.chat.completions.create(model="tiny", messages=GREETING, temperature=0).choices[0].message.content \
+        == HELLO

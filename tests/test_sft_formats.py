@@ -470,6 +470,10 @@ def test_container_problems_are_clear_errors_even_when_skipping_bad_rows(tmp_pat
     (tmp_path / "empty").mkdir()
     with pytest.raises(LMForgeError, match="no .jsonl, .json or .parquet files"):
         read_conversations(tmp_path / "empty")
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000, encoding="utf-8")
+    with pytest.raises(LMForgeError, match=f"{re.escape(str(deep))}: not valid JSON"):
+        list(read_conversations(deep, skip_bad_rows=True))
 
 
 # ----- bad rows
@@ -510,6 +514,19 @@ BAD_ROWS = {
                                   "chat turn 1 (ASSISTANT) (f): the arguments are not valid JSON"),
     "xlam_answers_not_json": ({"query": "q", "answers": '[{"name": "f"', "tools": "[]"},
                               "answers is a string that is not JSON"),
+    # nested too deeply for Python's json (a RecursionError): a bad row like any other
+    "nested_too_deep": ('{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}",
+                        "not valid JSON (maximum recursion depth exceeded"),
+    "arguments_nested_too_deep": ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "[" * 100_000 + "]" * 100_000}}]}]},
+        "messages[1].tool_calls[0] (f): the arguments are not valid JSON (maximum recursion depth exceeded"),
+    # NaN and Infinity are read by Python's json but are not JSON: never trained on as arguments
+    "arguments_nan": ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": '{"a": NaN}'}}]}]},
+        "messages[1].tool_calls[0] (f): the arguments cannot be written as JSON"),
+    "arguments_infinity_object": ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", '
+                                  '"tool_calls": [{"function": {"name": "f", "arguments": {"a": [-Infinity]}}}]}]}',
+                                  "messages[1].tool_calls[0] (f): the arguments cannot be written as JSON"),
 }
 
 
@@ -543,3 +560,81 @@ def test_a_forced_format_that_does_not_fit_says_which_field_is_missing():
     with pytest.raises(RowError) as e:
         conversation_from_row(HERMES_ROW, "rows.json#row 4", format="openai")
     assert str(e.value).startswith("rows.json#row 4 (openai): no 'messages' field")
+
+
+# ----- the sft kind's data: splits, rows too long, and what is reported
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    from lmforge.tokenizer import train_tokenizer
+
+    texts = [render_chat(want, "<s>", "</s>", add_generation_prompt=False) for _, _, want, _ in CASES.values()]
+    return train_tokenizer(texts * 5, vocab_size=300, out_dir=tmp_path_factory.mktemp("tok"), show_progress=False)
+
+
+def sft_splits(path: Path) -> tuple[list, list]:
+    from lmforge.recipes.sft.data import SFTSettings, read_splits
+
+    return read_splits(path, SFTSettings(), 0.2, 0, ReadStats())
+
+
+def test_a_directory_with_held_out_files_but_no_train_file_is_refused(tmp_path):
+    typo = tmp_path / "typo"  # was: all three files read, test rows trained on
+    typo.mkdir()
+    for name in ("trian.jsonl", "val.jsonl", "test.jsonl"):
+        write_jsonl(typo / name, [OPENAI_ROW] * 3)
+    with pytest.raises(LMForgeError, match=r"typo has no train.jsonl .*only held-out files \(test.jsonl, val.jsonl\)"):
+        sft_splits(typo)
+    only_val = tmp_path / "only_val"
+    only_val.mkdir()
+    write_jsonl(only_val / "Validation.jsonl", [OPENAI_ROW] * 3)
+    with pytest.raises(LMForgeError, match=r"only_val has no train.jsonl .*\(Validation.jsonl\)"):
+        sft_splits(only_val)
+    # a directory of other files is read whole, val_fraction held out (docs/sft.md); one with splits by them
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    write_jsonl(shards / "part-0.jsonl", [OPENAI_ROW] * 5)
+    write_jsonl(shards / "part-1.jsonl", [XLAM_ROW] * 5)
+    train, val = sft_splits(shards)
+    assert len(train) + len(val) == 10 and val
+    write_jsonl(typo / "train.jsonl", [XLAM_ROW] * 2)
+    train, val = sft_splits(typo)
+    assert [c.source for c in train + val] == [f"{typo / 'train.jsonl'}:{i}" for i in (1, 2)] + [
+        f"{typo / 'val.jsonl'}:{i}" for i in (1, 2, 3)]
+
+
+def test_skipped_bad_rows_are_reported_when_no_row_is_left(tmp_path, tokenizer_dir):
+    from lmforge.config import load_config
+    from lmforge.recipes.sft.data import build_sft_data
+    from lmforge.train.distributed import DistInfo
+
+    path = write_jsonl(tmp_path / "bad.jsonl", ["{not json"])
+    cfg = load_config(values={"kind": "sft", "data": {"train_path": str(path), "tokenizer": str(tokenizer_dir),
+                                                      "seq_len": 64}, "recipe": {"skip_bad_rows": True}})
+    with pytest.raises(LMForgeError, match=r"0 of 0 conversations kept; 1 malformed rows skipped "
+                                           rf"\(recipe.skip_bad_rows\); first: {re.escape(str(path))}:1: not valid"):
+        build_sft_data(cfg, DistInfo())
+
+
+def test_a_row_too_long_for_seq_len_is_left_out_without_tokenizing_it(tmp_path, tokenizer_dir):
+    from lmforge.posttrain.render import TOO_LONG, RenderStats, render_examples
+    from lmforge.tokenizer import Tokenizer
+
+    def row(text: str) -> dict:
+        return {"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": "ok"}]}
+
+    tokenizer = Tokenizer.load(tokenizer_dir)
+    most = tokenizer.max_chars(64)  # most // 2 characters are at least 96 tokens, more than 64
+    path = write_jsonl(tmp_path / "rows.jsonl", [row("hi"), row("weather " * (most // 16)), row("weather " * 100_000)])
+    encoded = []  # the characters the tokenizer is asked to encode, per text
+    encode_batch = tokenizer.encode_batch
+    tokenizer.encode_batch = lambda texts: encoded.extend(map(len, texts)) or encode_batch(texts)
+    stats = RenderStats()
+    examples = render_examples(tokenizer, list(read_conversations(path)), 64, stats=stats)
+    assert most // 2 < max(encoded) < most  # the second row was tokenized (and measured); the 800,000 characters not
+    assert [e.source for e in examples] == [f"{path}:1"]
+    assert stats.skipped == {TOO_LONG: 2} and stats.untokenized == 1
+    summary = stats.summary(64)
+    assert f"2 skipped: {TOO_LONG}" in summary and f"longest {stats.longest} tokens" in summary
+    assert "1 of them not tokenized: more characters than 64 tokens can hold" in summary

@@ -229,7 +229,7 @@ def _iter_jsonl(path: Path, text_field: str) -> Iterator[Document]:
             where = f"{path}:{lineno}"
             try:
                 record = json.loads(line)
-            except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+            except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, thousands of nested [ or {
                 raise LMForgeError(
                     f"{where}: not valid JSON ({e}). Each line of a .jsonl file must be one JSON object "
                     f'such as {{"{text_field}": "..."}}; fix or delete that line.') from e

@@ -92,22 +92,105 @@ def _pointer(path: Sequence[str | int]) -> str:
     return "#" + "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in path)
 
 
-def _subschemas(schema: Any, path: tuple = ()):
-    """(path, subschema) of ``schema`` and every schema inside it, parents before children."""
+def _subschemas(schema: Any, path: tuple = (), defs: bool = True):
+    """(path, subschema) of ``schema`` and every schema inside it, parents before children (without
+    the ``$defs`` / ``definitions`` entries unless ``defs``)."""
     if not isinstance(schema, dict):
         return
     yield path, schema
     for key in _ONE:
         if isinstance(schema.get(key), dict):
-            yield from _subschemas(schema[key], (*path, key))
+            yield from _subschemas(schema[key], (*path, key), defs)
     for key in _MAP:
-        if isinstance(schema.get(key), dict):
+        if isinstance(schema.get(key), dict) and (defs or key not in ("$defs", "definitions")):
             for name, sub in schema[key].items():
-                yield from _subschemas(sub, (*path, key, name))
+                yield from _subschemas(sub, (*path, key, name), defs)
     for key in _LIST:
         if isinstance(schema.get(key), list):
             for i, sub in enumerate(schema[key]):
-                yield from _subschemas(sub, (*path, key, i))
+                yield from _subschemas(sub, (*path, key, i), defs)
+
+
+def _resolve(schema: dict[str, Any], ref: Any) -> Any:
+    """The subschema a local ``$ref`` ("#", "#/$defs/name", any JSON pointer) names; None if none."""
+    if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+        return None
+    node: Any = schema
+    for part in ref[2:].split("/") if ref != "#" else ():
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _finite(sub: Any, schema: dict[str, Any], finite: set[str]) -> bool:
+    """Whether ``sub`` (a part of ``schema``) admits a finite value, given that the ``$ref`` targets in
+    ``finite`` do and the others do not. Only recursion is judged: whatever it does not model (false,
+    patterns, bounds, how allOf branches merge) counts as admitting one, so it never refuses a schema
+    that has a finite value."""
+    if not isinstance(sub, dict):
+        return True
+    if "$ref" in sub and sub["$ref"] not in finite and _resolve(schema, sub["$ref"]) is not None:
+        return False
+    if "const" in sub or "enum" in sub:
+        return True
+
+    def each(key: str) -> list:
+        return sub[key] if isinstance(sub.get(key), list) else []
+
+    if not all(_finite(s, schema, finite) for s in each("allOf")):
+        return False
+    if any(each(key) and not any(_finite(s, schema, finite) for s in each(key)) for key in ("anyOf", "oneOf")):
+        return False
+    types = sub.get("type", "null")  # no type: any, null among them
+    for kind in [types] if isinstance(types, str) else types if isinstance(types, list) else ["null"]:
+        if kind == "object" and isinstance(sub.get("required", []), list):
+            props = sub.get("properties") if isinstance(sub.get("properties"), dict) else {}
+            other = True if sub.get("patternProperties") else sub.get("additionalProperties", True)
+            if all(_finite(props.get(name, other) if isinstance(name, str) else True, schema, finite)
+                   for name in sub.get("required", [])):
+                return True
+        elif kind == "array":
+            least = sub.get("minItems", 0) if isinstance(sub.get("minItems", 0), int) else 0
+            prefix = each("prefixItems") or each("items")
+            rest = sub.get("additionalItems" if isinstance(sub.get("items"), list) else "items", True)
+            if all(_finite(prefix[i] if i < len(prefix) else rest, schema, finite)
+                   for i in range(min(least, len(prefix) + 1))):
+                return True
+        else:
+            return True
+    return False
+
+
+def _endless(schema: dict[str, Any]) -> str | None:
+    """The JSON pointer of a part of ``schema`` that a reply may reach (the root, or a $ref target) and
+    that admits no finite value, every value of it holding another through $ref (``{"type": "array",
+    "items": {"$ref": "#"}, "minItems": 1}``); None when there is none. llguidance compiles such a
+    schema, and its matcher fails once a reply enters that part."""
+    users: dict[str, list[str]] = {"#": []}  # each $ref target a reply can reach: the targets that refer to it
+    todo = ["#"]
+    while todo:
+        ref = todo.pop()
+        for _, sub in _subschemas(_resolve(schema, ref), defs=False):
+            target = sub.get("$ref")
+            if isinstance(target, str) and _resolve(schema, target) is not None:
+                if target not in users:
+                    users[target] = []
+                    todo.append(target)
+                users[target].append(ref)
+    finite: set[str] = set()
+    todo = list(users)
+    while todo:  # the least fixed point: a target admits a finite value once the targets it needs do
+        ref = todo.pop()
+        if ref not in finite and _finite(_resolve(schema, ref), schema, finite):
+            finite.add(ref)
+            todo.extend(users[ref])  # only these can change
+    endless = [ref for ref in users if ref not in finite]
+    return endless[-1] if endless else None
 
 
 def strict_schema(schema: dict[str, Any]) -> dict[str, Any]:
@@ -257,6 +340,7 @@ class GrammarCompiler:
         is read as JSON Schema reads it, where unlisted properties are allowed by default)."""
         if not isinstance(schema, dict):
             raise LMForgeError(f"the JSON schema must be a JSON object, got {type(schema).__name__}")
+        _check_size(schema, "the JSON schema")
         key = ("json_schema", strict, self._key(schema, "the JSON schema"))
         return self._cached(key, lambda: self._json_grammar(self._prepared(schema, strict), "json_schema"))
 
@@ -270,6 +354,7 @@ class GrammarCompiler:
         (a model that repeats its call stops there; None: only max_tokens bounds them)."""
         if max_calls is not None and max_calls < 1:
             raise LMForgeError(f"max_calls must be >= 1, got {max_calls}")
+        _check_size(tools, "the tools")
         calls = 1 if not parallel else max_calls
         functions = self._functions(tools)
         if name is not None:
@@ -309,7 +394,9 @@ class GrammarCompiler:
     def _json_grammar(self, schema: dict[str, Any], kind: str, where: str = "the JSON schema") -> Grammar:
         llg = _llguidance()
         source = llg.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
-        return self._build(kind, source, lambda message: self._locate(schema, message, where))
+        grammar = self._build(kind, source, lambda message: self._locate(schema, message, where))
+        _check_finite(schema, where)
+        return grammar
 
     def _build(self, kind: str, source: str, explain) -> Grammar:
         llg = _llguidance()
@@ -403,7 +490,40 @@ class GrammarCompiler:
                     return self._locate(schemas[j], problem, f"tools[{fn['index']}] ({name}) parameters")
             return f"the tools cannot be used for constrained decoding: {_clean_error(message)}"
 
-        return self._build("tool_calls", source, explain)
+        grammar = self._build("tool_calls", source, explain)
+        for j, (name, fn) in enumerate(functions.items()):
+            _check_finite(schemas[j], f"tools[{fn['index']}] ({name}) parameters")
+        return grammar
+
+
+MAX_SCHEMA_DEPTH = 128  # JSON levels (a schema level is one or two): deeper ones overflowed Python's recursion
+MAX_SCHEMA_REFS = 256  # llguidance follows $refs recursively: a chain of ~1,000 crashed the process (segfault)
+
+
+def _check_size(spec: Any, where: str) -> None:
+    """Refuse a spec too deep or with too many $refs to compile safely, before anything walks it recursively."""
+    refs, todo = 0, [(spec, 1)]
+    while todo:
+        node, depth = todo.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise LMForgeError(f"{where} nests more than {MAX_SCHEMA_DEPTH} levels of JSON: too deep for constrained "
+                               "decoding; flatten it")
+        if isinstance(node, dict):
+            refs += "$ref" in node
+            todo.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            todo.extend((v, depth + 1) for v in node)
+    if refs > MAX_SCHEMA_REFS:
+        raise LMForgeError(f"{where} holds {refs} $refs, more than the {MAX_SCHEMA_REFS} constrained decoding takes; "
+                           "inline or merge some definitions")
+
+
+def _check_finite(schema: dict[str, Any], where: str) -> None:
+    endless = _endless(schema)
+    if endless is not None:
+        raise LMForgeError(f"{where} cannot be used for constrained decoding: at {endless}: no finite value fits it, "
+                           "each of its values must hold another one through $ref without end (a required property, "
+                           "or minItems >= 1, whose schema leads back to it); make that recursion optional")
 
 
 def _lark_string(text: str) -> str:

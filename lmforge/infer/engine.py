@@ -18,7 +18,9 @@ with the same tokens (a long system prompt or tool list, a question scored with 
 the samples of one prompt that GRPO draws) copies them and computes only the rest.
 
 Results go to each request's ``on_event`` callback, called on the engine thread with
-``("token", id)``, then ``("done", finish_reason)`` or ``("error", message)``. finish_reason is
+``("token", id)``, then ``("done", finish_reason)`` or ``("error", message)``, or for a request with a
+grammar ``("grammar_error", message)``: the grammar allows no way on (a schema whose values are endless,
+which ``GrammarCompiler`` could not tell at compile time). finish_reason is
 ``"stop"`` (the eos token), ``"length"`` (max_tokens, or the context is full) or ``"cancelled"``.
 With ``SamplingParams.logprobs`` the request also keeps each sampled token's log-probability
 (``Request.logprobs``, the closing eos's included), of the distribution it was drawn from: the
@@ -497,10 +499,11 @@ class Engine:
             request.logprobs.append(logprob)
         if request.cancelled:
             reason = "cancelled"
-        elif request._matcher is not None and not request._matcher.accept(token):
-            # Only possible if the mask was not applied: end the request rather than break its format.
-            self._emit(request, ("error", f"token {token} is outside the reply's grammar "
-                                          f"({request._matcher.error or 'not allowed'})"))
+        elif request._matcher is not None and (not request._matcher.accept(token) or request._matcher.error):
+            # The matcher failed (in its mask, then only eos was allowed, or on this token): end the request
+            # rather than break its format. llguidance's own message is its parser's state, not for clients.
+            self._emit(request, ("grammar_error", f"the reply's grammar allows no way on after {request.generated} "
+                                                  "tokens"))
             self._free(row)
             return
         elif token == self.eos_id:

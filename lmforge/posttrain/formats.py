@@ -58,6 +58,8 @@ SHAREGPT_SPEAKERS = {
     "tool": "tool", "observation": "tool", "function_response": "tool",
 }
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+# What json raises for what it cannot read or write: RecursionError for thousands of nested [ or {.
+JSON_ERRORS = (ValueError, RecursionError)
 _RECORD_BATCH = 1024  # rows per read from parquet / HF datasets
 _BAD_EXAMPLES = 5
 
@@ -90,6 +92,12 @@ class ReadStats:
     def as_dict(self) -> dict:
         return {"rows": self.rows, "kept": self.kept, "bad": self.bad,
                 "by_format": dict(sorted(self.by_format.items())), "bad_examples": list(self.bad_examples)}
+
+    def skipped(self) -> str:
+        """The malformed rows ``skip_bad_rows`` left out, for a report ("" when none)."""
+        if not self.bad:
+            return ""
+        return f"{self.bad:,} malformed rows skipped (recipe.skip_bad_rows); first: {self.bad_examples[0]}"
 
 
 class _Problem(Exception):
@@ -217,7 +225,7 @@ def _records(value: Any, where: str) -> list:
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except ValueError as e:
+        except JSON_ERRORS as e:
             raise _Problem(f"{where} is a string that is not JSON ({e}). Give a list of turns.") from None
     if isinstance(value, dict) and value and all(isinstance(v, list) for v in value.values()):
         lengths = {len(v) for v in value.values()}
@@ -293,7 +301,7 @@ def _tool_call(name: Any, arguments: Any, where: str) -> dict:
     elif isinstance(arguments, str):
         try:
             args = json.loads(arguments, strict=False)  # strict=False: raw newlines inside strings
-        except ValueError as e:
+        except JSON_ERRORS as e:
             raise _Problem(f"{where} ({name}): the arguments are not valid JSON ({e}): {arguments[:120]!r}. "
                            'Arguments must be a JSON object, e.g. {"city": "Paris"}.') from None
     else:
@@ -301,7 +309,12 @@ def _tool_call(name: Any, arguments: Any, where: str) -> dict:
     if not isinstance(args, dict):
         raise _Problem(f"{where} ({name}): the arguments are a {_kind(args)}, not a JSON object. "
                        'Arguments must be a JSON object, e.g. {"city": "Paris"} ({} for none).')
-    return {"type": "function", "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
+    try:
+        text = json.dumps(args, ensure_ascii=False, allow_nan=False)
+    except JSON_ERRORS as e:  # Python's json reads NaN and Infinity, but they are not JSON (nor what the server emits)
+        raise _Problem(f"{where} ({name}): the arguments cannot be written as JSON ({e}). NaN and Infinity are not "
+                       "JSON: use a number, a string or null.") from None
+    return {"type": "function", "function": {"name": name, "arguments": text}}
 
 
 def _tools(value: Any, where: str = "tools") -> list[dict] | None:
@@ -311,7 +324,7 @@ def _tools(value: Any, where: str = "tools") -> list[dict] | None:
     if isinstance(value, str):
         try:
             value = _loads_lenient(value)
-        except ValueError as e:
+        except JSON_ERRORS as e:
             raise _Problem(f"{where} is a string that is not JSON ({e}). Give a JSON list of tool specs.") from None
     if isinstance(value, dict):
         value = [value]
@@ -333,7 +346,7 @@ def _tool_spec(tool: Any, where: str) -> dict:
     if isinstance(fn.get("parameters"), str):
         try:
             fn["parameters"] = json.loads(fn["parameters"])
-        except ValueError as e:
+        except JSON_ERRORS as e:
             raise _Problem(f"{where} ({fn['name']}): parameters are a string that is not JSON ({e}).") from None
     if "parameters" in fn and not isinstance(fn["parameters"], dict):
         raise _Problem(f"{where} ({fn['name']}): parameters must be a JSON schema object.")
@@ -349,17 +362,17 @@ _LITERAL_ERRORS = (ValueError, TypeError, SyntaxError, MemoryError, RecursionErr
 def _loads_lenient(text: str) -> Any:
     """JSON, else one of the two non-JSON spellings that real tool-calling data uses: Glaive's
     single-quoted arguments string, and Hermes' Python dict literals (``{'name': 'f', 'arguments':
-    {'a': True}}``). Raises ``ValueError`` when it is none of these."""
+    {'a': True}}``). Raises one of ``JSON_ERRORS`` when it is none of these."""
     text = text.strip()
     try:
         return json.loads(text, strict=False)
-    except ValueError as e:
+    except JSON_ERRORS as e:
         error = e
     m = _QUOTED_ARGUMENTS.search(text)
     if m:
         try:
             return json.loads(text[:m.start()] + m.group(1) + json.dumps(m.group(2)) + m.group(3), strict=False)
-        except ValueError:
+        except JSON_ERRORS:
             pass
     try:
         value = ast.literal_eval(text)  # literals only: never runs code
@@ -373,7 +386,7 @@ def _call_objects(text: str, where: str) -> list[dict]:
     """The calls in one call block: an object ``{"name", "arguments"}`` or a list of them."""
     try:
         body = _loads_lenient(text)
-    except ValueError as e:
+    except JSON_ERRORS as e:
         raise _Problem(f"{where}: the tool call is not valid JSON ({e}): {text.strip()[:120]!r}. Write it as "
                        '{"name": ..., "arguments": {...}}.') from None
     body = body if isinstance(body, list) else [body]
@@ -510,10 +523,10 @@ def _tools_block(text: str, where: str) -> list[dict]:
     """A ``<tools>`` block: one JSON list (or object), or one JSON object per line."""
     try:
         value = _loads_lenient(text)
-    except ValueError:
+    except JSON_ERRORS:
         try:
             value = [_loads_lenient(line) for line in text.splitlines() if line.strip()]
-        except ValueError as e:
+        except JSON_ERRORS as e:
             raise _Problem(f"{where} is neither a JSON list of tools nor one JSON object per line ({e}). "
                            "Fix the block, or give the tools in a 'tools' field.") from None
     return _tools(value, where) or []
@@ -570,7 +583,7 @@ def _glaive_system(text: str) -> tuple[str, list[dict] | None]:
     while pos < len(text) and text[pos] == "{":
         try:
             fn, pos = decoder.raw_decode(text, pos)
-        except ValueError as e:
+        except JSON_ERRORS as e:
             raise _Problem(f"system: function definition {len(functions)} is not valid JSON ({e}). Fix it, "
                            "or move the text out of the system field.") from None
         functions.append(fn)
@@ -615,7 +628,7 @@ def _json_field(value: Any, where: str) -> Any:
         return value
     try:
         return json.loads(value)
-    except ValueError as e:
+    except JSON_ERRORS as e:
         raise _Problem(f"{where} is a string that is not JSON ({e}). Fix the JSON text.") from None
 
 
@@ -694,6 +707,28 @@ _PARSERS: dict[str, Callable[[dict], tuple[list[dict], list[dict] | None]]] = {
 # Containers to rows
 
 
+HELD_OUT_SPLITS = ("val", "validation", "test")
+
+
+def split_files(path: Path) -> tuple[list[Path], list[Path]] | None:
+    """The train and val files of a directory laid out in splits (``train.jsonl`` + optional
+    ``val.jsonl`` or ``validation.jsonl``; .json / .parquet too); None for any other path. A directory
+    with held-out files (val, validation, test) but no train file is refused: read whole, as a
+    directory of other files is, it would train on its held-out rows."""
+    if not path.is_dir():
+        return None
+    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in FILE_SUFFIXES)
+    train = [p for p in files if p.stem.lower() == "train"]
+    held = [p for p in files if p.stem.lower() in HELD_OUT_SPLITS]
+    if not train:
+        if held:
+            raise LMForgeError(f"{path} has no train.jsonl (or train.json / train.parquet), only held-out files "
+                               f"({', '.join(p.name for p in held)}), which are never trained on. Name the training "
+                               "file train.jsonl, or give the file to train on.")
+        return None
+    return train, [p for p in held if p.stem.lower() != "test"]
+
+
 def _expand_paths(paths: str | Path | Sequence[str | Path]) -> list[tuple[Path, str]]:
     """(file or dataset directory, container kind) for every input, directories expanded."""
     if isinstance(paths, (str, Path)):
@@ -761,7 +796,7 @@ def _jsonl_rows(path: Path, split: str | None = None) -> _Rows:
             source = f"{path}:{lineno}"
             try:
                 yield source, json.loads(line)  # bytes: json detects UTF-8/16/32 and skips a BOM
-            except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+            except JSON_ERRORS as e:  # JSONDecodeError, UnicodeDecodeError and RecursionError
                 yield source, RowError(f"{source}: not valid JSON ({e}). Each line of a JSON Lines file must be "
                                        "one JSON object, one conversation; fix or delete that line.", source)
 
@@ -770,7 +805,7 @@ def _json_rows(path: Path, split: str | None = None) -> _Rows:
     data = path.read_bytes()
     try:
         rows = json.loads(data)
-    except ValueError as e:
+    except JSON_ERRORS as e:
         if _looks_like_jsonl(data):  # many .json files on the Hub are JSON Lines
             yield from _jsonl_rows(path)
             return
@@ -787,7 +822,7 @@ def _looks_like_jsonl(data: bytes) -> bool:
     first = next((line for line in data.splitlines() if line.strip()), b"")
     try:
         return isinstance(json.loads(first), dict)
-    except ValueError:
+    except JSON_ERRORS:
         return False
 
 

@@ -41,7 +41,6 @@ import numpy as np
 from lmforge.chat import TOOL_CALL_OPEN
 from lmforge.errors import LMForgeError
 from lmforge.posttrain.formats import (
-    FILE_SUFFIXES,
     ReadStats,
     RowError,
     _expand_paths,
@@ -53,6 +52,7 @@ from lmforge.posttrain.formats import (
     _Problem,
     _read,
     _tools,
+    split_files,
 )
 from lmforge.posttrain.toolcalls import (
     SPLITS,
@@ -128,7 +128,8 @@ def read_preference_splits(path: str | Path, format: str = "auto", skip_bad_rows
     """(train, val) pairs of ``path``: a directory with ``train.jsonl`` (+ ``val.jsonl``; .json and
     .parquet too), a ``DatasetDict`` directory (``train`` or ``train_prefs``; ``validation``, ``val``,
     ``test_prefs`` or ``test`` for val), or anything else ``read_preferences`` reads, of which
-    ``val_fraction`` of the pairs (at least one, chosen by ``seed``) is held out."""
+    ``val_fraction`` of the pairs (at least one, chosen by ``seed``) is held out. A directory with
+    held-out files (val, test) but no train file is refused (``split_files``)."""
     if not 0 <= val_fraction < 1:
         raise LMForgeError(f"val_fraction must be >= 0 and < 1, got {val_fraction}")
     path = Path(path)
@@ -137,21 +138,17 @@ def read_preference_splits(path: str | Path, format: str = "auto", skip_bad_rows
     def read(paths: Any, split: str | None = None) -> list[PreferencePair]:
         return read_preferences(paths, format, skip_bad_rows, stats, split)
 
-    if path.is_dir():
-        suffixes = [s[1:] for s in FILE_SUFFIXES]
-        train = [path / f"train.{ext}" for ext in suffixes if (path / f"train.{ext}").is_file()]
-        if train:
-            val = [path / f"{name}.{ext}" for name in ("val", "validation") for ext in suffixes
-                   if (path / f"{name}.{ext}").is_file()]
-            return read(train), read(val) if val else []
-        if (path / "dataset_dict.json").is_file():
-            names = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
-            train_name = next((n for n in TRAIN_SPLITS if n in names), None)
-            if train_name is None:
-                raise LMForgeError(f"{path}: no training split (splits: {names}). Name it one of "
-                                   f"{', '.join(TRAIN_SPLITS)}, or save that split on its own.")
-            val_name = next((n for n in VAL_SPLITS if n in names), None)
-            return read(path, train_name), read(path, val_name) if val_name else []
+    splits = split_files(path)
+    if splits is not None:
+        return read(splits[0]), read(splits[1]) if splits[1] else []
+    if (path / "dataset_dict.json").is_file():
+        names = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+        train_name = next((n for n in TRAIN_SPLITS if n in names), None)
+        if train_name is None:
+            raise LMForgeError(f"{path}: no training split (splits: {names}). Name it one of "
+                               f"{', '.join(TRAIN_SPLITS)}, or save that split on its own.")
+        val_name = next((n for n in VAL_SPLITS if n in names), None)
+        return read(path, train_name), read(path, val_name) if val_name else []
     pairs = read(path)
     if not val_fraction:
         return pairs, []

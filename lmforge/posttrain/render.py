@@ -46,6 +46,7 @@ class RenderStats:
     supervised: int = 0  # of those, tokens the loss covers
     boundary_merges: int = 0  # kept examples whose one-pass tokenization differs at a turn boundary
     longest: int = 0  # tokens of the longest example seen (kept or too long)
+    untokenized: int = 0  # of the too long ones, those left out untokenized: more characters than seq_len tokens hold
 
     def summary(self, seq_len: int) -> str:
         total = self.kept + sum(self.skipped.values())
@@ -54,8 +55,10 @@ class RenderStats:
             parts.append(f"{self.tokens:,} tokens, {self.supervised / max(self.tokens, 1):.1%} supervised")
         for reason, n in sorted(self.skipped.items()):
             parts.append(f"{n:,} skipped: {reason}")
-        if self.skipped.get(TOO_LONG):
+        if self.skipped.get(TOO_LONG, 0) > self.untokenized:
             parts.append(f"longest {self.longest:,} tokens: raise data.seq_len (now {seq_len}) to keep them")
+        if self.untokenized:
+            parts.append(f"{self.untokenized:,} of them not tokenized: more characters than {seq_len} tokens can hold")
         if self.boundary_merges:
             parts.append(f"{self.boundary_merges:,} tokenized per turn where one pass would merge across a turn "
                          "boundary")
@@ -147,6 +150,7 @@ def render_examples(tokenizer: Any, conversations, seq_len: int, assistant_turns
     stats = stats if stats is not None else RenderStats()
     out: list[Example] = []
     chunk: list[tuple[str, list[tuple[int, int]], str]] = []
+    most = tokenizer.max_chars(seq_len)
 
     def flush() -> None:
         cut = [_pieces(text, spans) for text, spans, _ in chunk]
@@ -175,6 +179,10 @@ def render_examples(tokenizer: Any, conversations, seq_len: int, assistant_turns
             raise LMForgeError(f"{conv.source}: {e}") from e
         if not spans:
             stats.skipped[NOTHING_TO_LEARN] += 1
+            continue
+        if spans[-1][1] > most:  # cannot fit: left out untokenized (tokenizing megabytes takes minutes and GBs)
+            stats.skipped[TOO_LONG] += 1
+            stats.untokenized += 1
             continue
         chunk.append((text, spans, conv.source))
         if len(chunk) >= _CHUNK:

@@ -23,7 +23,6 @@ from them. What the reinforcement-learning kinds (grpo, ppo) share.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ import torch
 
 from lmforge.errors import LMForgeError
 from lmforge.models.losses import IGNORE_INDEX
+from lmforge.posttrain.formats import RowError, _jsonl_rows, _messages, _Problem, _tools
 from lmforge.posttrain.packing import PAD_DOCUMENT, ROUND_TO, pack_rows
 from lmforge.recipes import ModelHost
 
@@ -49,33 +49,31 @@ def read_message_rows(file: str | Path, fix: str, check: Callable[[dict[str, Any
     """The rows of a JSONL file, each an object with a ``messages`` list (OpenAI form), optional
     ``tools`` (a list) and any other fields (``answer`` ...) the reward functions read; ``check(row)``
     raises ``LMForgeError`` for anything else the caller requires. A bad row is refused as
-    ``FILE:LINE: what is wrong``; a missing file with ``fix`` (what to give instead)."""
+    ``FILE:LINE: what is wrong``; a missing file with ``fix`` (what to give instead). Messages and
+    tools come out as the sft reader (``lmforge.posttrain.formats``) reads them."""
     from lmforge.chat import check_messages
 
     file = Path(file)
     if not file.is_file():
         raise LMForgeError(f"{file} does not exist; {fix}")
     rows = []
-    with open(file, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{file}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise LMForgeError(f"{where}: not valid JSON ({e})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
-                raise LMForgeError(f"{where}: a row must be an object with a 'messages' list")
-            if row.get("tools") is not None and not isinstance(row["tools"], list):
-                raise LMForgeError(f"{where}: 'tools' must be a list of tool definitions")
-            try:
-                check_messages(row["messages"])
-                if check is not None:
-                    check(row)
-            except LMForgeError as e:
-                raise LMForgeError(f"{where}: {e}") from None
-            rows.append(row)
+    for where, row in _jsonl_rows(file):
+        if isinstance(row, RowError):  # not JSON
+            raise row
+        if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
+            raise LMForgeError(f"{where}: a row must be an object with a 'messages' list")
+        if row.get("tools") is not None and not isinstance(row["tools"], list):
+            raise LMForgeError(f"{where}: 'tools' must be a list of tool definitions")
+        try:
+            check_messages(row["messages"])  # before check, which reads the messages as given
+            if check is not None:
+                check(row)
+            row = {**row, "messages": _messages(row["messages"], "messages")}
+            if row.get("tools"):
+                row["tools"] = _tools(row["tools"])
+        except (LMForgeError, _Problem) as e:
+            raise LMForgeError(f"{where}: {e}") from None
+        rows.append(row)
     if not rows:
         raise LMForgeError(f"{file} holds no rows")
     return rows

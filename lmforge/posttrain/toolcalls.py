@@ -534,7 +534,8 @@ def _check_scored_row(row: dict[str, Any]) -> None:
     last = row["messages"][-1]
     if last.get("role") != "assistant":
         raise LMForgeError(f"the last message must be the assistant turn to score, got role {last.get('role')!r}")
-    for call in last.get("tool_calls") or []:
+    calls = last.get("tool_calls") or []
+    for call in calls if isinstance(calls, list) else [calls]:  # a call not in a list is refused as a call
         reference_call(call)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,8 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from lmforge.chat import TOOL_CALL_OPEN, parse_tool_calls
 from lmforge.errors import LMForgeError
@@ -137,6 +139,13 @@ class Generation:
             if kind == "error":
                 self.cancel()
                 raise APIError(500, str(value), code="generation_failed")
+            if kind == "grammar_error":  # the request's schema is at fault: a client error, even mid-reply
+                self.cancel()
+                tools = self.grammar.kind == "tool_calls"
+                what = "a tool's parameters schema" if tools else "the schema"
+                raise APIError(400, f"constrained decoding failed: {value}: {what} admits no finite value along the "
+                               "way this reply took (e.g. it requires itself through $ref with no way out); make that "
+                               "recursion optional", "tools" if tools else "response_format", code="invalid_schema")
             piece = choice.text.finish()
             choice.finish_reason = "stop" if value == "cancelled" else value
             self.open -= 1
@@ -189,13 +198,9 @@ def create_app(engine: Engine, tokenizer: Any, model_id: str, api_key: str | Non
     created = int(time.time())
     n_ctx = engine.n_ctx
     compilers: list[GrammarCompiler] = []  # built at the first constrained request (~0.2 s at 50k tokens)
-    # The most characters a prompt may have: a token stands for at most `longest` bytes (so as many
-    # characters), and a normaliser's composition merges at most a few characters into one: 3x that bound.
-    # A longer text cannot fit the context (with lmforge's byte-level tokenizers and byte-fallback ones; a
-    # foreign tokenizer whose normaliser deletes characters could fit more) and is refused before it is
-    # tokenized: tokenizing megabytes holds the event loop (a 6.9 MB prompt kept /health waiting 14 s).
-    longest = max(len(tokenizer.token_bytes(i)) for i in range(tokenizer.vocab_size))
-    max_chars = 3 * max(longest, 1) * n_ctx
+    # A prompt longer than this cannot fit the context, and is refused before it is tokenized: tokenizing
+    # megabytes holds the event loop (a 6.9 MB prompt kept /health waiting 14 s).
+    max_chars = tokenizer.max_chars(n_ctx)
 
     def encode(text: str, param: str) -> list[int]:
         if len(text) > max_chars:
@@ -209,7 +214,7 @@ def create_app(engine: Engine, tokenizer: Any, model_id: str, api_key: str | Non
         c = req.constraint
         if c is None:
             return None
-        param = "tool_choice" if c.kind == "tool_calls" else "response_format"
+        param = "tools" if c.kind == "tool_calls" else "response_format"
         try:
             if not compilers:
                 compilers.append(GrammarCompiler(tokenizer, engine.model.config.vocab_size))
@@ -238,6 +243,13 @@ def create_app(engine: Engine, tokenizer: Any, model_id: str, api_key: str | Non
                    "POST /v1/chat/completions",
                    405: "method not allowed on this endpoint"}.get(e.status_code, str(e.detail))
         return error_response(APIError(e.status_code, message), headers=getattr(e, "headers", None))  # 405: Allow
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, _e: ClientDisconnect):
+        # The client left while sending its body: no one reads a reply, and a traceback would tell nothing.
+        logging.getLogger("uvicorn.error").warning("%s %s: the client disconnected while sending the request body",
+                                                   request.method, request.url.path)
+        return Response(status_code=400)
 
     @app.exception_handler(Exception)
     async def _crash(_request: Request, e: Exception):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Optional, Union
 
@@ -29,6 +30,7 @@ MAX_STOP = 4
 MAX_TOP_K = 2**31 - 1  # any k above the vocabulary is "off"; a huge one overflowed the sampler's int64 tensor
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 MAX_BODY_BYTES = 8 << 20  # far above any prompt that fits a context; a bigger body is refused unread
+FUNCTION_NAME = "^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule; the chat template writes the name inside a tag
 UNSUPPORTED = "Not supported by lmforge serve: leave it out (only the value meaning 'off' is accepted)."
 
 
@@ -113,7 +115,7 @@ class Message(_Open):
 
 
 class FunctionSpec(_Open):
-    name: str
+    name: str = Field(pattern=FUNCTION_NAME)
     description: Optional[str] = None
     parameters: Optional[dict[str, Any]] = Field(None, description="A JSON Schema of the arguments.")
 
@@ -416,6 +418,12 @@ def parse_chat(body: dict, model_id: str) -> ChatRequest:
             and isinstance(t["function"].get("name"), str) for t in tools):
         raise bad("'tools' must be a list of {\"type\": \"function\", \"function\": {\"name\": ..., "
                   "\"parameters\": {...}}}", "tools")
+    for i, tool in enumerate(tools):
+        name = tool["function"]["name"]
+        if not re.fullmatch(FUNCTION_NAME, name):
+            raise bad(f"tools[{i}].function.name {json.dumps(name, ensure_ascii=False)} is not a function name: it "
+                      f"must match {FUNCTION_NAME} (1 to 64 ASCII letters, digits, _ or -)",
+                      f"tools[{i}].function.name")
     parallel = _bool(body, "parallel_tool_calls", True)
     constraint = _tool_choice(body.get("tool_choice"), tools, parallel)
     if body.get("tool_choice") == "none":

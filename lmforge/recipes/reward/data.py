@@ -109,7 +109,8 @@ def build_reward_data(cfg, distinfo: DistInfo) -> TrainData:
     train_store = render_pairs(tokenizer, train_pairs, seq_len, train_stats, model.n_positions)
     val_store = render_pairs(tokenizer, val_pairs, seq_len, val_stats, model.n_positions)
     if not len(train_store):
-        raise LMForgeError(f"no training pair left in {path}: {train_stats.summary(seq_len)}")
+        raise LMForgeError(f"no training pair left in {path}: {train_stats.summary(seq_len)}"
+                           + (f"; {read_stats.skipped()}" if read_stats.bad else ""))
     mb = cfg.training.micro_batch_size
     train = PackedPairs(train_store, seq_len, mb, distinfo.rank, distinfo.world_size, cfg.seed, shuffle=True)
     val = None
@@ -117,8 +118,7 @@ def build_reward_data(cfg, distinfo: DistInfo) -> TrainData:
         val = PackedPairs(val_store, seq_len, mb, distinfo.rank, distinfo.world_size, cfg.seed, shuffle=False)
     if distinfo.is_main:
         if read_stats.bad:
-            print(f"data: {read_stats.bad:,} malformed rows skipped (recipe.skip_bad_rows); first: "
-                  f"{read_stats.bad_examples[0] if read_stats.bad_examples else ''}")
+            print(f"data: {read_stats.skipped()}")
         print(f"data: train: {train_stats.summary(seq_len)}")
         if val is not None:
             print(f"data: val: {val_stats.summary(seq_len)}")

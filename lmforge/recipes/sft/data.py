@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from lmforge.errors import LMForgeError
-from lmforge.posttrain.formats import FORMATS, ReadStats, read_conversations
+from lmforge.posttrain.formats import FORMATS, ReadStats, read_conversations, split_files
 from lmforge.posttrain.init import chat_tokenizer, fit_model_to_tokenizer, rows_path
 from lmforge.posttrain.packing import ExampleStore, PackedConversations
 from lmforge.posttrain.render import (
@@ -22,7 +22,6 @@ from lmforge.posttrain.render import (
 from lmforge.recipes import TrainData, family_of_config
 from lmforge.train.distributed import DistInfo
 
-SPLIT_FILES = ("jsonl", "json", "parquet")
 # What fine-tuning may change of the model it starts from: regularisation, not shape.
 TUNABLE_MODEL_KEYS = ("embd_pdrop", "resid_pdrop", "attn_pdrop")
 
@@ -43,23 +42,11 @@ class SFTSettings:
             raise LMForgeError(f"recipe.assistant_turns must be all or last, got {self.assistant_turns!r}")
 
 
-def split_files(path: Path) -> tuple[list[Path], list[Path]] | None:
-    """A directory laid out in splits (``train.jsonl`` + optional ``val.jsonl``; .json / .parquet too):
-    its train and val files; None for any other path."""
-    if not path.is_dir():
-        return None
-    train = [path / f"train.{ext}" for ext in SPLIT_FILES if (path / f"train.{ext}").is_file()]
-    if not train:
-        return None
-    val = [path / f"{name}.{ext}" for name in ("val", "validation") for ext in SPLIT_FILES
-           if (path / f"{name}.{ext}").is_file()]
-    return train, val
-
-
 def read_splits(path: Path, settings: SFTSettings, val_fraction: float, seed: int,
                 stats: ReadStats) -> tuple[list, list]:
     """Train and held-out conversations of ``data.train_path``: its own splits where it has them, else
-    ``val_fraction`` of its rows held out (chosen by ``seed``)."""
+    ``val_fraction`` of its rows held out (chosen by ``seed``). A directory with held-out files (val,
+    test) but no train file is refused (``split_files``)."""
     def read(paths: Any, split: str | None = None) -> list:
         return list(read_conversations(paths, format=settings.format, skip_bad_rows=settings.skip_bad_rows,
                                        stats=stats, split=split))
@@ -140,7 +127,8 @@ def build_sft_data(cfg, distinfo: DistInfo) -> TrainData:
     train_examples = render_examples(tokenizer, train_convs, seq_len, settings.assistant_turns, train_stats)
     val_examples = render_examples(tokenizer, val_convs, seq_len, settings.assistant_turns, val_stats)
     if not train_examples:
-        raise LMForgeError(f"no training conversation left in {path}: {train_stats.summary(seq_len)}")
+        raise LMForgeError(f"no training conversation left in {path}: {train_stats.summary(seq_len)}"
+                           + (f"; {read_stats.skipped()}" if read_stats.bad else ""))
     mb = cfg.training.micro_batch_size
     train = PackedConversations(ExampleStore(train_examples), seq_len, mb, distinfo.rank, distinfo.world_size,
                                 cfg.seed, shuffle=True, packing=settings.packing)
@@ -153,8 +141,7 @@ def build_sft_data(cfg, distinfo: DistInfo) -> TrainData:
                                   cfg.seed, shuffle=False, packing=settings.packing)
     if distinfo.is_main:
         if read_stats.bad:
-            print(f"data: {read_stats.bad:,} malformed rows skipped (recipe.skip_bad_rows); first: "
-                  f"{read_stats.bad_examples[0] if read_stats.bad_examples else ''}")
+            print(f"data: {read_stats.skipped()}")
         print(f"data: train: {train_stats.summary(seq_len)}")
         if val_convs:
             print(f"data: val: {val_stats.summary(seq_len)}")
