@@ -176,7 +176,7 @@ class Tokenizer:
         ones; a foreign tokenizer whose normaliser deletes characters could fit more), so callers refuse it
         before tokenizing: tokenizing megabytes takes seconds to minutes and gigabytes."""
         if self._longest is None:
-            self._longest = max(1, *(len(self.token_bytes(i)) for i in range(self.vocab_size)))
+            self._longest = max(1, max((len(self.token_bytes(i)) for i in range(self.vocab_size)), default=1))
         return 3 * self._longest * n_tokens
 
     def apply_chat_template(self, messages: list[dict], tools: list | None = None,

@@ -56,10 +56,11 @@ def _number(value: Any) -> float | int | None:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return value
     if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return None
+        for parse in (int, float):  # int first: a big integer keeps every digit
+            try:
+                return parse(value)
+            except ValueError:
+                pass
     return None
 
 
@@ -96,12 +97,16 @@ def _coerce(value: Any, hint: Any, dotted: str) -> Any:
         raise LMForgeError(f"config key '{dotted}' expects true or false, got {value!r}")
     if hint in (int, float):
         number = _number(value)
-        if hint is int and (number is None or not math.isfinite(number) or int(number) != number):
+        finite = number is not None and (isinstance(number, int) or math.isfinite(number))
+        if hint is int and (not finite or int(number) != number):
             raise LMForgeError(f"config key '{dotted}' expects an integer, got {value!r}")
-        if number is None or not math.isfinite(number):
-            what = "a number" if number is None else "a finite number"
-            raise LMForgeError(f"config key '{dotted}' expects {what}, got {value!r}")
-        return hint(number)
+        try:
+            if finite:
+                return hint(number)
+        except OverflowError:  # an integer too large for a float
+            pass
+        raise LMForgeError(f"config key '{dotted}' expects {'a number' if number is None else 'a finite number'}, "
+                           f"got {value!r}")
     if hint is str:
         if isinstance(value, (dict, list)):
             raise LMForgeError(f"config key '{dotted}' expects a string, got {value!r}")

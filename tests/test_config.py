@@ -71,6 +71,7 @@ def test_numbers_in_a_recipe_file_are_numbers_and_must_be_finite(tmp_path):
     path.write_text(path.read_text().replace("'", ""))
     t = load_config(str(path)).training
     assert (t.lr, t.peak_flops, t.max_steps) == (1e-3, 1.5e12, 200) and isinstance(t.max_steps, int)
+    assert load_config(str(path), ["training.max_steps='9007199254740993'"]).training.max_steps == 2**53 + 1
     for override, expected in (("training.max_steps=.inf", "'training.max_steps' expects an integer, got inf"),
                                ("training.max_steps=.nan", "'training.max_steps' expects an integer, got nan"),
                                ("training.max_steps=2.5", "expects an integer, got 2.5"),

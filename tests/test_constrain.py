@@ -376,12 +376,12 @@ def test_bad_tools_name_the_tool(compiler):
     # before llguidance sees them: a chain of ~1,000 $refs crashed the process, ~300 levels overflowed Python's stack
     chain = {"type": "object", "$defs": {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(1000)},
              "properties": {"x": {"$ref": "#/$defs/d0"}}}
-    with pytest.raises(LMForgeError, match=r"the tools holds 1001 \$refs, more than the 256"):
-        compiler.tool_calls([{"name": "f", "parameters": chain}])
+    with pytest.raises(LMForgeError, match=r"tools\[1\] holds 1001 \$refs, more than the 256"):
+        compiler.tool_calls([TEST_TOOLS[0], {"name": "f", "parameters": chain}])
     deep: dict = {"type": "integer"}
     for _ in range(70):
         deep = {"type": "object", "properties": {"a": deep}}
-    with pytest.raises(LMForgeError, match="the tools nests more than 128 levels of JSON"):
+    with pytest.raises(LMForgeError, match=r"tools\[0\] nests more than 128 levels of JSON"):
         compiler.tool_calls([{"name": "f", "parameters": deep}])
 
 

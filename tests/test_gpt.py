@@ -437,7 +437,7 @@ def test_an_edited_config_is_named_with_its_file_and_the_fix(tmp_path, monkeypat
         with pytest.raises(LMForgeError) as e:
             LMForgeModel.from_pretrained(tmp_path / "m")
         assert f"{tmp_path / 'm' / 'config.yaml'} does not describe a valid gpt model ({problem}" in str(e.value)
-        assert "the checkpoint was edited or is corrupt" in str(e.value)
+        assert "the checkpoint was edited, is corrupt or was written by another lmforge version" in str(e.value)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "m" / "config.yaml").write_text("vocab_size: 64\n")
     with pytest.raises(LMForgeError, match=r"names no model family .* use an earlier checkpoint of the run"):

@@ -602,6 +602,17 @@ def test_a_directory_with_held_out_files_but_no_train_file_is_refused(tmp_path):
     train, val = sft_splits(typo)
     assert [c.source for c in train + val] == [f"{typo / 'train.jsonl'}:{i}" for i in (1, 2)] + [
         f"{typo / 'val.jsonl'}:{i}" for i in (1, 2, 3)]
+    # the Hub's shard names count as their split: a test shard alone is refused, and never trained on
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    write_jsonl(hub / "test-00000-of-00001.jsonl", [OPENAI_ROW] * 3)
+    with pytest.raises(LMForgeError, match=r"hub has no train.jsonl .*\(test-00000-of-00001.jsonl\)"):
+        sft_splits(hub)
+    write_jsonl(hub / "train-00000-of-00002.jsonl", [XLAM_ROW] * 2)
+    write_jsonl(hub / "train-00001-of-00002.jsonl", [XLAM_ROW] * 2)
+    train, val = sft_splits(hub)
+    assert {c.source.rsplit(":", 1)[0] for c in train} == {str(hub / f"train-0000{i}-of-00002.jsonl") for i in (0, 1)}
+    assert len(train) == 4 and not val
 
 
 def test_skipped_bad_rows_are_reported_when_no_row_is_left(tmp_path, tokenizer_dir):

@@ -589,8 +589,11 @@ def test_a_refused_resume_leaves_the_runs_files_as_they_were(tmp_path, data_dir,
     with pytest.raises(LMForgeError, match="does not fit this model"):
         train(load_config(str(recipe), ["model.n_layer=3"]), resume=True)
     other = make_prepared_data(tmp_path / "other", vocab_size=300)
-    with pytest.raises(LMForgeError, match="not with the tokenizer the run was trained with"):
+    with pytest.raises(LMForgeError, match="not with the tokenizer .*step-000002 was trained with"):
         train(load_config(str(recipe), [f"data.path={other}"]), resume=True)
+    with pytest.raises(LMForgeError, match="not with the tokenizer .*step-000002 was trained with"):  # into a new run
+        train(load_config(str(recipe), [f"data.path={other}", "name=t2"]), resume=str(run / "checkpoints" / "step-000002"))
+    assert not (tmp_path / "runs" / "t2").exists()
     assert {p: p.read_bytes() for p in files} == files
     capsys.readouterr()
     assert main(["train", str(run / "config.yaml"), "--resume", "training.max_steps=3", "training.lr=1e-4"]) == 0

@@ -134,7 +134,8 @@ def _finite(sub: Any, schema: dict[str, Any], finite: set[str]) -> bool:
     that has a finite value."""
     if not isinstance(sub, dict):
         return True
-    if "$ref" in sub and sub["$ref"] not in finite and _resolve(schema, sub["$ref"]) is not None:
+    ref = sub.get("$ref")
+    if isinstance(ref, str) and ref not in finite and _resolve(schema, ref) is not None:
         return False
     if "const" in sub or "enum" in sub:
         return True
@@ -354,7 +355,9 @@ class GrammarCompiler:
         (a model that repeats its call stops there; None: only max_tokens bounds them)."""
         if max_calls is not None and max_calls < 1:
             raise LMForgeError(f"max_calls must be >= 1, got {max_calls}")
-        _check_size(tools, "the tools")
+        if isinstance(tools, list):  # each tool's parameters compile on their own
+            for i, tool in enumerate(tools):
+                _check_size(tool, f"tools[{i}]")
         calls = 1 if not parallel else max_calls
         functions = self._functions(tools)
         if name is not None:
@@ -509,7 +512,7 @@ def _check_size(spec: Any, where: str) -> None:
             raise LMForgeError(f"{where} nests more than {MAX_SCHEMA_DEPTH} levels of JSON: too deep for constrained "
                                "decoding; flatten it")
         if isinstance(node, dict):
-            refs += "$ref" in node
+            refs += isinstance(node.get("$ref"), str)
             todo.extend((v, depth + 1) for v in node.values())
         elif isinstance(node, list):
             todo.extend((v, depth + 1) for v in node)
@@ -523,7 +526,8 @@ def _check_finite(schema: dict[str, Any], where: str) -> None:
     if endless is not None:
         raise LMForgeError(f"{where} cannot be used for constrained decoding: at {endless}: no finite value fits it, "
                            "each of its values must hold another one through $ref without end (a required property, "
-                           "or minItems >= 1, whose schema leads back to it); make that recursion optional")
+                           "or minItems >= 1, whose schema leads back to it); make that recursion optional, or remove "
+                           "that part (a reply may enter it wherever it is used)")
 
 
 def _lark_string(text: str) -> str:

@@ -42,6 +42,7 @@ scores the prompt and ends with ("done", "length") without generating.
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -57,6 +58,7 @@ from lmforge.infer.generate import check_sampling, sample_rows
 from lmforge.infer.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, prompt_logprobs, sampled_logprobs
 
 Event = tuple[str, Any]
+_log = logging.getLogger("lmforge.engine")
 
 
 def _shared_length(a: list[int], b: list[int]) -> int:
@@ -500,10 +502,15 @@ class Engine:
         if request.cancelled:
             reason = "cancelled"
         elif request._matcher is not None and (not request._matcher.accept(token) or request._matcher.error):
-            # The matcher failed (in its mask, then only eos was allowed, or on this token): end the request
-            # rather than break its format. llguidance's own message is its parser's state, not for clients.
+            # End the request rather than break its format. A matcher in error (in its mask, then only eos was
+            # allowed, or on this token) is the grammar's doing; its message is the parser's state: logged here,
+            # not sent to clients. A token refused without one means the mask was not applied: the engine's bug.
+            error = request._matcher.error
+            if error:
+                _log.warning("a grammar failed after %d tokens: %s", request.generated, error)
             self._emit(request, ("grammar_error", f"the reply's grammar allows no way on after {request.generated} "
-                                                  "tokens"))
+                                                  "tokens") if error else
+                       ("error", f"token {token} is outside the reply's grammar (the mask was not applied)"))
             self._free(row)
             return
         elif token == self.eos_id:

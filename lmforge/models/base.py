@@ -290,4 +290,5 @@ def read_model_config(directory: str | os.PathLike) -> tuple[type, Any]:
         return klass, dataclass_from_dict(klass.config_class, raw)
     except LMForgeError as e:
         raise LMForgeError(f"{config_path} does not describe a valid {klass.family} model ({e}): the checkpoint was "
-                           "edited or is corrupt; use an earlier checkpoint (runs/NAME/checkpoints/) or retrain") from e
+                           "edited, is corrupt or was written by another lmforge version; use an earlier checkpoint "
+                           "(runs/NAME/checkpoints/), the lmforge version that wrote it, or retrain") from e

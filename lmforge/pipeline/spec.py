@@ -72,9 +72,11 @@ GENERATORS = {
     "stories": Generator("lmforge.data.stories", "write_stories", ("out_dir", "overwrite")),
 }
 EVAL_TASKS = {
-    # task -> (its own keys besides task/checkpoint/baseline/data/metric, default headline metric)
-    "lm": (("split", "limit", "include", "batch_size", "device"), "bpb"),
-    "tool-calls": (("split", "limit", "max_new_tokens", "batch_size", "device"), ""),
+    # task -> (its own keys besides task/checkpoint/baseline/data/metric, default headline metric,
+    #          the module and name of what lists its figures)
+    "lm": (("split", "limit", "include", "batch_size", "device"), "bpb", ("lmforge.eval.lm", "FIGURES")),
+    "tool-calls": (("split", "limit", "max_new_tokens", "batch_size", "device"), "",
+                   (GENERATORS["tool-calls"].module, "METRIC_DOC")),  # the evaluator lives beside the generator
 }
 
 
@@ -535,7 +537,7 @@ def _validate_eval(stage: Stage, pipe: Pipeline) -> None:
     task = v.get("task")
     if task not in EVAL_TASKS:
         raise LMForgeError(f"'task' must be one of {', '.join(EVAL_TASKS)}, got {task!r}.{_hint(task, EVAL_TASKS)}")
-    own, _ = EVAL_TASKS[task]
+    own = EVAL_TASKS[task][0]
     _check_keys(v, ("task", "checkpoint", "baseline", "data", "metric", *own), f"task {task}")
     if "include" in v and isinstance(v["include"], str):
         v["include"] = [v["include"]]
@@ -551,9 +553,8 @@ def _validate_eval(stage: Stage, pipe: Pipeline) -> None:
             raise LMForgeError(f"'data: {data}' names a {pipe.stage(data).kind} stage; name a data stage or a path")
     else:
         check_input_path(data, pipe, "data")
-    metric = v.get("metric")
+    metric, figures = v.get("metric"), _eval_figures(task)  # the evaluator can be imported
     if metric:  # a misspelt name would otherwise stop the stage only after its evaluation ran
-        figures = _eval_figures(task)
         if metric not in figures:
             raise LMForgeError(f"'metric: {metric}' is not a {task} figure.{_hint(metric, figures)} The figures: "
                                f"{', '.join(figures)}")
@@ -561,14 +562,13 @@ def _validate_eval(stage: Stage, pipe: Pipeline) -> None:
 
 def _eval_figures(task: str) -> tuple[str, ...]:
     """The figures an eval task reports, by name (``metric:`` picks the headline among them)."""
-    if task == "lm":
-        from lmforge.eval.lm import FIGURES
-
-        return FIGURES
     import importlib
 
-    GENERATORS["tool-calls"].load()  # the evaluator lives beside the generator
-    return tuple(importlib.import_module(GENERATORS["tool-calls"].module).METRIC_DOC)
+    module, name = EVAL_TASKS[task][2]
+    try:
+        return tuple(getattr(importlib.import_module(module), name))
+    except ImportError as e:
+        raise LMForgeError(f"task {task} needs {module}, which this lmforge installation does not have ({e})") from e
 
 
 # ---- training stages -----------------------------------------------------------------------------

@@ -708,6 +708,8 @@ _PARSERS: dict[str, Callable[[dict], tuple[list[dict], list[dict] | None]]] = {
 
 
 HELD_OUT_SPLITS = ("val", "validation", "test")
+# a split's file: train.jsonl, or a shard of it as the Hub names them (train-00000-of-00002.parquet, test_prefs...)
+_SPLIT_NAME = re.compile(r"^(train|val|validation|test)(?:[-_.].*)?$")
 
 
 def split_files(path: Path) -> tuple[list[Path], list[Path]] | None:
@@ -718,15 +720,16 @@ def split_files(path: Path) -> tuple[list[Path], list[Path]] | None:
     if not path.is_dir():
         return None
     files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in FILE_SUFFIXES)
-    train = [p for p in files if p.stem.lower() == "train"]
-    held = [p for p in files if p.stem.lower() in HELD_OUT_SPLITS]
+    split = {p: m.group(1) for p in files if (m := _SPLIT_NAME.match(p.stem.lower()))}
+    train = [p for p in files if split.get(p) == "train"]
+    held = [p for p in files if split.get(p) in HELD_OUT_SPLITS]
     if not train:
         if held:
             raise LMForgeError(f"{path} has no train.jsonl (or train.json / train.parquet), only held-out files "
                                f"({', '.join(p.name for p in held)}), which are never trained on. Name the training "
                                "file train.jsonl, or give the file to train on.")
         return None
-    return train, [p for p in held if p.stem.lower() != "test"]
+    return train, [p for p in held if split[p] != "test"]
 
 
 def _expand_paths(paths: str | Path | Sequence[str | Path]) -> list[tuple[Path, str]]:

@@ -143,9 +143,10 @@ class Generation:
                 self.cancel()
                 tools = self.grammar.kind == "tool_calls"
                 what = "a tool's parameters schema" if tools else "the schema"
-                raise APIError(400, f"constrained decoding failed: {value}: {what} admits no finite value along the "
-                               "way this reply took (e.g. it requires itself through $ref with no way out); make that "
-                               "recursion optional", "tools" if tools else "response_format", code="invalid_schema")
+                raise APIError(400, f"constrained decoding failed: {value}: {what} may admit no finite value along "
+                               "the way this reply took (e.g. it requires itself through $ref with no way out); make "
+                               "that recursion optional or remove it", "tools" if tools else "response_format",
+                               code="invalid_schema")
             piece = choice.text.finish()
             choice.finish_reason = "stop" if value == "cancelled" else value
             self.open -= 1

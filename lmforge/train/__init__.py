@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -95,7 +96,7 @@ def _train(cfg: RunConfig, resume: bool | str, distinfo: DistInfo, clock: Callab
     seed_everything(cfg.seed + distinfo.rank)  # dropout differs per rank
 
     if resume_from is not None:
-        _check_same_tokenizer(tokenizer_path, run_dir / "tokenizer")
+        _check_same_tokenizer(tokenizer_path, Path(resume_from))
     if distinfo.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         ckpt.clean_partial(run_dir / "checkpoints")
@@ -219,16 +220,21 @@ def _write_run_files(cfg: RunConfig, tokenizer_path: Path | None) -> None:
         _copy_tokenizer(tokenizer_path, cfg.run_dir / "tokenizer")
 
 
-def _check_same_tokenizer(tokenizer_path: Path | None, saved: Path) -> None:
-    """A resume reads its data with the tokenizer the run was trained with: another one's ids mean other text."""
-    mine = saved / TOKENIZER_FILE
+def _check_same_tokenizer(tokenizer_path: Path | None, checkpoint: Path) -> None:
+    """A resume reads its data with the tokenizer the checkpoint was trained with (a copy is in every
+    checkpoint): another one's ids mean other text."""
+    mine = checkpoint / TOKENIZER_FILE
     if tokenizer_path is None or not mine.is_file():
         return
     theirs = tokenizer_path.parent / TOKENIZER_FILE
-    if not theirs.is_file() or theirs.read_bytes() != mine.read_bytes():
+    try:  # as JSON: the same tokenizer written with other spacing is the same
+        same = json.loads(theirs.read_bytes()) == json.loads(mine.read_bytes())
+    except (OSError, ValueError):
+        same = False
+    if not same:
         raise LMForgeError(f"the data of this resume is tokenized with {tokenizer_path.parent}, not with the "
-                           f"tokenizer the run was trained with ({saved}): resume with the run's data settings (see "
-                           f"{saved.parent / 'config.yaml'}), or start a new run from its weights with "
+                           f"tokenizer {checkpoint} was trained with: resume with the run's data settings (see "
+                           f"{checkpoint / 'run_config.yaml'}), or start a new run from its weights with "
                            "training.init_from")
 
 
