@@ -173,3 +173,26 @@ def test_a_row_may_be_longer_than_the_context_when_each_sequence_fits(tokenizer)
     torch.testing.assert_close(sums[1], token_logprobs(model, alone).sum(), rtol=1e-5, atol=1e-4)
     with pytest.raises(LMForgeError, match="n_positions"):
         model.logits(batch["input_ids"])  # without per-document positions a long row is still refused
+
+
+def test_a_pair_too_long_for_seq_len_is_left_out_without_tokenizing_it(tokenizer):
+    """A pair whose text is longer than seq_len tokens can hold (``Tokenizer.max_chars``) is counted as too long
+    without being tokenized: a 20 MB reply took 88 s and 4.4 GB to tokenize, only to be skipped."""
+    huge = pair(1)
+    huge.rejected = {"role": "assistant", "content": "no " * tokenizer.max_chars(1024)}
+    seen = []  # the characters the tokenizer is asked to encode, per text
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        def encode_batch(self, texts):
+            seen.extend(map(len, texts))
+            return tokenizer.encode_batch(texts)
+
+    stats = PairStats()
+    store = render_pairs(Counting(), [pair(0), huge, pair(2)], seq_len=1024, stats=stats)
+    assert [p.source for p in store.pairs] == ["pairs.jsonl:1", "pairs.jsonl:3"] and seen
+    assert max(seen) < 1024
+    assert stats.skipped == {TOO_LONG: 1} and stats.untokenized == 1
+    assert "1 of them not tokenized: more characters than 1024 tokens can hold" in stats.summary(1024)

@@ -49,14 +49,17 @@ class PairStats:
     skipped: Counter = field(default_factory=Counter)  # reason -> count
     tokens: int = 0  # tokens of the kept sequences (both sides)
     longest: int = 0  # tokens of the longest pair seen (both sides)
+    untokenized: int = 0  # of the too long ones, those left out untokenized: more characters than seq_len tokens hold
 
     def summary(self, seq_len: int) -> str:
         total = self.kept + sum(self.skipped.values())
         parts = [f"{self.kept:,} of {total:,} pairs kept", f"{self.tokens:,} tokens"]
         for reason, n in sorted(self.skipped.items()):
             parts.append(f"{n:,} skipped: {reason}")
-        if self.skipped.get(TOO_LONG):
+        if self.skipped.get(TOO_LONG, 0) > self.untokenized:
             parts.append(f"longest {self.longest:,} tokens: raise data.seq_len (now {seq_len}) to keep them")
+        if self.untokenized:
+            parts.append(f"{self.untokenized:,} of them not tokenized: more characters than {seq_len} tokens can hold")
         return "; ".join(parts)
 
 
@@ -92,16 +95,20 @@ def render_pairs(tokenizer: Any, pairs: list[PreferencePair], seq_len: int, stat
     stats = stats if stats is not None else PairStats()
     kept: list[PreferencePair] = []
     sequences: list[tuple[list[int], list[int]]] = []
+    most = tokenizer.max_chars(seq_len)
     for pair in pairs:
-        sides = []
+        texts = []
         for reply in (pair.chosen, pair.rejected):
             conv = SimpleNamespace(messages=[*pair.prompt, reply], tools=pair.tools)
             try:
-                text, spans = supervised_spans(tokenizer, conv.messages, conv.tools, "last")
+                texts.append(supervised_spans(tokenizer, conv.messages, conv.tools, "last"))
             except LMForgeError as e:
                 raise LMForgeError(f"{pair.source or 'a preference pair'}: {e}") from e
-            ids, sup = tokenize_spans(tokenizer, text, spans)
-            sides.append((ids, sup))
+        if sum(len(text) for text, _ in texts) > most:  # cannot fit: left out untokenized (megabytes take minutes)
+            stats.skipped[TOO_LONG] += 1
+            stats.untokenized += 1
+            continue
+        sides = [tokenize_spans(tokenizer, text, spans) for text, spans in texts]
         both = sum(len(ids) for ids, _ in sides)  # the two sides share a row
         stats.longest = max(stats.longest, both)
         if both > seq_len:

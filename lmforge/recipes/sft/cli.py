@@ -56,7 +56,7 @@ def cmd_data_sft(args: argparse.Namespace) -> int:
         print("--- supervised tokens are " + ("highlighted" if color else "between [[ and ]]") + "; the ids start "
               "with the eos the server puts before every prompt ---")
     by_format = ", ".join(f"{k} {v:,}" for k, v in sorted(read_stats.by_format.items()))
-    print(f"{args.path}: {read_stats.rows:,} rows ({by_format})" +
+    print(f"{args.path}: {read_stats.rows:,} rows" + (f" ({by_format})" if by_format else "") +
           (f", {read_stats.bad:,} malformed skipped" if read_stats.bad else ""))
     print(stats.summary(args.seq_len))
     return 0
