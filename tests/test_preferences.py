@@ -233,22 +233,6 @@ def test_splits_from_a_directory_or_held_out_from_one_file(tmp_path):
         read_preference_splits(folder, val_fraction=0.3)
 
 
-def test_skipped_bad_rows_are_reported_when_no_pair_is_left(tmp_path):
-    from lmforge.config import load_config
-    from lmforge.recipes.reward.data import build_reward_data
-    from lmforge.tokenizer import train_tokenizer
-    from lmforge.train.distributed import DistInfo
-
-    tokenizer = train_tokenizer(["Name a prime. 2 is prime."] * 20, vocab_size=300, out_dir=tmp_path / "tok",
-                                show_progress=False)
-    path = write_jsonl(tmp_path / "bad.jsonl", ['{"prompt": "hi", "chosen"'])
-    cfg = load_config(values={"kind": "reward", "data": {"train_path": str(path), "tokenizer": str(tokenizer),
-                                                         "seq_len": 64}, "recipe": {"skip_bad_rows": True}})
-    with pytest.raises(LMForgeError, match=r"0 of 0 pairs kept; 0 tokens; 1 malformed rows skipped "
-                                           rf"\(recipe.skip_bad_rows\); first: {re.escape(str(path))}:1: not valid"):
-        build_reward_data(cfg, DistInfo())
-
-
 # ----- bad rows
 
 BAD_ROWS = {

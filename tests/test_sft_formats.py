@@ -615,17 +615,22 @@ def test_a_directory_with_held_out_files_but_no_train_file_is_refused(tmp_path):
     assert len(train) == 4 and not val
 
 
-def test_skipped_bad_rows_are_reported_when_no_row_is_left(tmp_path, tokenizer_dir):
+@pytest.mark.parametrize("kind, module, builder, kept", [
+    ("sft", "lmforge.recipes.sft.data", "build_sft_data", "0 of 0 conversations kept"),
+    ("reward", "lmforge.recipes.reward.data", "build_reward_data", "0 of 0 pairs kept; 0 tokens"),
+])
+def test_skipped_bad_rows_are_reported_when_no_row_is_left(tmp_path, tokenizer_dir, kind, module, builder, kept):
+    import importlib
+
     from lmforge.config import load_config
-    from lmforge.recipes.sft.data import build_sft_data
     from lmforge.train.distributed import DistInfo
 
     path = write_jsonl(tmp_path / "bad.jsonl", ["{not json"])
-    cfg = load_config(values={"kind": "sft", "data": {"train_path": str(path), "tokenizer": str(tokenizer_dir),
-                                                      "seq_len": 64}, "recipe": {"skip_bad_rows": True}})
-    with pytest.raises(LMForgeError, match=r"0 of 0 conversations kept; 1 malformed rows skipped "
-                                           rf"\(recipe.skip_bad_rows\); first: {re.escape(str(path))}:1: not valid"):
-        build_sft_data(cfg, DistInfo())
+    cfg = load_config(values={"kind": kind, "data": {"train_path": str(path), "tokenizer": str(tokenizer_dir),
+                                                     "seq_len": 64}, "recipe": {"skip_bad_rows": True}})
+    with pytest.raises(LMForgeError, match=rf"{kept}; 1 malformed rows skipped \(recipe.skip_bad_rows\); first: "
+                                           rf"{re.escape(str(path))}:1: not valid"):
+        getattr(importlib.import_module(module), builder)(cfg, DistInfo())
 
 
 def test_a_row_too_long_for_seq_len_is_left_out_without_tokenizing_it(tmp_path, tokenizer_dir):
