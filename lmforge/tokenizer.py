@@ -302,6 +302,14 @@ def require_same_tokenizer(given: str | Path, theirs: str | Path, init_from: str
                            f"were trained with ({theirs}); leave data.tokenizer empty to use theirs")
 
 
+def unused_vocab(model_vocab: int, tokenizer_vocab: int) -> int:
+    """How many of a model's vocabulary rows its tokenizer never produces, when that is more than rounding
+    the size up for the matmuls explains (GPT-2's 50257 to 50304, 8000 to 8192); else 0. A large gap
+    usually means the tokenizer is not the one the weights were trained with."""
+    gap = model_vocab - tokenizer_vocab
+    return gap if gap > max(128, model_vocab // 10) else 0
+
+
 def _untrained_bpe() -> _RustTokenizer:
     backend = _RustTokenizer(models.BPE(unk_token=UNK))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

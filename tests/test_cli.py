@@ -178,6 +178,30 @@ def test_generate_refuses_a_tokenizer_larger_than_the_model_vocab(trained, tmp_p
     assert "tokens but the model only" in err and "do not belong together" in err
 
 
+def test_a_model_vocabulary_much_larger_than_its_tokenizer_is_named_in_training_and_generation(trained, tmp_path,
+                                                                                             capsys):
+    """384 tokens for 1,024 rows: the rows past 384 never train, and beside a checkpoint such a gap usually
+    means the wrong tokenizer. Rounding up for the matmuls (here 384 -> 448) says nothing."""
+    from lmforge.config import load_config
+    from lmforge.train import train
+    from tests.train_helpers import write_recipe
+
+    _, data_dir, _ = trained
+    runs = {}
+    for vocab in (448, 1024):
+        recipe = write_recipe(tmp_path / f"r{vocab}.yaml", data_dir, tmp_path / "runs", name=f"v{vocab}",
+                              model={"vocab_size": vocab}, training={"max_steps": 1, "eval_interval": 0})
+        runs[vocab] = train(load_config(str(recipe)))
+        out = capsys.readouterr().out
+        assert ("model.vocab_size=1024 but the tokenizer" in out) == (vocab == 1024)
+        if vocab == 1024:
+            assert "640 rows of the embedding and head will never be trained" in out
+    for vocab, result in runs.items():
+        assert main(["generate", str(result.last_checkpoint), "--prompt", "func", "--max-new-tokens", "2"]) == 0
+        err = capsys.readouterr().err
+        assert ("has a vocabulary of 1024 but its tokenizer only 384 tokens" in err) == (vocab == 1024)
+
+
 def test_train_takes_a_kind_as_its_first_override_as_the_docs_write_it(capsys):
     """`lmforge train kind=dpo ...` (README, docs/ppo.md): no recipe, the kind's defaults and the overrides.
     It was refused as an unknown recipe 'kind=dpo'."""

@@ -129,6 +129,19 @@ def test_corrupt_or_truncated_weights_raise_lmforge_error(tmp_path):
         LMForgeModel.from_pretrained(tmp_path)
 
 
+def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path):
+    """A model of NaN weights would serve, export or resume into NaN without saying why."""
+    model = tiny()
+    with torch.no_grad():
+        model.blocks[0].mlp.fc.weight[0, :3] = torch.tensor([float("nan"), float("inf"), 1.0])
+    model.save_pretrained(tmp_path)
+    with pytest.raises(LMForgeError, match=r"non-finite weights \(NaN or inf\): 2 of [\d,]+ values of "
+                                           r"'blocks.0.mlp.fc.weight'.*earlier checkpoint"):
+        LMForgeModel.from_pretrained(tmp_path)
+    with pytest.raises(LMForgeError, match="blocks.0.mlp.fc.weight"):  # a resume reads it the same way
+        tiny().load_checkpoint_weights(tmp_path, "cpu")
+
+
 def test_weights_that_do_not_match_the_config_raise_lmforge_error(tmp_path):
     tiny().save_pretrained(tmp_path)
     config = yaml.safe_load((tmp_path / "config.yaml").read_text())

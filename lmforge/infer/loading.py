@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -48,7 +49,7 @@ def load_for_inference(checkpoint: str | Path, device: str = "auto", precision: 
     int8 weights for CPU decoding (``lmforge.infer.quantize``; device auto is then the CPU), with
     ``precision`` the activations' (auto: bf16 on CPUs with bf16 units, else fp32)."""
     from lmforge.infer.quantize import check_quantize, quantize_int8
-    from lmforge.tokenizer import Tokenizer
+    from lmforge.tokenizer import Tokenizer, unused_vocab
 
     model_dir = resolve_model_dir(checkpoint)
     dev = pick_device(check_quantize(quantize, device, precision))
@@ -71,4 +72,8 @@ def load_for_inference(checkpoint: str | Path, device: str = "auto", precision: 
     if vocab is not None and tokenizer.vocab_size > vocab:
         raise LMForgeError(f"the tokenizer beside {model_dir} has {tokenizer.vocab_size} tokens but the model "
                            f"only {vocab}: they do not belong together")
+    if vocab is not None and unused_vocab(vocab, tokenizer.vocab_size):
+        print(f"note: the model in {model_dir} has a vocabulary of {vocab} but its tokenizer only "
+              f"{tokenizer.vocab_size} tokens: if the tokenizer is not the one the model was trained with, the "
+              "output is meaningless", file=sys.stderr)
     return model, tokenizer, dev

@@ -239,8 +239,18 @@ def _read_weights(directory: Path, device: str | torch.device) -> dict[str, torc
     """A model directory's weights: ``model.safetensors``, or the full tensors put together from a sharded
     checkpoint's shards (on this process; no process group needed)."""
     if is_sharded(directory):
-        return {k: v.to(device) for k, v in read_sharded_weights(directory).items()}
-    return load_file(str(directory / WEIGHTS_FILE), device=str(device))
+        state = {k: v.to(device) for k, v in read_sharded_weights(directory).items()}
+    else:
+        state = load_file(str(directory / WEIGHTS_FILE), device=str(device))
+    # Training never writes a NaN update (the loop stops before it): non-finite weights are damage, and a
+    # model made of them would serve, export or resume into NaN without saying why.
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise LMForgeError(f"{directory} holds non-finite weights (NaN or inf): {bad:,} of {tensor.numel():,} "
+                               f"values of {name!r}. The file is damaged or was edited; use an earlier checkpoint "
+                               "(runs/NAME/checkpoints/) or retrain")
+    return state
 
 
 def _rebuild_unsaved_buffers(model: nn.Module, device: str | torch.device) -> None:

@@ -10,7 +10,7 @@ from lmforge.config import RunConfig
 from lmforge.errors import LMForgeError
 from lmforge.eval.lm import lm_metrics
 from lmforge.recipes import TrainData
-from lmforge.tokenizer import DEFAULT_TRAINED_VOCAB, Tokenizer, require_same_tokenizer
+from lmforge.tokenizer import DEFAULT_TRAINED_VOCAB, Tokenizer, require_same_tokenizer, unused_vocab
 from lmforge.train.distributed import DistInfo, barrier
 
 
@@ -119,7 +119,7 @@ def build_lm_data(cfg: RunConfig, distinfo: DistInfo) -> TrainData:
         prepare_train_path(cfg, distinfo)
     data = build_token_data(cfg, distinfo)
     data.tokenizer_path = tokenizer_path(cfg)
-    check_vocab(cfg, data.tokenizer_path)
+    check_vocab(cfg, data.tokenizer_path, distinfo.is_main)
     return data
 
 
@@ -135,7 +135,7 @@ def tokenizer_path(cfg: RunConfig) -> Path:
     return path
 
 
-def check_vocab(cfg: RunConfig, tokenizer_path: Path) -> None:
+def check_vocab(cfg: RunConfig, tokenizer_path: Path, is_main: bool) -> None:
     """The data, tokenizer and model agree; fills model.vocab_size (if 0) and the special-token ids."""
     from lmforge.data.loader import TokenDataset
 
@@ -157,6 +157,10 @@ def check_vocab(cfg: RunConfig, tokenizer_path: Path) -> None:
         raise LMForgeError(f"model.vocab_size={model_vocab} but the tokenizer {tokenizer_path} has "
                            f"{tok.vocab_size} tokens: set model.vocab_size={tok.vocab_size} (or 0 to take it "
                            "from the tokenizer)")
+    elif unused_vocab(model_vocab, tok.vocab_size) and is_main:
+        print(f"note: model.vocab_size={model_vocab} but the tokenizer {tokenizer_path} has {tok.vocab_size} "
+              f"tokens: {model_vocab - tok.vocab_size} rows of the embedding and head will never be trained "
+              "(model.vocab_size=0 takes the tokenizer's size)")
     for key, value in (("eos_token_id", tok.eos_id), ("bos_token_id", tok.bos_id), ("pad_token_id", tok.pad_id)):
         if hasattr(cfg.model, key):
             setattr(cfg.model, key, tok.eos_id if value is None else value)
