@@ -140,6 +140,10 @@ def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path):
         LMForgeModel.from_pretrained(tmp_path)
     with pytest.raises(LMForgeError, match="blocks.0.mlp.fc.weight"):  # a resume reads it the same way
         tiny().load_checkpoint_weights(tmp_path, "cpu")
+    with torch.no_grad():  # huge but finite: their sum overflows, the weights are still whole
+        model.blocks[0].mlp.fc.weight[0, :3] = 3e38
+    model.save_pretrained(tmp_path)
+    assert LMForgeModel.from_pretrained(tmp_path).blocks[0].mlp.fc.weight[0, 2] == 3e38
 
 
 def test_weights_that_do_not_match_the_config_raise_lmforge_error(tmp_path):
