@@ -75,7 +75,7 @@ def quickstart(data: str | None = None, include: tuple[str, ...] = (), out: str 
     from lmforge.config import load_config
     from lmforge.data import prepare_data, train_tokenizer_from_sources
     from lmforge.data.loader import TokenDataset
-    from lmforge.eval.lm import metrics_from_nll, nll_of_tokens, unigram_bpb
+    from lmforge.eval.lm import metrics_from_nll, nll_of_tokens, scored_bytes_per_token, unigram_bpb
     from lmforge.infer.generate import generate_text
     from lmforge.infer.loading import load_for_inference
     from lmforge.plot import plot_run
@@ -142,14 +142,18 @@ def quickstart(data: str | None = None, include: tuple[str, ...] = (), out: str 
     ckpt = result.best_checkpoint or result.last_checkpoint
     model, _, device = load_for_inference(ckpt, cfg.training.device)
     eval_tokens = val_ds.read(0, min(val_ds.num_tokens, 200_000))
-    bytes_per_token = val_ds.bytes / val_ds.num_tokens
+    bytes_per_token = scored_bytes_per_token(tokenizer, eval_tokens)
     nll, count = nll_of_tokens(model, eval_tokens, cfg.data.seq_len, 16, device)
     model_metrics = metrics_from_nll(nll, count, bytes_per_token)
     train_sample = train_ds.read(0, min(train_ds.num_tokens, 20_000_000))
     base = unigram_bpb(train_sample, eval_tokens, tokenizer.vocab_size, bytes_per_token)
+    gain = 1 - model_metrics["bpb"] / base
     print(f"held-out bits per byte: model {model_metrics['bpb']:.3f}  vs  unigram baseline {base:.3f} "
-          f"({100 * (1 - model_metrics['bpb'] / base):.0f}% lower); perplexity {model_metrics['ppl']:.2f} "
+          f"({100 * abs(gain):.0f}% {'lower' if gain >= 0 else 'higher'}); perplexity {model_metrics['ppl']:.2f} "
           f"on {count:,} tokens")
+    if gain <= 0:
+        print("note: the model is no better than counting token frequencies yet: train longer (--minutes) or "
+              "on more data")
 
     _stage(6, "plot and sample")
     png = plot_run(result.run_dir)

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
+import numpy as np
 from tokenizers import Tokenizer as _RustTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -72,6 +73,7 @@ class Tokenizer:
         # on chats needs to know whether the template is really the one the model will be prompted with.
         self.has_chat_template = bool(chat_template) or self.is_native
         self._bytes: list[bytes] | None = None  # token_bytes' table, built on first use
+        self._text_lengths: np.ndarray | None = None  # text_bytes' table, built on first use
         self._longest: int | None = None  # max_chars' longest token in bytes
 
     def _foreign_specials(self, named: dict[str, str | None]) -> dict[str, str | None]:
@@ -168,6 +170,22 @@ class Tokenizer:
         if self._bytes is None:
             self._bytes = _token_bytes_table(self._backend)
         return self._bytes[token_id] if 0 <= token_id < len(self._bytes) else b""
+
+    def text_bytes(self, ids: np.ndarray) -> int:
+        """UTF-8 bytes of the text ``ids`` stand for, special tokens (a document's end) standing for none: the
+        denominator of bits per byte for exactly the tokens scored."""
+        if self._text_lengths is None:
+            if self._bytes is None:
+                self._bytes = _token_bytes_table(self._backend)
+            lengths = np.array([len(b) for b in self._bytes], dtype=np.int64)
+            special = [i for i, t in self._backend.get_added_tokens_decoder().items() if t.special]
+            lengths[[i for i in special if i < len(lengths)]] = 0
+            self._text_lengths = lengths
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= len(self._text_lengths)):
+            raise LMForgeError(f"token ids outside this tokenizer's {len(self._text_lengths)}: the data was made "
+                               "with another tokenizer")
+        return int(self._text_lengths[ids].sum())
 
     def max_chars(self, n_tokens: int) -> int:
         """The most characters ``n_tokens`` tokens can stand for: a token stands for at most its longest byte

@@ -48,6 +48,31 @@ def test_eval_on_shards_and_on_raw_files(trained, tmp_path, capsys):
     assert files["tokens"] > 0 and files["bpb"] > 0 and "3 documents" in files["data"]
 
 
+def test_eval_bits_per_byte_counts_the_bytes_of_exactly_the_tokens_scored(trained, tmp_path, capsys):
+    """--limit scores a prefix: its bits per byte divide by that prefix's bytes, not by the data set's average
+    bytes per token (5% off on a Go package; here far more: the second document is mostly multi-byte text)."""
+    import math
+
+    from lmforge.tokenizer import Tokenizer
+
+    _, _, result = trained
+    first = "func add(a int, b int) int {\n\treturn a + b\n}\n" * 6
+    rows = [{"text": first}, {"text": "é ü ß € 𝄞 ✓ → ∑ " * 40}]
+    data = tmp_path / "two.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    tok = Tokenizer.load(result.run_dir / "tokenizer" / "tokenizer.json")
+    ids = tok.encode(first)
+    limit = len(ids)  # targets: the first document's tokens after its first, and its end
+    assert main(["eval", str(result.run_dir), "--data", str(data), "--limit", str(limit), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    scored_bytes = len(tok.decode(ids[1:]).encode("utf-8"))  # ASCII: decoding from any token is exact
+    assert got["tokens"] == limit
+    assert got["bpb"] == pytest.approx(got["loss"] * limit / math.log(2) / scored_bytes, rel=1e-9)
+    everything = len(ids) + 1 + len(tok.encode(rows[1]["text"])) + 1
+    set_average = sum(len(r["text"].encode("utf-8")) for r in rows) / everything
+    assert abs(got["loss"] / math.log(2) / set_average / got["bpb"] - 1) > 0.2  # what it printed before
+
+
 def test_generate_streams_a_seeded_completion(trained, capsys):
     _, _, result = trained
     args = ["generate", str(result.best_checkpoint), "--prompt", "func read", "--max-new-tokens", "20",
@@ -91,9 +116,15 @@ def test_bench_prints_throughput_and_mfu(capsys):
 def test_quickstart_on_a_given_tree_beats_the_unigram_baseline(tmp_path, capsys):
     corpus = write_go_corpus(tmp_path / "src", n_files=60)
     # A step count, not a time budget, so a busy machine trains the same model (--minutes is then a guard)
-    assert main(["quickstart", "--data", str(corpus), "--out", str(tmp_path / "qs"), "--minutes", "10",
-                 "--vocab-size", "400", "training.max_steps=60", "training.micro_batch_size=8", "data.seq_len=64",
-                 "model.n_positions=64", "model.n_layer=2", "model.n_embd=64", "model.n_head=2"]) == 0
+    argv = ["quickstart", "--data", str(corpus), "--out", str(tmp_path / "qs"), "--minutes", "10", "--vocab-size",
+            "400", "training.micro_batch_size=8", "data.seq_len=64", "model.n_positions=64", "model.n_layer=2",
+            "model.n_embd=64", "model.n_head=2"]
+    assert main([*argv, "training.max_steps=1"]) == 0  # one step: still worse than counting tokens
+    out = capsys.readouterr().out
+    m = re.search(r"held-out bits per byte: model ([\d.]+)\s+vs\s+unigram baseline ([\d.]+) \(\d+% higher\)", out)
+    assert m and float(m.group(1)) > float(m.group(2)), out
+    assert "no better than counting token frequencies yet" in out
+    assert main([*argv, "training.max_steps=60"]) == 0  # the tokenizer and data reused
     out = capsys.readouterr().out
     m = re.search(r"held-out bits per byte: model ([\d.]+)\s+vs\s+unigram baseline ([\d.]+)", out)
     assert m, out

@@ -372,6 +372,28 @@ def test_eval_on_dataset_and_csv_agree(trained, sudoku_dir, tmp_path, capsys):
     assert "exact accuracy" in capsys.readouterr().out
 
 
+def test_blank_accuracy_counts_only_the_cells_a_puzzle_leaves_to_fill(trained, sudoku_dir, capsys):
+    """`accuracy` counts the givens (HRM's convention), which a model copies; `blank_accuracy` is the share of
+    the cells to fill that it got right: recomputed here from the model's answers."""
+    from lmforge.recipes.puzzles.data import PuzzleEvalLoader, PuzzleSplit
+    from lmforge.recipes.puzzles.evaluate import load_puzzle_model
+
+    assert main(["eval", str(trained), "--data", str(sudoku_dir), "--json", "--device", "cpu"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    model, _ = load_puzzle_model(trained, "cpu")
+    per_row = []
+    for batch in PuzzleEvalLoader(PuzzleSplit(sudoku_dir, "test"), batch_size=3).iter_eval_batches():
+        answer = model.rollout(batch["inputs"], batch["puzzle_identifiers"])["prediction"].numpy()
+        inputs, labels = batch["inputs"].numpy(), batch["labels"].numpy()
+        for given, truth, said in zip(inputs, labels, answer, strict=True):
+            blank = given == 1  # the layout's blank token
+            per_row.append((said[blank] == truth[blank]).mean())
+    assert got["blank_accuracy"] == pytest.approx(np.mean(per_row), abs=1e-6)
+    assert got["blank_accuracy"] < got["accuracy"]  # 30-36 givens of 81 are (nearly) free
+    main(["eval", str(trained), "--data", str(sudoku_dir), "--device", "cpu"])
+    assert f"(blank cells {100 * got['blank_accuracy']:.2f}%)" in capsys.readouterr().out
+
+
 def test_epochs_and_global_batch_become_steps():
     from lmforge.train import _resolve_batch, _resolve_epochs
     from lmforge.train.distributed import DistInfo

@@ -22,6 +22,8 @@ from lmforge.cli import main
 from lmforge.config import load_config
 from lmforge.errors import LMForgeError
 from lmforge.train import train
+from lmforge.data.loader import TokenDataset
+from lmforge.tokenizer import Tokenizer
 from lmforge.safe_state import load_state
 from tests.train_helpers import REPO, FakeClock, lmforge_cmd, run, subprocess_env, write_recipe
 
@@ -52,6 +54,13 @@ def test_train_writes_run_dir_and_tensorboard(tmp_path, data_dir):
     evals = [r for r in rows if "eval/loss" in r]
     assert [r["step"] for r in evals] == [10, 20]
     assert all(r["eval/bpb"] > 0 and r["eval/ppl"] > 1 for r in evals)
+    # bits per byte of exactly the windows scored (eval_batches=2 of 4 rows), not of the split's average
+    val = TokenDataset(data_dir, "val")
+    targets = val.read(1, min((val.num_tokens - 1) // 32, 2 * 4) * 32 + 1)
+    tok = Tokenizer.load(data_dir / "tokenizer.json")
+    scored_bytes = len(tok.decode([t for t in targets.tolist() if t != tok.eos_id]).encode("utf-8"))
+    for r in evals:
+        assert r["eval/bpb"] == pytest.approx(r["eval/loss"] / math.log(2) * len(targets) / scored_bytes, rel=1e-6)
     assert losses(run_dir)[20] < losses(run_dir)[1]
     # the process's high-water memory (on a CPU its peak resident set): at least the weights + AdamW state, and
     # never falling

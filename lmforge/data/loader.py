@@ -200,6 +200,11 @@ class PackedLoader:
         self._position = state["position"]
         self._order = self._epoch_order(self._epoch)
 
+    def eval_windows(self, max_batches: int | None = None) -> int:
+        """How many windows ``iter_eval_batches(max_batches)`` yields on all ranks together: the first ones,
+        whose targets are tokens ``[1, windows * seq_len]`` of the split."""
+        return self.num_windows if max_batches is None else min(self.num_windows, max_batches * self._step_windows)
+
     def iter_eval_batches(self, max_batches: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
         """Windows in order, disjoint across ranks (same block layout as training); the last may be short."""
         mb = self.micro_batch_size

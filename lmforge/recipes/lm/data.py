@@ -3,6 +3,7 @@ run on first use, checked against the tokenizer and the model."""
 
 from __future__ import annotations
 
+import functools
 import shutil
 from pathlib import Path
 
@@ -99,14 +100,26 @@ def build_token_data(cfg: RunConfig, distinfo: DistInfo) -> TrainData:
     if val is None and distinfo.is_main:
         print(f"note: {path} has no validation split longer than data.seq_len={seq}; evaluation is off")
 
-    bytes_per_token = val_ds.bytes / val_ds.num_tokens if val is not None and val_ds.num_tokens else 0.0
+    @functools.cache  # at the first evaluation: by then the tokenizer is known to be the data's (check_vocab)
+    def bytes_per_token() -> float:
+        return _eval_bytes_per_token(val, cfg.training.eval_batches or None, Tokenizer.load(tokenizer_path(cfg)))
 
     def derive(metrics: dict[str, float]) -> dict[str, float]:
-        return {**metrics, **lm_metrics(metrics["loss"], bytes_per_token)}
+        return {**metrics, **lm_metrics(metrics["loss"], bytes_per_token())}
 
     return TrainData(train=train, val=val, derive_eval_metrics=derive, examples_per_epoch=train.num_windows,
                      description=f"{path}: {train_ds.num_tokens:,} train tokens"
                                  + (f", {val_ds.num_tokens:,} val tokens" if val is not None else ""))
+
+
+def _eval_bytes_per_token(val, max_batches: int | None, tokenizer: Tokenizer) -> float:
+    """UTF-8 bytes per target token of the windows an evaluation scores (``training.eval_batches`` of them on
+    every rank, or all): bits per byte of exactly those, not of the split's average."""
+    targets = val.eval_windows(max_batches) * val.seq_len
+    chunk = 1 << 23  # read a large split in pieces
+    total = sum(tokenizer.text_bytes(val.dataset.read(lo, min(lo + chunk, targets + 1)))
+                for lo in range(1, targets + 1, chunk))
+    return total / targets
 
 
 def build_lm_data(cfg: RunConfig, distinfo: DistInfo) -> TrainData:

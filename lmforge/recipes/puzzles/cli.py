@@ -20,7 +20,8 @@ def run_eval(args) -> int:
         print(json.dumps(m))
         return 0
     print(f"{m['data']}: {m['puzzles']} puzzles  exact accuracy {100 * m['exact_accuracy']:.2f}%  "
-          f"cell accuracy {100 * m['accuracy']:.2f}%  loss {m['loss']:.4f}")
+          f"cell accuracy {100 * m['accuracy']:.2f}% (blank cells {100 * m['blank_accuracy']:.2f}%)  "
+          f"loss {m['loss']:.4f}")
     print(f"  Q head would halt after {m['steps']:.2f} steps on average; exact accuracy there "
           f"{100 * m['exact_accuracy_at_halt']:.2f}%")
     for name in ("singles", "easy", "medium", "hard"):

@@ -351,7 +351,12 @@ class PuzzleModel(LMForgeModel, abc.ABC):
         bsz = labels.shape[0]
         mask = labels != IGNORE
         halt_correct = (((out["halt_prediction"] == labels) | ~mask).all(-1))
+        # "accuracy" counts every cell, the givens too (HRM's convention); "blank_accuracy" only the cells the
+        # puzzle leaves to fill (where its input differs from the answer): the share a solver got right.
+        fill = (batch["inputs"] != labels) & mask
+        right_fill = ((out["logits"].argmax(-1) == labels) & fill).sum(-1).float()
         metrics = {"accuracy": self._token_accuracy(out["logits"], labels).mean(),
+                   "blank_accuracy": (right_fill / fill.sum(-1).clamp_min(1)).mean(),
                    "exact_accuracy": correct.float().mean(),
                    "steps": out["halt_step"].float().mean(),
                    "exact_accuracy_at_halt": halt_correct.float().mean()}
