@@ -23,6 +23,8 @@ from __future__ import annotations
 import json
 import math
 import pickle  # only for its exception type: nothing here unpickles outside torch's restricted loader
+import warnings
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -180,13 +182,20 @@ def load_legacy_torch_file(path: Path, what: str) -> Any:
               f"tensors and plain data; this file holds something else, so it was not written by lmforge or "
               f"was tampered with. Do not resume from it; start a new run from its weights alone with "
               f"training.init_from={path.parent} (model.safetensors cannot run code)")
+    if not zipfile.is_zipfile(path):  # torch.save has written zip archives since PyTorch 1.6: lmforge's always were
+        raise LMForgeError(f"cannot read the {what} in {path}: it is not a file torch.save wrote (damaged or "
+                           f"truncated, or not lmforge's); resume from an earlier checkpoint in "
+                           f"{path.parent.parent}, or start a new run from its weights alone with "
+                           f"training.init_from={path.parent}")
     try:
         allowed = _numpy_rng_globals()
-        if not hasattr(torch.serialization, "safe_globals"):  # torch 2.4 has only the global registry
-            torch.serialization.add_safe_globals(allowed)
-            return torch.load(path, map_location="cpu", weights_only=True)
-        with torch.serialization.safe_globals(allowed):
-            return torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # the loader's notes on a foreign pickle's protocol: the error says it all
+            warnings.simplefilter("ignore")
+            if not hasattr(torch.serialization, "safe_globals"):  # torch 2.4 has only the global registry
+                torch.serialization.add_safe_globals(allowed)
+                return torch.load(path, map_location="cpu", weights_only=True)
+            with torch.serialization.safe_globals(allowed):
+                return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:  # what the restricted loader raises for anything not allowed
         raise LMForgeError(f"refused to load the {what} in {path}: {advice}") from e
     except Exception as e:  # several types for truncated or damaged archives

@@ -14,6 +14,7 @@ import math
 import pickle
 import random
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -171,6 +172,16 @@ def test_legacy_pickles_load_through_the_restricted_loader_and_convert(tmp_path)
     assert (bad / "optimizer.pt").is_file() and not (bad / OPTIMIZER_FILE).exists()  # nothing was lost
     assert not marker.exists()
     assert main(["checkpoint", "convert", str(tmp_path / "nowhere")]) == 2
+    # not an archive torch.save wrote (damaged, or a bare pickle): named so, and never unpickled
+    (bad / "optimizer.pt").write_bytes(b"\x80\x04garbage")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no loader notes either
+        with pytest.raises(LMForgeError, match="not a file torch.save wrote .*damaged or truncated"):
+            load_legacy_torch_file(bad / "optimizer.pt", "optimizer state")
+    (bad / "optimizer.pt").write_bytes(pickle.dumps(_Payload(marker)))
+    with pytest.raises(LMForgeError, match="not a file torch.save wrote"):
+        load_legacy_torch_file(bad / "optimizer.pt", "optimizer state")
+    assert not marker.exists()
 
 
 # ---- every verb on a checkpoint with a payload in each of its files -----------------------------

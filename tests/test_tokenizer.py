@@ -114,6 +114,37 @@ def test_vocab_too_small_and_empty_corpus_are_clear_errors(tmp_path):
     assert not (tmp_path / "tokenizer.json").exists()
 
 
+def test_runs_longer_than_a_word_reach_the_trainer_cut_and_encoding_is_unchanged(tmp_path, monkeypatch):
+    """The BPE trainer's time grows with the square of a word's length (a 1 MB run of letters took hours): it is
+    given such runs in pieces of at most LONGEST_TRAINING_WORD characters. What is encoded is not cut."""
+    import re
+
+    import lmforge.tokenizer as tokmod
+
+    blob = 'var s = "' + "ab" * 150_000 + '"\n' + " " * 5_000 + "x\n"
+    fed: list[str] = []
+    untrained = tokmod._untrained_bpe
+
+    class Recorded:  # the real trainer, recording what it is given
+        def __init__(self):
+            self.inner = untrained()
+
+        def train_from_iterator(self, texts, trainer):
+            fed.extend(texts)
+            self.inner.train_from_iterator(fed, trainer=trainer)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    monkeypatch.setattr(tokmod, "_untrained_bpe", Recorded)
+    path = train_tokenizer([*TRAINING_TEXTS, blob], vocab_size=300, out_dir=tmp_path, show_progress=False)
+    longest = max(len(run) for text in fed for run in re.findall(r"\S+|\s+", text))
+    assert longest == tokmod.LONGEST_TRAINING_WORD
+    assert "".join(fed[len(TRAINING_TEXTS):]) == blob  # cut, nothing lost or added
+    tok = Tokenizer.load(path)
+    assert tok.decode(tok.encode(blob)) == blob
+
+
 def test_load_missing_or_invalid_file(tmp_path):
     with pytest.raises(LMForgeError, match="tokenizer not found.*nope"):
         Tokenizer.load(tmp_path / "nope")
