@@ -224,6 +224,12 @@ def run_bench(recipe: str, overrides: list[str], steps: int = 20, warmup: int = 
                            "(train/tokens_per_s, train/examples_per_s, train/mfu); benchmarks/ holds its own scripts "
                            "(sudoku_cpu.py, hrgc_vs_plain.py, sft_vs_trl.py)")
     if getattr(cfg.model, "vocab_size", 1) == 0:
+        ids = [getattr(cfg.model, key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")
+               if isinstance(getattr(cfg.model, key, None), int)]
+        need = max(ids, default=0) + 1  # the model's special tokens must be in its vocabulary
+        if vocab_size < need:
+            raise LMForgeError(f"--vocab-size must be >= {need} (the model's bos/eos/pad token ids go up to "
+                               f"{need - 1}), got {vocab_size}: pass e.g. --vocab-size 8192")
         cfg.model.vocab_size = vocab_size
     distinfo = _join_for_fsdp(cfg, compare_transformers)
     try:

@@ -196,7 +196,8 @@ def _add_eval(sub) -> None:
     harness.add_argument("--no-cache", action="store_true",
                          help="do not reuse or store model answers (RUN_DIR/eval/lm_eval_cache/)")
     harness.add_argument("--log-samples", action="store_true",
-                         help="keep every sample's prompt, answers and scores in the results JSON")
+                         help="keep every sample's prompt, answers and scores in the results JSON file under "
+                              "RUN_DIR/eval/ (--json prints the results without them)")
     harness.add_argument("--confirm-run-unsafe-code", action="store_true",
                          help="allow tasks that execute the model's code (HumanEval, MBPP)")
     _add_kind_options(p, "eval")
@@ -204,6 +205,8 @@ def _add_eval(sub) -> None:
 
 
 HARNESS_OPTIONS = ("--num-fewshot", "--include-path", "--no-cache", "--log-samples", "--confirm-run-unsafe-code")
+# Kind options that name the held-out data themselves: --data beside them would be ignored.
+DATA_OPTIONS = ("--tool-calls", "--preferences", "--rewards", "--prompts")
 
 
 def _cmd_eval(args) -> int:
@@ -215,6 +218,10 @@ def _cmd_eval(args) -> int:
         stray = [o for o in HARNESS_OPTIONS if o in given]
         if stray:
             raise LMForgeError(f"{', '.join(stray)} go with --tasks (lm-evaluation-harness tasks)")
+        own = [o for o in DATA_OPTIONS if o in given]
+        if "--data" in given and own:
+            raise LMForgeError(f"--data cannot be combined with {', '.join(own)}: {own[0]} names the held-out data "
+                               "itself; drop --data")
         return _run_for_kind(args)
     other = sorted(o for o in given if o in ("--data", "--split")
                    or (o in args.kind_options and o != "--batch-size"))
@@ -390,6 +397,9 @@ def _add_chat(sub) -> None:
 def _cmd_chat(args) -> int:
     from lmforge.infer.terminal_chat import chat
 
+    if args.max_new_tokens < 1:
+        raise LMForgeError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}: pass the longest reply in "
+                           "tokens, e.g. 512")
     chat(args.checkpoint, system=args.system, max_tokens=args.max_new_tokens, temperature=args.temperature,
          top_p=args.top_p, top_k=args.top_k, seed=args.seed, device=args.device, precision=args.precision,
          quantize=args.quantize)

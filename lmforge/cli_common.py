@@ -48,7 +48,18 @@ def add_sampling_args(p, max_new_tokens: int) -> None:
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = off")
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass; 1.0 = off")
-    p.add_argument("--seed", type=int, default=None, help="seed for reproducible samples")
+    p.add_argument("--seed", type=seed_arg, default=None, help="seed for reproducible samples (0 to 2**64-1)")
+
+
+def seed_arg(text: str) -> int:
+    """``--seed`` of ``add_sampling_args``: an integer in [0, 2**64), the seeds torch's generators take."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer: pass e.g. --seed 0") from None
+    if not 0 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"{value} is out of range: pass an integer from 0 to 2**64-1")
+    return value
 
 
 # `lmforge eval` of models that answer prompts (sft, grpo): the model before fine-tuning scored beside

@@ -7,6 +7,7 @@ plot -> sample. Everything lands in one working directory; a second run reuses i
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import sysconfig
@@ -82,8 +83,8 @@ def quickstart(data: str | None = None, include: tuple[str, ...] = (), out: str 
     from lmforge.tokenizer import Tokenizer
     from lmforge.train import train
 
-    if minutes <= 0:
-        raise LMForgeError("--minutes must be > 0")
+    if not (math.isfinite(minutes) and minutes > 0):
+        raise LMForgeError(f"--minutes must be a finite number > 0, got {minutes}: pass a time budget such as 6")
     t_start = time.perf_counter()
     work = Path(out)
     work.mkdir(parents=True, exist_ok=True)

@@ -116,3 +116,23 @@ def test_a_tool_call_section_is_held_back_for_parsing(tokenizer):
     out, stream = pieces(tokenizer, text, [], marker="<tool_call>")
     assert "".join(out) == "I will look. " and stream.held.startswith("<tool_call>")
     assert parse_tool_calls(stream.held)[1][0].name == "read_file"
+
+
+# ---- lmforge chat (terminal) ------------------------------------------------------------------
+def test_terminal_chat_takes_the_largest_seed_on_every_turn(trained_run):
+    import io
+
+    from lmforge.infer.terminal_chat import chat
+
+    out = io.StringIO()
+    chat(str(trained_run.run_dir), max_tokens=3, seed=2**64 - 1, device="cpu", stdin=io.StringIO("hi\n/reset\nhi\n"),
+         stdout=out)  # turn 2 seeds with 2**64, wrapped to 0
+    assert out.getvalue().count("model> ") == 2
+
+
+@pytest.mark.parametrize("seed", ["1", 2**64, -1])
+def test_terminal_chat_refuses_a_bad_seed_before_loading(seed, tmp_path):
+    from lmforge.infer.terminal_chat import chat
+
+    with pytest.raises(LMForgeError, match="seed must be"):
+        chat(str(tmp_path / "no-such-run"), seed=seed)

@@ -131,9 +131,43 @@ def test_generation_stops_at_n_positions_with_a_warning():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         long_prompt = list(generate_tokens(model, list(range(10, 40)), 50, temperature=0.0, stop_at_eos=False))
-    assert len(long_prompt) == 1  # the prompt keeps its last 15 tokens
+    assert len(long_prompt) == 15  # the prompt keeps its last token, the reply fills the rest
     messages = " | ".join(str(w.message) for w in caught)
-    assert "does not fit" in messages and "context is full" in messages
+    assert "does not fit" in messages and "limits the reply to 15" in messages and "context is full" in messages
+    assert all(w.filename == __file__ for w in caught)  # pointing at the caller's line
+
+
+def test_a_prompt_longer_than_the_context_makes_room_for_the_new_tokens_asked_for():
+    model, notes = tiny(n_positions=16), []
+    prompt = list(range(10, 40))
+    out = list(generate_tokens(model, prompt, 5, temperature=0.0, stop_at_eos=False, note=notes.append))
+    assert out == greedy_by_full_recompute(model, prompt[-11:], 5)  # the last 16 - 5 prompt tokens
+    assert len(notes) == 1 and "keeping its last 11 tokens so that the 5 new tokens asked for fit" in notes[0]
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"max_new_tokens": -1}, "max_new_tokens must be an integer >= 0, got -1"),
+    ({"max_new_tokens": 2.5}, "max_new_tokens must be an integer >= 0, got 2.5"),
+    ({"seed": 2**64}, r"seed must be in 0\.\.2\*\*64-1"),
+    ({"seed": -1}, r"seed must be in 0\.\.2\*\*64-1"),
+    ({"seed": "1"}, "seed must be an integer"),
+    ({"prompt": None}, "prompt must be a str, got NoneType"),
+])
+def test_generate_text_refuses_bad_arguments_clearly(kwargs, words):
+    args = {"prompt": "hi", "max_new_tokens": 4, **kwargs}
+    with pytest.raises(LMForgeError, match=words):
+        generate_text(tiny(), ByteTokenizer(), args.pop("prompt"), **args)
+
+
+def test_generate_tokens_refuses_bad_arguments_when_called_not_at_the_first_token():
+    with pytest.raises(LMForgeError, match="seed must be in"):
+        generate_tokens(tiny(), [1, 2], 4, seed=2**64)
+
+
+def test_generate_text_takes_the_largest_seed_and_max_new_tokens_0():
+    model, tok = tiny(), ByteTokenizer()
+    assert generate_text(model, tok, "hi", max_new_tokens=4, temperature=1.0, seed=2**64 - 1) is not None
+    assert generate_text(model, tok, "hi", max_new_tokens=0) == ""
 
 
 def test_generation_runs_in_eval_mode_but_leaves_callers_modes_alone():

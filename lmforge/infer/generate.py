@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -74,26 +75,52 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, 
                        uniform)
 
 
+def check_seed(seed: Any) -> None:
+    """A sampling seed: None or an integer in [0, 2**64), the range of ``torch.Generator.manual_seed``."""
+    if seed is None:
+        return
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise LMForgeError(f"seed must be an integer (or None), got {seed!r}: pass e.g. seed=0")
+    if not 0 <= seed < 2**64:
+        raise LMForgeError(f"seed must be in 0..2**64-1, got {seed}: pass a smaller non-negative integer")
+
+
 def generate_tokens(model: Any, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.8,
                     top_k: int = 0, top_p: float = 1.0, seed: int | None = None, eos_id: int | None = None,
-                    stop_at_eos: bool = True) -> Iterator[int]:
+                    stop_at_eos: bool = True, note: Callable[[str], Any] | None = None) -> Iterator[int]:
     """Yield new token ids one at a time: one prefill of the prompt, then one cached step per token.
 
-    An empty prompt starts from the document separator (eos), as packed training data does. With ``stop_at_eos`` generation ends at
-    ``eos_id`` (default: the model's) without yielding it. Prompt plus output never exceed
-    ``n_positions``: a longer prompt keeps its last ``n_positions - 1`` tokens, and generation stops
-    when the context is full; both with a ``UserWarning``. With ``seed`` the output is reproducible.
+    An empty prompt starts from the document separator (eos), as packed training data does. With ``stop_at_eos``
+    generation ends at ``eos_id`` (default: the model's) without yielding it. Prompt plus output never exceed
+    ``n_positions``: a prompt that does not fit keeps its last ``n_positions - max_new_tokens`` tokens (at least
+    one), and generation stops when the context is full; both are told to ``note`` (default: a ``UserWarning``).
+    With ``seed`` the output is reproducible. Bad settings raise ``LMForgeError`` here, before the first token.
     """
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
+        raise LMForgeError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}: pass e.g. 256")
+    check_seed(seed)
+    check_sampling(temperature, top_k, top_p)
+    if note is None:
+        note = lambda message: warnings.warn(message, stacklevel=3)  # the caller's line
+    return _generate_tokens(model, list(prompt_ids), int(max_new_tokens), temperature, top_k, top_p, seed, eos_id,
+                            stop_at_eos, note)
+
+
+def _generate_tokens(model: Any, ids: list[int], max_new_tokens: int, temperature: float, top_k: int, top_p: float,
+                     seed: int | None, eos_id: int | None, stop_at_eos: bool,
+                     note: Callable[[str], Any]) -> Iterator[int]:
     config = model.config
     n_ctx = config.n_positions
     eos = config.eos_token_id if eos_id is None else eos_id
-    ids = list(prompt_ids) or [config.eos_token_id]  # a document starts after the separator
-    if max_new_tokens <= 0:
+    ids = ids or [config.eos_token_id]  # a document starts after the separator
+    if max_new_tokens == 0:
         return
     if len(ids) >= n_ctx:
-        keep = max(n_ctx - 1, 1)
-        warnings.warn(f"prompt of {len(ids)} tokens does not fit model.n_positions={n_ctx}; "
-                      f"keeping its last {keep} tokens", stacklevel=2)
+        keep = max(n_ctx - max_new_tokens, 1)
+        room = (f"so that the {max_new_tokens} new tokens asked for fit" if max_new_tokens < n_ctx else
+                f"and the context limits the reply to {n_ctx - 1} new tokens")
+        note(f"prompt of {len(ids)} tokens does not fit model.n_positions={n_ctx}: keeping its last {keep} "
+             f"tokens {room}; shorten the prompt (or ask for fewer new tokens) to keep more of it")
         ids = ids[len(ids) - keep:]
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
@@ -118,8 +145,8 @@ def generate_tokens(model: Any, prompt_ids: list[int], max_new_tokens: int, temp
     for i in range(max_new_tokens):
         if i:
             if length >= n_ctx:
-                warnings.warn(f"stopped after {i} new tokens: the context is full "
-                              f"(model.n_positions={n_ctx})", stacklevel=2)
+                note(f"stopped after {i} new tokens: the context is full (model.n_positions={n_ctx}); "
+                     "shorten the prompt for a longer reply")
                 return
             logits = step([token])
         token = int(sample_next(logits, temperature, top_k, top_p, generator)[0])
@@ -164,13 +191,17 @@ class StreamingDecoder:
 
 def generate_text(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int = 256, temperature: float = 0.8,
                   top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True,
-                  stream: Callable[[str], Any] | None = None) -> str:
+                  stream: Callable[[str], Any] | None = None, note: Callable[[str], Any] | None = None) -> str:
     """Generate a continuation of ``prompt`` and return it (without the prompt).
 
     The prompt is encoded and prefixed with the document separator ``tokenizer.eos_id``: in packed
     training data every document follows one, so this is how a model trained by lmforge has seen
-    documents begin. Generation stops at the next ``eos_id``. ``stream`` gets each new piece of text.
+    documents begin. Generation stops at the next ``eos_id``. ``stream`` gets each new piece of text;
+    ``note`` what ``generate_tokens`` tells about the context (default: a ``UserWarning``).
     """
+    if not isinstance(prompt, str):
+        raise LMForgeError(f"prompt must be a str, got {type(prompt).__name__}: pass the text to continue ('' for "
+                           "none)")
     ids = [tokenizer.eos_id, *tokenizer.encode(prompt)]
     decoder = StreamingDecoder(tokenizer)
     pieces: list[str] = []
@@ -182,7 +213,7 @@ def generate_text(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int =
                 stream(piece)
 
     for token in generate_tokens(model, ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                 seed=seed, eos_id=tokenizer.eos_id, stop_at_eos=stop_at_eos):
+                                 seed=seed, eos_id=tokenizer.eos_id, stop_at_eos=stop_at_eos, note=note):
         emit(decoder.push(token))
     emit(decoder.flush())
     return "".join(pieces)

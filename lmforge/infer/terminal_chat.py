@@ -13,7 +13,7 @@ from typing import TextIO
 
 from lmforge.errors import LMForgeError
 from lmforge.infer.engine import SamplingParams
-from lmforge.infer.generate import StreamingDecoder, generate_tokens
+from lmforge.infer.generate import StreamingDecoder, check_seed, generate_tokens
 from lmforge.tokenizer import check_text
 
 HELP = "commands: /reset forgets the conversation, /exit quits (or Ctrl-D); Ctrl-C stops a reply"
@@ -25,7 +25,8 @@ def chat(checkpoint: str, system: str | None = None, max_tokens: int = 512, temp
     from lmforge.infer.loading import load_for_inference
     from lmforge.checkpoint import resolve_model_dir
 
-    SamplingParams(max_tokens, temperature, top_p, top_k, seed)  # check the settings before loading
+    SamplingParams(max_tokens, temperature, top_p, top_k)  # check the settings before loading
+    check_seed(seed)
     model, tokenizer, _ = load_for_inference(checkpoint, device, precision, quantize=quantize)
     model_dir, n_ctx = resolve_model_dir(checkpoint), model.config.n_positions
     interactive = stdin.isatty()
@@ -67,7 +68,7 @@ def chat(checkpoint: str, system: str | None = None, max_tokens: int = 512, temp
         stdout.write("model> ")
         stdout.flush()
         params = SamplingParams(min(max_tokens, room), temperature, top_p, top_k,
-                                None if seed is None else seed + turn)
+                                None if seed is None else (seed + turn) % 2**64)
         reply, reason = _stream_reply(model, ids, params, tokenizer, stdout)
         turn += 1
         history.append({"role": "assistant", "content": reply})

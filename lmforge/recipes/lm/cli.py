@@ -23,7 +23,12 @@ def add_eval_args(group) -> None:
 def run_eval(args) -> int:
     from lmforge.eval.lm import evaluate
 
-    m = evaluate(args.checkpoint, require_data(args, "a directory written by `lmforge data prepare`, or raw sources (a file or directory)"), split=args.split or "val", seq_len=args.seq_len,
+    data = require_data(args, "a directory written by `lmforge data prepare`, or raw sources (a file or directory)")
+    if any((Path(data) / split / "dataset.json").is_file() for split in ("train", "test")):
+        raise LMForgeError(f"--data {data} is a puzzle dataset (`lmforge data sudoku`), but {args.checkpoint} holds a "
+                           "language model: pass its text data (a directory written by `lmforge data prepare`, or "
+                           "raw sources), or evaluate a puzzle checkpoint (HRM/TRM) on this dataset")
+    m = evaluate(args.checkpoint, data, split=args.split or "val", seq_len=args.seq_len,
                  batch_size=8 if args.batch_size is None else args.batch_size,
                  max_tokens=args.limit or None, device=args.device, include=tuple(args.include),
                  text_field=args.text_field)
@@ -65,6 +70,6 @@ def run_generate(args) -> int:
 
     generate_text(model, tokenizer, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_at_eos=not args.no_stop_at_eos,
-                  stream=stream)
+                  stream=stream, note=lambda message: print(f"note: {message}", file=sys.stderr, flush=True))
     sys.stdout.write("\n")
     return 0
