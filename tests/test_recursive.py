@@ -354,6 +354,23 @@ def test_solve_rejects_bad_puzzles(trained, puzzle, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_solve_judges_a_puzzle_with_many_solutions_by_the_rules_alone(trained, capsys):
+    main(["solve", str(trained), "--puzzle", "0" * 81, "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert "cells differ" not in out  # no count against one arbitrary solution of the many
+    assert "valid solution: yes" in out or "valid solution: no (it breaks the Sudoku rules or changes a clue)" in out
+    assert "note: this puzzle has more than one solution" in out
+
+
+def test_solve_refuses_max_steps_far_beyond_halt_max_steps(trained, sudoku_dir, capsys):
+    q = format_grid((np.load(sudoku_dir / "test" / "all__inputs.npy")[0].astype(int) - 1).astype(np.uint8))
+    assert main(["solve", str(trained), "--puzzle", q, "--max-steps", "201", "--device", "cpu"]) == 2  # 100 x 2 + 1
+    err = capsys.readouterr().err
+    assert "--max-steps 201 is more than 100x the model's halt_max_steps (2)" in err and "use at most 200" in err
+    assert main(["solve", str(trained), "--puzzle", q, "--max-steps", "8", "--device", "cpu"]) in (0, 1)
+    assert "steps used:" in capsys.readouterr().out
+
+
 def test_eval_on_dataset_and_csv_agree(trained, sudoku_dir, tmp_path, capsys):
     assert main(["eval", str(trained), "--data", str(sudoku_dir), "--json", "--device", "cpu"]) == 0
     on_dir = json.loads(capsys.readouterr().out)

@@ -8,6 +8,7 @@ real `lmforge` subprocess paused at a known point of its write.
 from __future__ import annotations
 
 import errno
+import io
 import os
 import resource
 import shutil
@@ -72,6 +73,21 @@ def fail_on_call(monkeypatch, owner, name: str, n: int, error) -> None:
         return original(*args, **kwargs)
 
     monkeypatch.setattr(owner, name, wrapper)
+
+
+def disk_with_room(room: int):
+    """An ``open`` onto a disk with ``room`` bytes left: a binary write past them fails with ENOSPC (no file
+    name, as the kernel's). ``ndarray.tofile`` writes to the descriptor and would not meet it."""
+    left = [room]
+
+    class File(io.FileIO):
+        def write(self, data) -> int:
+            if memoryview(data).nbytes > left[0]:
+                raise full_disk()
+            left[0] -= memoryview(data).nbytes
+            return super().write(data)
+
+    return lambda path, mode="r", *a, **kw: File(path, mode) if mode == "wb" else open(path, mode, *a, **kw)
 
 
 def one_line_error(capsys) -> str:
@@ -199,6 +215,24 @@ def test_a_full_disk_during_data_sudoku_keeps_the_previous_dataset(tmp_path, mon
     assert snapshot(out) == before and leftovers(tmp_path) == []
 
 
+def test_a_disk_that_fills_inside_a_sudoku_array_is_reported_as_full(tmp_path, monkeypatch, capsys):
+    """np.save writes the data with tofile, whose short write is an OSError without errno: _save must not."""
+    from lmforge.recipes.puzzles import sudoku
+
+    out = tmp_path / "sudoku"
+    args = ["data", "sudoku", "--out", str(out), "--generate", "6", "--num-aug", "3", "--workers", "1",
+            "--no-progress"]
+    assert main(args) == 0
+    before = snapshot(out)
+    assert len(before["train/all__inputs.npy"]) > 1700  # 20 puzzles of 81 bytes
+    # room for the 12 .npy headers (128 bytes each) but not for the first array's data
+    monkeypatch.setattr(sudoku, "open", disk_with_room(12 * 128 + 64), raising=False)
+    assert main([*args, "--seed", "1", "--overwrite"]) == 2
+    assert one_line_error(capsys).endswith(f"no space left on device while writing {out}: free space or choose "
+                                           "another --out")
+    assert snapshot(out) == before and leftovers(tmp_path) == []
+
+
 def test_permission_denied_during_data_go_functions_keeps_the_previous_dataset(tmp_path, monkeypatch, capsys):
     from lmforge.recipes.hrgc import functions as go_functions
 
@@ -256,6 +290,20 @@ def test_a_full_disk_during_a_gguf_export_keeps_the_previous_file(tmp_path, mode
     assert snapshot(out) == before and leftovers(tmp_path) == []
 
 
+def test_a_disk_that_fills_inside_the_gguf_tensors_is_reported_as_full(tmp_path, model_dir, monkeypatch, capsys):
+    """GGUFWriter writes tensors with ndarray.tofile (a short write: an OSError without errno): not any more."""
+    import gguf.gguf_writer
+
+    out = tmp_path / "model.gguf"
+    assert main(["export", str(model_dir), "--format", "gguf", "--out", str(out)]) == 0
+    before = snapshot(out)
+    monkeypatch.setattr(gguf.gguf_writer, "open", disk_with_room(len(before[out.name]) // 2), raising=False)
+    assert main(["export", str(model_dir), "--format", "gguf", "--out", str(out), "--overwrite"]) == 2
+    assert one_line_error(capsys).endswith(f"no space left on device while writing {out}: free space or "
+                                           "choose another --out")
+    assert snapshot(out) == before and leftovers(tmp_path) == []
+
+
 def test_a_read_only_export_directory_keeps_the_previous_export(tmp_path, model_dir, capsys):
     parent = tmp_path / "exports"
     out = parent / "hf"
@@ -285,6 +333,25 @@ def test_a_real_file_size_limit_during_an_export_keeps_the_previous_export(tmp_p
 
     result = run(lmforge_cmd(*args, "--overwrite"), cwd=REPO, preexec_fn=small_file_limit)
     assert result.returncode == 2
+    assert result.stderr.strip() == (f"lmforge: error: file too large while writing {out}: raise the file size "
+                                     "limit (ulimit -f) or choose another --out")
+    assert snapshot(out) == before and leftovers(tmp_path) == []
+
+
+def test_a_real_file_size_limit_inside_the_gguf_tensors_keeps_the_previous_file(tmp_path, model_dir):
+    """No patching: the kernel cuts the tensors' write short (header and metadata fit in the limit)."""
+    out = tmp_path / "model.gguf"
+    args = ["export", str(model_dir), "--format", "gguf", "--out", str(out)]
+    assert main(args) == 0
+    before = snapshot(out)
+    assert len(before[out.name]) > 64 << 10  # the tensors are ~100 KB, the header and metadata ~10 KB
+
+    def small_file_limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (32 << 10, 32 << 10))
+
+    result = run(lmforge_cmd(*args, "--overwrite"), cwd=REPO, preexec_fn=small_file_limit)
+    assert result.returncode == 2, result.stderr
     assert result.stderr.strip() == (f"lmforge: error: file too large while writing {out}: raise the file size "
                                      "limit (ulimit -f) or choose another --out")
     assert snapshot(out) == before and leftovers(tmp_path) == []
@@ -455,3 +522,22 @@ def test_a_checkpoint_that_rank_0_cannot_write_stops_every_rank_of_a_torchrun_jo
     assert "lmforge: error: file too large while writing" in output and "step-000002" in output
     assert "lmforge: error: rank 0 could not write a checkpoint" in output  # rank 1's own message
     assert leftovers(tmp_path / "runs" / "t" / "checkpoints") == []
+
+
+# ---- data stories: written as made, with a progress bar, and a bound on --n ------------------------------
+def test_data_stories_streams_with_progress_keeps_its_bytes_and_refuses_an_absurd_n(tmp_path, monkeypatch, capsys):
+    from lmforge.data import stories
+
+    out = tmp_path / "stories"
+    assert main(["data", "stories", "--out", str(out), "--n", "50", "--no-progress"]) == 0
+    assert "writing" not in capsys.readouterr().err
+    first = {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+    assert sorted(first) == ["stories.json", "train.txt", "val.txt"] and all(first.values())
+    assert main(["data", "stories", "--out", str(out), "--n", "50", "--overwrite"]) == 0
+    assert "50/50" in capsys.readouterr().err  # the progress bar, on by default
+    assert {p.name: p.read_bytes() for p in sorted(out.iterdir())} == first  # the same seed, the same bytes
+    monkeypatch.setattr(stories, "MAX_STORIES", 40, raising=False)
+    assert main(["data", "stories", "--out", str(tmp_path / "big"), "--n", "41", "--no-progress"]) == 2
+    err = one_line_error(capsys)
+    assert "--n 41 is more than 40, the most this writes" in err and err.endswith("ask for at most 40")
+    assert not (tmp_path / "big").exists()

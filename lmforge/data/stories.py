@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,8 @@ from lmforge.errors import LMForgeError
 
 SEPARATOR = "<|endoftext|>"
 STORIES_FILE = "stories.json"  # what wrote the directory, with its counts
+# --n at most: 5x TinyStories' 2.1M stories, ~6.5 GB of text; 1e9 would be ~650 GB and a day of work
+MAX_STORIES = 10_000_000
 
 GIRLS = ("Lily", "Mia", "Anna", "Sue", "Lucy", "Zoe", "Emma", "Amy", "Kate", "Rose", "Sara", "Jen")
 BOYS = ("Tom", "Ben", "Sam", "Tim", "Max", "Leo", "Jack", "Bob", "Dan", "Joe", "Finn", "Jake")
@@ -298,10 +301,15 @@ class _Story:
         return "\n\n".join(" ".join(part) for part in (self.beginning(), problem, resolution))
 
 
-def generate_stories(n_stories: int, seed: int = 0) -> list[str]:
-    """``n_stories`` stories from one seeded generator (the same seed gives the same stories)."""
+def iter_stories(n_stories: int, seed: int = 0) -> Iterator[str]:
+    """``n_stories`` stories from one seeded generator (the same seed gives the same stories), one at a time."""
     rng = random.Random(seed)
-    return [_Story(rng).text() for _ in range(n_stories)]
+    return (_Story(rng).text() for _ in range(n_stories))
+
+
+def generate_stories(n_stories: int, seed: int = 0) -> list[str]:
+    """``iter_stories`` as a list."""
+    return list(iter_stories(n_stories, seed))
 
 
 def vocabulary(texts) -> set[str]:
@@ -318,14 +326,21 @@ def format_stories(stories: list[str]) -> str:
 
 
 def write_stories(out_dir: str | Path, n_stories: int = 20000, seed: int = 0, val_fraction: float = 0.02,
-                  overwrite: bool = False) -> dict[str, Any]:
+                  overwrite: bool = False, show_progress: bool = False) -> dict[str, Any]:
     """Write ``train.txt`` and ``val.txt`` (the last ``val_fraction`` of the stories, at least one when
     there are two or more) and ``stories.json`` into ``out_dir``; returns the counts. A non-empty
-    ``out_dir`` is refused unless ``overwrite``, and even then unless it is an earlier output of this."""
+    ``out_dir`` is refused unless ``overwrite``, and even then unless it is an earlier output of this.
+    Each story is written as it is made: memory holds only the words seen and one hash a story."""
+    from tqdm import tqdm
+
     from lmforge.files import atomic_directory
 
     if n_stories < 1:
         raise LMForgeError(f"--n must be >= 1, got {n_stories}")
+    if n_stories > MAX_STORIES:
+        raise LMForgeError(f"--n {n_stories:,} is more than {MAX_STORIES:,}, the most this writes (5x TinyStories' "
+                           f"2.1M stories): at ~650 bytes a story that is ~{n_stories * 650 / 1e9:,.0f} GB of text "
+                           f"and hours of work; ask for at most {MAX_STORIES:,}")
     if not 0.0 <= val_fraction < 1.0:
         raise LMForgeError(f"val_fraction must be in [0, 1), got {val_fraction}")
     out = Path(out_dir)
@@ -338,18 +353,27 @@ def write_stories(out_dir: str | Path, n_stories: int = 20000, seed: int = 0, va
         if not (out / STORIES_FILE).is_file():
             raise LMForgeError(f"--out {out} is not empty and was not written by `lmforge data stories` (no "
                                f"{STORIES_FILE}); --overwrite only replaces an earlier output. Choose another --out")
-    stories = generate_stories(n_stories, seed)
     n_val = 0 if val_fraction == 0 or n_stories < 2 else min(n_stories - 1, max(1, round(n_stories * val_fraction)))
-    train, val = stories[:n_stories - n_val], stories[n_stories - n_val:]
-    words = vocabulary(stories)
-    report = {"generator": "lmforge data stories", "seed": seed, "val_fraction": val_fraction,
-              "train_stories": len(train), "val_stories": len(val), "distinct_stories": len(set(stories)),
-              "vocabulary": len(words), "separator": SEPARATOR}
+    words: set[str] = set()
+    hashes: set[int] = set()  # for the distinct count; a collision (odds ~n^2/2^65) would count one story less
+    sizes = {"train": 0, "val": 0}
+    bar = tqdm(iter_stories(n_stories, seed), total=n_stories, desc="writing", unit=" stories",
+               disable=not show_progress)
     with atomic_directory(out) as tmp:
-        for name, part in (("train.txt", train), ("val.txt", val)):
-            text = format_stories(part)
-            (tmp / name).write_text(text, encoding="utf-8")
-            report[f"{name[:-4]}_bytes"] = len(text.encode("utf-8"))
+        with open(tmp / "train.txt", "w", encoding="utf-8") as train, \
+                open(tmp / "val.txt", "w", encoding="utf-8") as val:
+            for i, story in enumerate(bar):
+                split = "train" if i < n_stories - n_val else "val"
+                text = format_stories([story])
+                (train if split == "train" else val).write(text)
+                sizes[split] += len(text.encode("utf-8"))
+                hashes.add(hash(story))
+                words.update(vocabulary([story]))
+        bar.close()
+        report = {"generator": "lmforge data stories", "seed": seed, "val_fraction": val_fraction,
+                  "train_stories": n_stories - n_val, "val_stories": n_val, "distinct_stories": len(hashes),
+                  "vocabulary": len(words), "separator": SEPARATOR,
+                  "train_bytes": sizes["train"], "val_bytes": sizes["val"]}
         (tmp / STORIES_FILE).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return {**report, "out": str(out), "train": str(out / "train.txt"), "val": str(out / "val.txt")}
 
@@ -364,19 +388,21 @@ def add_cli(data_verbs) -> None:
                     "one document per story. Deterministic for a seed.")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory; must be new or empty unless "
                    "--overwrite (required)")
-    p.add_argument("--n", type=int, default=20000, metavar="N", help="number of stories, train and val together "
-                   "(default: 20000)")
+    p.add_argument("--n", type=int, default=20000, metavar="N", help="number of stories, train and val together, "
+                   f"at most {MAX_STORIES:,} (default: 20000)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default: 0)")
     p.add_argument("--val-fraction", type=float, default=0.02, metavar="F",
                    help="share of the stories in val.txt, at least one (default: 0.02)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an earlier output of this verb in --out (default: refuse a non-empty --out)")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="hide the progress bar (default: shown)")
     p.set_defaults(func=_cmd_stories)
 
 
 def _cmd_stories(args) -> int:
     r = write_stories(args.out, n_stories=args.n, seed=args.seed, val_fraction=args.val_fraction,
-                      overwrite=args.overwrite)
+                      overwrite=args.overwrite, show_progress=args.progress)
     print(f"stories: {r['out']} (seed {r['seed']})")
     print(f"  train.txt: {r['train_stories']} stories, {r['train_bytes']:,} bytes")
     print(f"  val.txt: {r['val_stories']} stories, {r['val_bytes']:,} bytes")

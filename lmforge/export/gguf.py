@@ -41,6 +41,16 @@ from lmforge.files import atomic_file, remove_stale, reporting_write_faults
 
 GGUF_DTYPES = ("f32", "f16", "q8_0")
 GGUF_MAGIC = b"GGUF"
+
+
+class _FileWrittenArray(np.ndarray):
+    """An array whose ``tofile`` (what GGUFWriter writes tensors with) is a file write: a full disk raises
+    ENOSPC with its errno, where ``ndarray.tofile`` raises an OSError without one ("N requested and M written")."""
+
+    def tofile(self, fid, *args, **kwargs) -> None:
+        fid.write(np.ascontiguousarray(self).data)
+
+
 def _rope_pairs_adjacent(w: torch.Tensor, heads: int) -> torch.Tensor:
     """Reorder each head's rows from rotate-half pairs (i, i + h/2) to adjacent pairs (2i, 2i+1)."""
     return w.reshape(heads, 2, -1, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
@@ -221,7 +231,7 @@ def export_gguf(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: st
 
             for tensor_name, tensor in tensors.items():
                 data, qtype = _encoded(tensor_name, tensor, dtype)
-                w.add_tensor(tensor_name, data, raw_dtype=qtype)
+                w.add_tensor(tensor_name, data.view(_FileWrittenArray), raw_dtype=qtype)
             w.write_header_to_file()
             w.write_kv_data_to_file()
             w.write_tensors_to_file()

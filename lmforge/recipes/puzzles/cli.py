@@ -34,7 +34,10 @@ def run_eval(args) -> int:
 def add_solve_args(group, required: bool = False) -> None:
     group.add_argument("--puzzle", required=required, default=None,
                        help="81 characters: digits 1-9, '.' or '0' for blanks")
-    group.add_argument("--max-steps", type=int, default=0, help="segments at most (0 = the model's halt_max_steps)")
+    group.add_argument("--max-steps", type=int, default=0,
+                       help="segments at most (0 = the model's halt_max_steps); more than the model was trained "
+                            "with lets it think longer, but above 100x halt_max_steps is refused: each segment is "
+                            "a full pass of the model, so such a run takes that many times as long")
     group.add_argument("--no-early-halt", action="store_true", help="run every segment instead of stopping "
                        "where the Q head halts")
 
@@ -52,7 +55,12 @@ def run_solve(args) -> int:
     r = solve_sudoku(args.checkpoint, args.puzzle, max_steps=args.max_steps or None,
                      early_halt=not args.no_early_halt, device=args.device)
     print(pretty_grid(r["grid"]))
-    verdict = "yes" if r["valid"] else f"no ({r['wrong_cells']} cells differ from the solution)"
+    if r["valid"]:
+        verdict = "yes"
+    elif r["wrong_cells"] is None:  # several solutions: no single one to compare with
+        verdict = "no (it breaks the Sudoku rules or changes a clue)"
+    else:
+        verdict = f"no ({r['wrong_cells']} cells differ from the solution)"
     print(f"valid solution: {verdict}")
     print(f"steps used: {r['steps']} of {r['max_steps']}")
     if r["note"]:
