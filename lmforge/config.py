@@ -19,7 +19,7 @@ import yaml
 
 from lmforge.errors import LMForgeError
 from lmforge.recipes import RecipeSpec, default_kind, family_of_config, get_kind, kind_of_family, kinds, model_class
-from lmforge.typed import dataclass_from_dict
+from lmforge.typed import dataclass_from_dict, section_error, short_repr
 
 RECIPE_DIR = Path(__file__).parent / "configs"
 
@@ -154,19 +154,41 @@ def read_recipe(name_or_path: str) -> dict[str, Any]:
                 "or pass the path of a YAML file."
             )
         path = candidate
+    raw = path.read_bytes()
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise LMForgeError(f"{path} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}): "
+                           "save it as UTF-8") from e
+    try:
+        data = yaml.safe_load(text)
+    except (yaml.YAMLError, ValueError) as e:  # ValueError: an integer of more than 4300 digits
         raise LMForgeError(f"{path} is not valid YAML: {e}") from e
+    if data is None:  # else it would silently be the all-defaults config
+        raise LMForgeError(f"{path} is empty (or only comments): write the run's sections (name, model, data, "
+                           f"training) in it, e.g. copy {RECIPE_DIR / 'go_coder_tiny.yaml'}")
     if not isinstance(data, dict):
         raise LMForgeError(f"{path} must hold a mapping of config sections, not {type(data).__name__}")
+    try:
+        check_layer(data)
+    except LMForgeError as e:
+        raise LMForgeError(f"{path}: {e}") from e
     return data
 
 
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     """``["training.lr=1e-3", "model.n_layer=4"]`` -> nested dict. Values are parsed as YAML."""
+    if isinstance(overrides, str):  # else each character would be read as an override
+        raise LMForgeError(f"overrides must be a list of \"KEY=VALUE\" strings, got the string "
+                           f"{short_repr(overrides)}: pass [{short_repr(overrides)}]")
+    if not isinstance(overrides, (list, tuple)):
+        raise LMForgeError(f"overrides must be a list of \"KEY=VALUE\" strings, e.g. [\"training.max_steps=200\"], "
+                           f"got {type(overrides).__name__} {short_repr(overrides)}")
     nested: dict[str, Any] = {}
     for item in overrides:
+        if not isinstance(item, str):
+            raise LMForgeError(f"override {short_repr(item)} ({type(item).__name__}) is not a \"KEY=VALUE\" string; "
+                               "write it as e.g. \"training.max_steps=200\"")
         if "=" not in item:
             raise LMForgeError(
                 f"override {item!r} has no '='; write overrides as key=value, e.g. training.max_steps=200"
@@ -177,7 +199,7 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
             raise LMForgeError(f"override {item!r} has an empty key")
         try:
             value = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError:
+        except (yaml.YAMLError, ValueError):  # ValueError: an integer of more than 4300 digits
             value = raw
         if isinstance(value, str) and _looks_like_float(value):
             value = float(value)  # YAML 1.1 reads "5e-4" as a string
@@ -214,6 +236,8 @@ def load_config(recipe: str | None = None, overrides: list[str] | None = None,
     """Defaults <- recipe <- ``values`` <- ``overrides``; returns a validated ``RunConfig``."""
     layers = ([read_recipe(recipe)] if recipe else []) + ([values] if values else []) + \
         ([parse_overrides(overrides)] if overrides else [])
+    for layer in layers:
+        check_layer(layer)  # before merging or walking any of it
     spec = kind_of_layers(layers)
     # A guide's names are resolved per layer, so a later layer's alias overrides an earlier key.
     merged: dict[str, Any] = {}
@@ -221,6 +245,29 @@ def load_config(recipe: str | None = None, overrides: list[str] | None = None,
         layer = apply_aliases(layer, spec)
         merged = deep_merge(_drop_superseded(merged, layer, spec), layer)
     return config_from_dict(merged)
+
+
+SECTIONS = ("model", "recipe", "data", "training", "logging")  # RunConfig's fields that hold a mapping
+# A YAML "billion laughs" (an alias list of alias lists: a few hundred bytes) is billions of values once walked;
+# it is refused before any code (a repr, dataclasses.asdict, a kind's checks) walks it.
+MAX_VALUES = 100_000
+
+
+def check_layer(values: Any) -> None:
+    """Refuse a config layer that is too big to walk, or a section given as None, '', a scalar or a list
+    (``model=`` on the command line would silently replace the recipe's section with the defaults)."""
+    todo, count = [values], 0
+    while todo:
+        node = todo.pop()
+        children = list(node.values()) if isinstance(node, dict) else node if isinstance(node, (list, tuple)) else ()
+        count += len(children)
+        if count > MAX_VALUES:
+            raise LMForgeError(f"the config holds more than {MAX_VALUES:,} values (YAML aliases *NAME that repeat "
+                               "lists of aliases?): write the values out, or load large data from a file")
+        todo.extend(children)
+    for name in SECTIONS:
+        if isinstance(values, dict) and name in values and not isinstance(values[name], dict):
+            raise section_error(name, values[name])
 
 
 def kind_of_layers(layers: list[dict[str, Any]]) -> RecipeSpec:
@@ -231,9 +278,14 @@ def kind_of_layers(layers: list[dict[str, Any]]) -> RecipeSpec:
         if not isinstance(layer, dict):
             continue
         kind = layer.get("kind") or kind
+        if not isinstance(kind, (str, type(None))):
+            raise LMForgeError(f"kind must be the name of a training kind, e.g. kind=lm, got {short_repr(kind)}")
         model = layer.get("model")
         if isinstance(model, dict) and model.get("family"):
             family = model["family"]
+            if not isinstance(family, str):
+                raise LMForgeError(f"model.family must be the name of a model family, e.g. model.family=gpt, "
+                                   f"got {short_repr(family)}")
             continue
         for spec in kinds():  # e.g. HRM's `arch.family=trm`
             if spec.aliases is None:
@@ -246,7 +298,7 @@ def kind_of_layers(layers: list[dict[str, Any]]) -> RecipeSpec:
                 family = model["family"]
                 break
     if kind:
-        return get_kind(str(kind))
+        return get_kind(kind)
     return kind_of_family(family) if family else default_kind()
 
 
@@ -262,7 +314,7 @@ def set_dotted(out: dict[str, Any], target: str, value: Any, alias: str) -> None
     sec = out.get(section)
     sec = {} if sec is None else sec
     if not isinstance(sec, dict):
-        raise LMForgeError(f"config section {section!r} must be a mapping, got {sec!r}")
+        raise section_error(section, sec)
     sec = dict(sec)  # a copy: the caller's dict is not changed
     if key in sec and sec[key] != value:
         raise LMForgeError(f"'{alias}' and '{target}' are both given with different values; keep one")
@@ -328,17 +380,13 @@ def _drop_superseded(merged: dict[str, Any], layer: dict[str, Any], spec: Recipe
 
 
 def config_from_dict(values: dict[str, Any]) -> RunConfig:
+    check_layer(values)
     spec = kind_of_layers([values])
     values = apply_aliases(dict(values), spec)
-    model_values = values.pop("model", None) or {}
-    if not isinstance(model_values, dict):
-        raise LMForgeError(f"config section 'model' must be a mapping of model keys, got {model_values!r}")
-    model_values = dict(model_values)
+    check_layer(values)
+    model_values = dict(values.pop("model", {}))
     family = model_values.pop("family", None) or spec.families[0].family
-    recipe_values = values.pop("recipe", None) or {}
-    if not isinstance(recipe_values, dict):
-        raise LMForgeError(f"config section 'recipe' must be a mapping of the kind's settings (recipe.KEY=...), "
-                           f"got {recipe_values!r}")
+    recipe_values = values.pop("recipe", {})
     _refuse_other_kinds_names(values, spec)
     cfg = dataclass_from_dict(RunConfig, values, prefix="")
     cfg.kind = spec.name
@@ -384,7 +432,7 @@ def _refuse_other_kinds_names(values: dict[str, Any], spec: RecipeSpec) -> None:
                 path.append(name)
             target = ".".join(path)
             raise LMForgeError(f"unknown config key {dotted!r}: it is how the {other.name} kind's guide spells {target}; "
-                               f"for this {spec.name} run write {target}={node!r}")
+                               f"for this {spec.name} run write {target}={short_repr(node)}")
 
 
 _SECTION_CLASSES = {"data": DataConfig, "training": TrainingConfig, "logging": LoggingConfig}
@@ -393,6 +441,10 @@ _SECTION_CLASSES = {"data": DataConfig, "training": TrainingConfig, "logging": L
 def validate_run_config(cfg: RunConfig) -> None:
     t = cfg.training
     checks = [
+        # the run directory is out_dir/name: '', '.' or a path would write the run into out_dir itself or elsewhere
+        (cfg.name.strip() not in ("", ".", "..") and not any(c in cfg.name for c in "/\\"),
+         f"name={short_repr(cfg.name)} cannot name a run directory (out_dir/name): give a non-empty name without "
+         "'/' or '\\' that is not '.' or '..', e.g. name=my_run"),
         (t.max_steps > 0, "training.max_steps must be > 0"),
         (t.micro_batch_size > 0, "training.micro_batch_size must be > 0"),
         (t.grad_accum_steps > 0, "training.grad_accum_steps must be > 0"),
@@ -412,15 +464,16 @@ def validate_run_config(cfg: RunConfig) -> None:
         (t.global_batch_size >= 0, "training.global_batch_size must be >= 0 (0 = micro_batch_size x processes)"),
         (t.max_time_minutes >= 0, "training.max_time_minutes must be >= 0 (0 = no limit)"),
         (t.schedule_over in ("steps", "time"), "training.schedule_over must be steps or time"),
-        (t.parallel in ("ddp", "fsdp", "hsdp"), f"training.parallel must be ddp, fsdp or hsdp, got {t.parallel!r}"),
+        (t.parallel in ("ddp", "fsdp", "hsdp"),
+         f"training.parallel must be ddp, fsdp or hsdp, got {short_repr(t.parallel)}"),
         (t.fsdp_checkpoint in ("sharded", "gathered"),
-         f"training.fsdp_checkpoint must be sharded or gathered, got {t.fsdp_checkpoint!r}"),
+         f"training.fsdp_checkpoint must be sharded or gathered, got {short_repr(t.fsdp_checkpoint)}"),
         (not t.fsdp_offload or t.parallel != "ddp",
          "training.fsdp_offload keeps FSDP's shards in CPU memory, and this run is training.parallel=ddp (a whole "
          "copy on each GPU): set training.parallel=fsdp too, launched with torchrun (--nproc_per_node=1 on one "
          "GPU), or drop training.fsdp_offload"),
         (t.compile_mode in COMPILE_MODES,
-         f"training.compile_mode must be one of {', '.join(COMPILE_MODES)}, got {t.compile_mode!r}"),
+         f"training.compile_mode must be one of {', '.join(COMPILE_MODES)}, got {short_repr(t.compile_mode)}"),
         (t.compile or t.compile_mode == "default",
          f"training.compile_mode={t.compile_mode} is torch.compile's mode: set training.compile=true too"),
         (t.compile_mode not in GRAPH_MODES or t.parallel == "ddp",

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import yaml
 
@@ -81,3 +83,91 @@ def test_numbers_in_a_recipe_file_are_numbers_and_must_be_finite(tmp_path):
                                ("training.lr=true", "'training.lr' expects a number, got True")):
         with pytest.raises(LMForgeError, match=expected.replace(".", r"\.")):
             load_config(str(path), [override])
+
+
+SECTION_REFUSED = "config section '{}' must be a mapping, got {} (to change one key write {}.KEY=VALUE"
+
+
+@pytest.mark.parametrize("override, section, got", [
+    ("model=", "model", "''"), ("model=null", "model", "None"), ("training=null", "training", "None"),
+    ("training=", "training", "''"), ("data=null", "data", "None"), ("logging=5", "logging", "5"),
+    ("recipe=[1]", "recipe", "[1]"),
+])
+def test_a_section_that_is_not_a_mapping_is_refused_not_replaced_by_defaults(override, section, got):
+    """`model=` or `model=null` gave the all-defaults model (GPT-2 125M) instead of the recipe's."""
+    with pytest.raises(LMForgeError, match=re.escape(SECTION_REFUSED.format(section, got, section))):
+        load_config("go_coder_tiny", [override])
+
+
+def test_a_null_section_from_python_or_a_recipe_file_is_refused(tmp_path):
+    with pytest.raises(LMForgeError, match=re.escape(SECTION_REFUSED.format("model", "None", "model"))):
+        load_config("go_coder_tiny", [], values={"model": None})
+    path = tmp_path / "r.yaml"
+    path.write_text("name: x\nmodel:\ntraining: {max_steps: 3}\n")
+    with pytest.raises(LMForgeError, match=re.escape(f"{path}: " + SECTION_REFUSED.format("model", "None", "model"))):
+        load_config(str(path))
+
+
+def test_a_recipe_file_that_is_not_utf8_or_is_empty_is_refused(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(b"name: x\nmodel: {family: gpt}\n\xe9\n")
+    with pytest.raises(LMForgeError, match=re.escape(f"{path} is not UTF-8 text (byte 0xe9 at offset 29): "
+                                                     "save it as UTF-8")):
+        load_config(str(path))
+    for text in ("", "# only a comment\n\n"):
+        path.write_text(text)
+        with pytest.raises(LMForgeError, match=re.escape(f"{path} is empty (or only comments): write the run's")):
+            load_config(str(path))
+
+
+def nested_aliases(levels: int) -> list:
+    """What a YAML "billion laughs" loads as: 9 references to the same list, `levels` deep (cheap in memory)."""
+    value: list = [1] * 9
+    for _ in range(levels):
+        value = [value] * 9
+    return value
+
+
+def test_huge_values_give_short_error_messages(tmp_path):
+    """A few hundred bytes of YAML aliases made a 254 MB error message (13 s, 1.1 GB)."""
+    for values, expected in (({"seed": nested_aliases(4)}, "'seed' expects an integer, got [[[[...], "),
+                             ({"training": {"parallel": "x" * 10**5}}, "training.parallel must be ddp"),
+                             ({"lr": nested_aliases(4)}, "for this lm run write training.lr=[[[[...], ")):
+        with pytest.raises(LMForgeError, match=re.escape(expected)) as e:
+            load_config("go_coder_tiny", values=values)
+        assert len(str(e.value)) < 500
+    with pytest.raises(LMForgeError, match="overrides must be a list") as e:
+        load_config("go_coder_tiny", "x" * 10**5)
+    assert len(str(e.value)) < 500
+    too_many = "the config holds more than 100,000 values"
+    with pytest.raises(LMForgeError, match=too_many):
+        load_config("go_coder_tiny", values={"model": {"preset": nested_aliases(6)}})  # no walk reaches gpt's check
+    anchors = ["- &a0 [1, 2, 3, 4, 5, 6, 7, 8, 9]"]
+    anchors += [f"- &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 7)]
+    path = tmp_path / "bomb.yaml"
+    path.write_text("anchors:\n  " + "\n  ".join(anchors) + "\nseed: *a6\n")
+    with pytest.raises(LMForgeError, match=re.escape(f"{path}: {too_many}")):
+        load_config(str(path))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ("training.max_steps=5", "overrides must be a list of \"KEY=VALUE\" strings, got the string "
+                             "'training.max_steps=5': pass ['training.max_steps=5']"),
+    ([5], "override 5 (int) is not a \"KEY=VALUE\" string"),
+    (["name=x", None], "override None (NoneType) is not a \"KEY=VALUE\" string"),
+])
+def test_overrides_must_be_a_list_of_strings(overrides, message):
+    with pytest.raises(LMForgeError, match=re.escape(message)):
+        load_config("go_coder_tiny", overrides)
+
+
+@pytest.mark.parametrize("name", ["", " ", "null", ".", "..", "a/b", "..\\x", "/abs"])
+def test_a_run_name_that_is_not_a_directory_name_is_refused(name):
+    """`name=` wrote checkpoints, config.yaml and metrics.jsonl straight into out_dir, among its runs."""
+    with pytest.raises(LMForgeError, match="cannot name a run directory .*give a non-empty name without"):
+        load_config("go_coder_tiny", [f"name={name}"])
+
+
+def test_run_names_with_dots_dashes_and_underscores_are_kept():
+    for name in ("run.v2", "my-run_2", "v1..2"):
+        assert load_config("go_coder_tiny", [f"name={name}"]).name == name
