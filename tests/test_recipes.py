@@ -319,19 +319,45 @@ def test_every_family_loads_its_saved_tensors_without_a_random_initialisation(tm
     assert torch.equal(loaded.tok_embed.weight, models[0].tok_embed.weight.bfloat16().float())
 
 
+def test_an_empty_model_for_a_resume_has_every_tensor_and_tie_of_the_built_one():
+    """``build_empty_model`` (what a resume builds: no values, the checkpoint gives them) allocates every parameter
+    and buffer with the built model's shape, shares what the built model shares (a tied head: one optimizer
+    entry, as in the checkpoint), and computes the tables a model does not save."""
+    from lmforge.models import build_empty_model
+
+    def ties(model):
+        names: dict[int, list[str]] = {}
+        for module_name, module in model.named_modules():
+            for name, param in module._parameters.items():
+                names.setdefault(id(param), []).append(f"{module_name}.{name}")
+        return sorted(sorted(group) for group in names.values())
+
+    for model in _one_small_model_per_family():
+        empty = build_empty_model(model.config, "cpu")
+        built = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        got = {**dict(empty.named_parameters()), **dict(empty.named_buffers())}
+        assert {k: v.shape for k, v in got.items()} == {k: v.shape for k, v in built.items()}, model.family
+        assert not any(t.is_meta for t in got.values()), model.family
+        assert ties(empty) == ties(model), model.family
+        for name in (n for m_name, m in model.named_modules() for n in
+                     (f"{m_name}.{b}".lstrip(".") for b in m._non_persistent_buffers_set)):
+            assert torch.equal(got[name], built[name]), (model.family, name)
+
+
 def test_a_module_with_unsaved_buffers_must_say_how_to_rebuild_them():
-    from lmforge.models.base import _rebuild_unsaved_buffers
+    from lmforge.models.base import rebuild_unsaved_buffers
 
     class Table(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.register_buffer("table", torch.empty(3, device="meta"), persistent=False)
+            self.register_buffer("kept", torch.ones(3))  # saved: loaded, not rebuilt
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), Table())
     with pytest.raises(TypeError, match=r"Table \(1\) has buffers it does not save; give it a reset_buffers"):
-        _rebuild_unsaved_buffers(model, "cpu")
+        rebuild_unsaved_buffers(model, "cpu")
     Table.reset_buffers = lambda self, device: setattr(self, "table", torch.arange(3.0, device=device))
-    _rebuild_unsaved_buffers(model, "cpu")
+    rebuild_unsaved_buffers(model, "cpu")
     assert torch.equal(model[1].table, torch.arange(3.0))
 
 

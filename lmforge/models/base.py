@@ -178,7 +178,7 @@ class LMForgeModel(nn.Module):
                 f"unexpected {unexpected[:5]}. The checkpoint is corrupt or was edited."
             )
         model.tie_weights()
-        _rebuild_unsaved_buffers(model, map_location)
+        rebuild_unsaved_buffers(model, map_location)
         return model.to(map_location)
 
     # Whether save_pretrained writes one model directory (a sharded checkpoint's shards can stand in for it).
@@ -257,16 +257,16 @@ def _read_weights(directory: Path, device: str | torch.device) -> dict[str, torc
     return state
 
 
-def _rebuild_unsaved_buffers(model: nn.Module, device: str | torch.device) -> None:
-    """The buffers a model does not save (``persistent=False``: tables computed from its config) are still on
-    the meta device after ``from_pretrained``'s load: each module that has them rebuilds them with its
-    ``reset_buffers(device)``."""
+def rebuild_unsaved_buffers(model: nn.Module, device: str | torch.device) -> None:
+    """The buffers a model does not save (``persistent=False``: tables computed from its config) hold nothing
+    after a load into a model built on the meta device (``from_pretrained``, ``build_empty_model``): each module
+    that has them rebuilds them with its ``reset_buffers(device)``."""
     for name, module in model.named_modules():
-        if not any(b.is_meta for b in module.buffers(recurse=False)):
+        if not module._non_persistent_buffers_set:
             continue
         if not hasattr(module, "reset_buffers"):
             raise TypeError(f"{type(module).__name__} ({name}) has buffers it does not save; give it a "
-                            "reset_buffers(device) method that computes them, so from_pretrained can")
+                            "reset_buffers(device) method that computes them, so a model can be loaded")
         module.reset_buffers(device)
 
 

@@ -19,7 +19,7 @@ from lmforge import checkpoint as ckpt
 from lmforge.config import RunConfig
 from lmforge.device import setup_device
 from lmforge.errors import LMForgeError
-from lmforge.models import build_model
+from lmforge.models import build_empty_model, build_model
 from lmforge.recipes import TrainData
 from lmforge.tokenizer import CONFIG_FILE, SPECIAL_MAP_FILE, TOKENIZER_FILE
 from lmforge.train import fsdp
@@ -79,7 +79,10 @@ def _train(cfg: RunConfig, resume: bool | str, distinfo: DistInfo, clock: Callab
     _resolve_epochs(cfg, data, distinfo)
 
     seed_everything(cfg.seed)  # same initial weights on every rank
-    model = build_model(cfg.model)
+    if resume_from is None:
+        model = build_model(cfg.model)
+    else:  # every weight comes from the checkpoint (its load checks that): none is initialised first
+        model = build_empty_model(cfg.model, "cpu" if fsdp.active(cfg.training.parallel) else devinfo.device)
     check_parallel(cfg.training.parallel, distinfo.world_size, model, spec)
     if cfg.training.parallel != "ddp" and cfg.training.fsdp_checkpoint == "sharded" and not model.one_weights_file:
         # one set of shards cannot stand in for several model directories (ppo's policy and value/)
