@@ -62,6 +62,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from lmforge.errors import LMForgeError
+from lmforge.typed import short_repr
 from lmforge.models.base import LMForgeModel
 from lmforge.models.losses import linear_cross_entropy, lm_loss_problem
 from lmforge.models.mhc import (
@@ -139,7 +140,8 @@ class GPTConfig:
         if not preset:
             return values
         if not isinstance(preset, str) or preset not in PRESETS:
-            raise LMForgeError(f"unknown model.preset {preset!r}; use one of: {', '.join(PRESETS)} (or leave it empty)")
+            raise LMForgeError(f"unknown model.preset {short_repr(preset)}; use one of: {', '.join(PRESETS)} "
+                               "(or leave it empty)")
         fills = PRESETS[preset]
         flavor = values.get("flavor")
         if "flavor" in fills and flavor is not None and flavor != fills["flavor"]:
@@ -148,7 +150,8 @@ class GPTConfig:
             sizes = " ".join(f"model.{key}={value}" for key, value in fills.items() if key != "flavor")
             raise LMForgeError(
                 f"model.preset={preset} is a {fills['flavor']}-flavor preset (RMSNorm, rotary positions, SwiGLU), "
-                f"but model.flavor={flavor} is set; drop model.flavor (or set model.flavor={fills['flavor']}), or "
+                f"but model.flavor={short_repr(flavor)} is set; drop model.flavor (or set "
+                f"model.flavor={fills['flavor']}), or "
                 f"use a preset that fits either flavor ({any_flavor}), or give the sizes without a preset ({sizes})")
         return {**fills, **values}
 

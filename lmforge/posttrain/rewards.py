@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from lmforge.errors import LMForgeError
+from lmforge.typed import short_repr
 from lmforge.posttrain.rollout import (
     encode_prompt,
     pack_sequences,
@@ -421,7 +422,7 @@ def load_rewards(specs: Sequence[Any], where: str = "recipe.rewards") -> Rewards
         if isinstance(spec, str):
             spec = {"name": spec}
         if not isinstance(spec, dict):
-            raise LMForgeError(f"{at} must be a name or {{name: NAME, weight: W}}, got {spec!r}")
+            raise LMForgeError(f"{at} must be a name or {{name: NAME, weight: W}}, got {short_repr(spec)}")
         unknown = set(spec) - {"name", "weight", "label"}
         if unknown:
             raise LMForgeError(f"{at} has unknown keys {sorted(unknown)}; a reward entry takes name, weight, label")
@@ -430,10 +431,10 @@ def load_rewards(specs: Sequence[Any], where: str = "recipe.rewards") -> Rewards
             raise LMForgeError(f"{at} needs a 'name': a built-in ({_KNOWN}) or 'module:function'")
         weight = spec.get("weight", 1.0)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
-            raise LMForgeError(f"{at}.weight must be a number, got {weight!r}")
+            raise LMForgeError(f"{at}.weight must be a number, got {short_repr(weight)}")
         label = spec.get("label") or _label(name)
         if not isinstance(label, str):
-            raise LMForgeError(f"{at}.label must be a string, got {label!r}")
+            raise LMForgeError(f"{at}.label must be a string, got {short_repr(label)}")
         functions.append(RewardFunction(name, label, resolve_reward(name), float(weight)))
     return Rewards(functions)
 

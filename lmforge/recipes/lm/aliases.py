@@ -10,6 +10,7 @@ from typing import Any
 
 from lmforge.config import DROP, set_dotted
 from lmforge.errors import LMForgeError
+from lmforge.typed import short_repr
 
 SEED_ALIASES = {
     "model.gradient_checkpointing": "training.activation_checkpointing",
@@ -43,18 +44,19 @@ def seed_aliases(values: dict[str, Any]) -> dict[str, Any]:
     for sub in SUBSECTIONS:
         node = training.get(sub)
         if node is not None and not isinstance(node, dict):
-            raise LMForgeError(f"training.{sub} must be a mapping (e.g. training.{sub}.lr=1e-4), got {node!r}")
+            raise LMForgeError(f"training.{sub} must be a mapping (e.g. training.{sub}.lr=1e-4), "
+                               f"got {short_repr(node)}")
         if node is not None:
             training[sub] = dict(node)
     optimizer = training.get("optimizer") or {}
     if "type" in optimizer:
         kind = str(optimizer.pop("type")).lower()
         if kind not in OPTIMIZER_TYPES:
-            raise LMForgeError(f"training.optimizer.type={kind!r} is not available; use adamw")
+            raise LMForgeError(f"training.optimizer.type={short_repr(kind)} is not available; use adamw")
     if "betas" in optimizer:
         betas = optimizer.pop("betas")
         if not isinstance(betas, (list, tuple)) or len(betas) != 2:
-            raise LMForgeError(f"training.optimizer.betas must be a pair like [0.9, 0.95], got {betas!r}")
+            raise LMForgeError(f"training.optimizer.betas must be a pair like [0.9, 0.95], got {short_repr(betas)}")
         set_dotted(out, "training.beta1", betas[0], "training.optimizer.betas")
         set_dotted(out, "training.beta2", betas[1], "training.optimizer.betas")
     for alias, target in SEED_ALIASES.items():

@@ -8,6 +8,7 @@ from typing import Any
 
 from lmforge.config import move_keys
 from lmforge.errors import LMForgeError
+from lmforge.typed import short_repr
 
 HRM_ALIASES = {
     "data_path": "data.path",
@@ -34,7 +35,7 @@ def hrm_aliases(values: dict[str, Any]) -> dict[str, Any]:
     if "arch" in out:
         arch = out.pop("arch")
         if not isinstance(arch, dict):
-            raise LMForgeError(f"'arch' must be a mapping of model keys (arch.hidden_size=...), got {arch!r}")
+            raise LMForgeError(f"'arch' must be a mapping of model keys (arch.hidden_size=...), got {short_repr(arch)}")
         clash = set(arch) & set(out.get("model") or {})
         if clash:
             raise LMForgeError(f"arch.{sorted(clash)[0]} and model.{sorted(clash)[0]} are both given; keep one")
