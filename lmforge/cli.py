@@ -206,7 +206,7 @@ def _add_eval(sub) -> None:
 
 HARNESS_OPTIONS = ("--num-fewshot", "--include-path", "--no-cache", "--log-samples", "--confirm-run-unsafe-code")
 # Kind options that name the held-out data themselves: --data beside them would be ignored.
-DATA_OPTIONS = ("--tool-calls", "--preferences", "--rewards", "--prompts")
+DATA_OPTIONS = ("--tool-calls", "--preferences", "--prompts")
 
 
 def _cmd_eval(args) -> int:

@@ -144,6 +144,9 @@ def quickstart(data: str | None = None, include: tuple[str, ...] = (), out: str 
     model, _, device = load_for_inference(ckpt, cfg.training.device)
     eval_tokens = val_ds.read(0, min(val_ds.num_tokens, 200_000))
     bytes_per_token = scored_bytes_per_token(tokenizer, eval_tokens)
+    if bytes_per_token <= 0:
+        raise LMForgeError(f"the held-out tokens of {data_dir} stand for no text: re-prepare the data from "
+                           f"{corpus.path} (lmforge quickstart --out NEW)")
     nll, count = nll_of_tokens(model, eval_tokens, cfg.data.seq_len, 16, device)
     model_metrics = metrics_from_nll(nll, count, bytes_per_token)
     train_sample = train_ds.read(0, min(train_ds.num_tokens, 20_000_000))

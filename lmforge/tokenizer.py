@@ -184,8 +184,9 @@ class Tokenizer:
             self._text_lengths = lengths
         ids = np.asarray(ids, dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= len(self._text_lengths)):
-            raise LMForgeError(f"token ids outside this tokenizer's {len(self._text_lengths)}: the data was made "
-                               "with another tokenizer")
+            bad = int(ids.max() if ids.max() >= len(self._text_lengths) else ids.min())
+            raise LMForgeError(f"token id {bad} is outside this tokenizer's {len(self._text_lengths)} tokens: the data "
+                               "was made with another tokenizer")
         return int(self._text_lengths[ids].sum())
 
     def max_chars(self, n_tokens: int) -> int:
@@ -254,11 +255,16 @@ def _byte_level_alphabet() -> dict[str, int]:
     return {**{chr(b): b for b in keep}, **{chr(256 + i): b for i, b in enumerate(moved)}}
 
 
+METASPACE = "\u2581"  # "▁": SentencePiece's mark for a space (Llama-2, Mistral, T5 tokenizers)
+
+
 def _token_bytes_table(backend: _RustTokenizer) -> list[bytes]:
-    """Every token's bytes: a byte-level vocabulary's strings mapped back through its alphabet; another
-    tokenizer's tokens decoded one by one (a byte-fallback token ``<0xE2>`` is that byte)."""
+    """Every token's bytes: a byte-level vocabulary's strings mapped back through its alphabet; a SentencePiece
+    vocabulary's pieces with "▁" as the space it stands for (decoded alone, its decoder drops a leading one);
+    another tokenizer's tokens decoded one by one (a byte-fallback token ``<0xE2>`` is that byte)."""
     size = backend.get_vocab_size(with_added_tokens=True)
     byte_level = isinstance(backend.decoder, decoders.ByteLevel)
+    metaspace = METASPACE in json.dumps(json.loads(backend.to_str()).get("decoder"), ensure_ascii=False)
     alphabet = _byte_level_alphabet()
     specials = {t.content for t in backend.get_added_tokens_decoder().values()}
     table = []
@@ -272,6 +278,8 @@ def _token_bytes_table(backend: _RustTokenizer) -> list[bytes]:
             table.append(bytes(alphabet[c] for c in piece))
         elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
             table.append(bytes([int(piece[3:5], 16)]))
+        elif metaspace:
+            table.append(piece.replace(METASPACE, " ").encode("utf-8"))
         else:
             table.append(backend.decode([i], skip_special_tokens=False).encode("utf-8"))
     return table
@@ -350,7 +358,8 @@ def check_out_dir(out_dir: Path, overwrite: bool) -> None:
 # blob, a minified file) took hours. The trainer is given such runs cut into pieces of at most this many characters
 # (a cut is a word boundary for the trainer only; encoding is unchanged). No word of real text is this long.
 LONGEST_TRAINING_WORD = 256
-_LONG_RUN = re.compile(r"\S{%d,}|\s{%d,}" % (LONGEST_TRAINING_WORD + 1, LONGEST_TRAINING_WORD + 1))
+# (?<!...): a run is tried only from its first character, so text of long-but-allowed words is scanned once
+_LONG_RUN = re.compile(r"(?<!\S)\S{%d,}|(?<!\s)\s{%d,}" % (LONGEST_TRAINING_WORD + 1, LONGEST_TRAINING_WORD + 1))
 
 
 def _training_pieces(text: str) -> Iterator[str]:

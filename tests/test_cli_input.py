@@ -32,7 +32,7 @@ def test_seed_outside_torchs_range_is_refused_by_the_parser(verb, seed, trained_
     assert "Overflow" not in err
 
 
-@pytest.mark.parametrize("option", ["--tool-calls", "--preferences", "--rewards"])
+@pytest.mark.parametrize("option", ["--tool-calls", "--preferences", "--prompts"])
 def test_eval_data_with_an_option_that_names_its_own_data_is_refused(option, trained_run, tmp_path, capsys):
     assert main(["eval", str(trained_run.run_dir), "--data", str(tmp_path), option, str(tmp_path)]) == 2
     err = capsys.readouterr().err

@@ -125,24 +125,34 @@ def test_stops_at_eos_without_yielding_it():
 def test_generation_stops_at_n_positions_with_a_warning():
     model = tiny(n_positions=16)
     with pytest.warns(UserWarning, match="n_positions=16"):
-        out = list(generate_tokens(model, list(range(10, 20)), 50, temperature=0.0, stop_at_eos=False))
-    assert len(out) == 6  # prompt + output fill the context exactly
-    assert out == greedy_by_full_recompute(model, list(range(10, 20)), 6)
+        out = list(generate_tokens(model, list(range(10, 17)), 50, temperature=0.0, stop_at_eos=False))
+    assert len(out) == 9  # prompt + output fill the context exactly
+    assert out == greedy_by_full_recompute(model, list(range(10, 17)), 9)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         long_prompt = list(generate_tokens(model, list(range(10, 40)), 50, temperature=0.0, stop_at_eos=False))
-    assert len(long_prompt) == 15  # the prompt keeps its last token, the reply fills the rest
+    assert len(long_prompt) == 8  # the prompt keeps half the context, the reply fills the rest
+    assert long_prompt == greedy_by_full_recompute(model, list(range(32, 40)), 8)
     messages = " | ".join(str(w.message) for w in caught)
-    assert "does not fit" in messages and "limits the reply to 15" in messages and "context is full" in messages
+    assert "keeping its last 8 tokens (half the context)" in messages and "context is full" in messages
     assert all(w.filename == __file__ for w in caught)  # pointing at the caller's line
 
 
-def test_a_prompt_longer_than_the_context_makes_room_for_the_new_tokens_asked_for():
+@pytest.mark.parametrize("length, asked, kept", [
+    (30, 5, 11),  # longer than the context: room for the 5 asked for
+    (15, 5, 11),  # fits, but not with the reply: the same
+    (16, 5, 11),  # one longer: the same again (no jump at the context's length)
+    (11, 5, None),  # fits with the reply: whole
+    (30, 14, 8),  # a long reply: never less than half the context
+    (7, 14, None),  # shorter than half the context: whole, the reply stops when the context is full
+])
+def test_a_prompt_keeps_room_for_the_reply_but_at_least_half_the_context(length, asked, kept):
     model, notes = tiny(n_positions=16), []
-    prompt = list(range(10, 40))
-    out = list(generate_tokens(model, prompt, 5, temperature=0.0, stop_at_eos=False, note=notes.append))
-    assert out == greedy_by_full_recompute(model, prompt[-11:], 5)  # the last 16 - 5 prompt tokens
-    assert len(notes) == 1 and "keeping its last 11 tokens so that the 5 new tokens asked for fit" in notes[0]
+    prompt = list(range(10, 10 + length))
+    out = list(generate_tokens(model, prompt, asked, temperature=0.0, stop_at_eos=False, note=notes.append))
+    used = prompt if kept is None else prompt[-kept:]
+    assert out == greedy_by_full_recompute(model, used, min(asked, 16 - len(used)))
+    assert (kept is not None) == any(f"keeping its last {kept} tokens" in n for n in notes), notes
 
 
 @pytest.mark.parametrize("kwargs, words", [

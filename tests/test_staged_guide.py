@@ -83,7 +83,7 @@ def test_the_gpt2_presets_are_unchanged():
 
 
 def test_a_pipeline_preset_never_silently_replaces_an_explicit_flavor():
-    with pytest.raises(LMForgeError, match=r"pipeline-large is a llama-flavor preset.*model.flavor=gpt2 is set"):
+    with pytest.raises(LMForgeError, match=r"pipeline-large is a llama-flavor preset.*model.flavor='gpt2' is set"):
         _gpt({"preset": "pipeline-large", "flavor": "gpt2"})
     assert _gpt({"preset": "pipeline-large", "flavor": "llama"}).flavor == "llama"
     with pytest.raises(LMForgeError, match="llama-flavor preset"):

@@ -145,6 +145,28 @@ def test_runs_longer_than_a_word_reach_the_trainer_cut_and_encoding_is_unchanged
     assert tok.decode(tok.encode(blob)) == blob
 
 
+def test_text_bytes_of_a_sentencepiece_style_tokenizer_count_its_spaces(tmp_path):
+    """Bits per byte divides by ``text_bytes``. A SentencePiece-style vocabulary (Llama-2, Mistral: "▁" marks a space,
+    byte fallback) decodes a token alone without its leading space; counted so, its bytes were 15% short. Each
+    document's first word is given a "▁" too (prepend_scheme="first"): one byte a document more than its text."""
+    import numpy as np
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    docs = [f"func f{i}(x int) int {{ return x * {i} }} // naïve café ✓\n" for i in range(60)]
+    backend = RustTokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    backend.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+    specials = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    backend.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=400, special_tokens=specials))
+    (tmp_path / "sp").mkdir()
+    backend.save(str(tmp_path / "sp" / "tokenizer.json"))
+    tok = Tokenizer.load(tmp_path / "sp")
+    ids = [i for doc in docs for i in (*tok.encode(doc), tok.eos_id)]
+    assert tok.text_bytes(np.array(ids)) == sum(len(d.encode("utf-8")) for d in docs) + len(docs)
+    assert tok.token_bytes(tok.encode(" return")[-1]).startswith(b" ")  # the space it stands for, as logprobs show
+
+
 def test_load_missing_or_invalid_file(tmp_path):
     with pytest.raises(LMForgeError, match="tokenizer not found.*nope"):
         Tokenizer.load(tmp_path / "nope")

@@ -518,7 +518,7 @@ def check_out_dir(out_dir: str | Path, overwrite: bool) -> Path:
 def _save(path: Path, array: np.ndarray) -> None:
     """``np.save``'s .npy, written with a file write: a full disk raises ENOSPC with its errno, where
     ``np.save`` (``ndarray.tofile``) raises an OSError without one ("N requested and M written")."""
-    array = np.ascontiguousarray(array)
+    array = np.require(array, requirements="C")  # keeps a 0-d array 0-d (ascontiguousarray would not)
     with open(path, "wb") as f:
         np.lib.format.write_array_header_1_0(f, np.lib.format.header_data_from_array_1_0(array))
         f.write(array.data)
