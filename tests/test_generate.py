@@ -125,9 +125,9 @@ def test_stops_at_eos_without_yielding_it():
 def test_generation_stops_at_n_positions_with_a_warning():
     model = tiny(n_positions=16)
     with pytest.warns(UserWarning, match="n_positions=16"):
-        out = list(generate_tokens(model, list(range(10, 17)), 50, temperature=0.0, stop_at_eos=False))
-    assert len(out) == 9  # prompt + output fill the context exactly
-    assert out == greedy_by_full_recompute(model, list(range(10, 17)), 9)
+        out = list(generate_tokens(model, list(range(10, 20)), 50, temperature=0.0, stop_at_eos=False))
+    assert len(out) == 6  # prompt + output fill the context exactly
+    assert out == greedy_by_full_recompute(model, list(range(10, 20)), 6)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         long_prompt = list(generate_tokens(model, list(range(10, 40)), 50, temperature=0.0, stop_at_eos=False))
@@ -140,13 +140,13 @@ def test_generation_stops_at_n_positions_with_a_warning():
 
 @pytest.mark.parametrize("length, asked, kept", [
     (30, 5, 11),  # longer than the context: room for the 5 asked for
-    (15, 5, 11),  # fits, but not with the reply: the same
-    (16, 5, 11),  # one longer: the same again (no jump at the context's length)
+    (16, 5, 11),  # as long as the context: the same
+    (15, 5, None),  # fits: whole, as the server keeps it; the reply ends where the context does
     (11, 5, None),  # fits with the reply: whole
     (30, 14, 8),  # a long reply: never less than half the context
     (7, 14, None),  # shorter than half the context: whole, the reply stops when the context is full
 ])
-def test_a_prompt_keeps_room_for_the_reply_but_at_least_half_the_context(length, asked, kept):
+def test_a_prompt_that_does_not_fit_keeps_room_for_the_reply_but_at_least_half_the_context(length, asked, kept):
     model, notes = tiny(n_positions=16), []
     prompt = list(range(10, 10 + length))
     out = list(generate_tokens(model, prompt, asked, temperature=0.0, stop_at_eos=False, note=notes.append))

@@ -405,9 +405,15 @@ def test_a_stage_on_two_processes_stops_at_a_checkpoint_on_a_signal_and_resumes(
                 return
             threading.Event().wait(0.05)
 
+    # Ctrl-C as a terminal delivers it: a process started in the background by a shell (as CI may be) inherits
+    # SIGINT ignored, and Python then raises no KeyboardInterrupt for it.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     watcher = threading.Thread(target=terminate_once_training, daemon=True)
     watcher.start()
-    summary = run_pipeline(file, out_dir=out)
+    try:
+        summary = run_pipeline(file, out_dir=out)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     watcher.join()
     assert summary.interrupted == "base"
     rec = record(out, "base")

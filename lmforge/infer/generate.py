@@ -92,9 +92,9 @@ def generate_tokens(model: Any, prompt_ids: list[int], max_new_tokens: int, temp
 
     An empty prompt starts from the document separator (eos), as packed training data does. With ``stop_at_eos``
     generation ends at ``eos_id`` (default: the model's) without yielding it. Prompt plus output never exceed
-    ``n_positions``: a prompt too long for itself and the reply keeps its last ``n_positions - max_new_tokens``
-    tokens, but at least half the context, and generation stops when the context is full; both are told to ``note``
-    (default: a ``UserWarning``).
+    ``n_positions``: a prompt that does not fit keeps its last ``n_positions - max_new_tokens`` tokens, but at least
+    half the context, and generation stops when the context is full; both are told to ``note`` (default: a
+    ``UserWarning``).
     With ``seed`` the output is reproducible. Bad settings raise ``LMForgeError`` here, before the first token.
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
@@ -116,10 +116,11 @@ def _generate_tokens(model: Any, ids: list[int], max_new_tokens: int, temperatur
     ids = ids or [config.eos_token_id]  # a document starts after the separator
     if max_new_tokens == 0:
         return
-    # Prompt and reply share the context: a prompt keeps room for the new tokens asked for, but never less than
-    # half the context (the rule lmforge eval's harness follows), so a short reply never costs most of the prompt.
+    # A prompt that fits is kept whole, as the server keeps it (the reply ends where the context does). One that
+    # does not keeps room for the new tokens asked for, but never less than half the context (the rule lmforge
+    # eval's harness follows), so a long reply never costs most of the prompt.
     keep = max(n_ctx - max_new_tokens, n_ctx // 2, 1)
-    if len(ids) > keep and len(ids) + max_new_tokens > n_ctx:
+    if len(ids) >= n_ctx:
         room = (f"so that the {max_new_tokens} new tokens asked for fit" if keep + max_new_tokens <= n_ctx else
                 f"(half the context), which leaves room for {n_ctx - keep} new tokens")
         note(f"a prompt of {len(ids)} tokens and {max_new_tokens} new ones do not fit model.n_positions={n_ctx}: "
