@@ -312,6 +312,37 @@ def weight_files(model_dir: str | os.PathLike) -> list[Path]:
     return [model_dir / SHARDS_FILE, *sorted((model_dir / SHARDS_DIR).glob("*.safetensors"))]
 
 
+def first_non_finite(tensors) -> tuple[str, int, int] | None:
+    """The first of ``tensors`` (``(name, tensor)`` pairs; a DTensor counts its local shard) holding a NaN or
+    an inf, as (name, how many, of how many values); None when all are finite. Training never writes a NaN
+    update (the loop stops before it), so such a value in a checkpoint is damage."""
+    import torch
+
+    for name, tensor in tensors:
+        if not torch.is_tensor(tensor):
+            continue
+        if hasattr(tensor, "to_local"):
+            tensor = tensor.to_local()
+        if not tensor.is_floating_point() or tensor.numel() == 0:
+            continue
+        if tensor.element_size() == 1:  # float8: no sum or isfinite of its own
+            tensor = tensor.float()
+        # Any NaN or inf reaches the sum (a sum of huge finite values may too: then count exactly); the sum
+        # reads each value once, ~25x faster than isfinite(tensor).all() on a CPU.
+        if bool(torch.isfinite(tensor.sum(dtype=torch.float32))):
+            continue
+        bad = int((~torch.isfinite(tensor)).sum())
+        if bad:
+            return name, bad, tensor.numel()
+    return None
+
+
+def non_finite_message(where: Path, found: tuple[str, int, int], what: str) -> str:
+    name, bad, total = found
+    return (f"{where} holds non-finite {what} (NaN or inf): {bad:,} of {total:,} values of {name!r}. The file is "
+            "damaged or was edited; use an earlier checkpoint (runs/NAME/checkpoints/) or retrain")
+
+
 def write_shards_manifest(directory: Path, manifest: dict[str, Any]) -> None:
     save_json(directory / SHARDS_FILE, {"format": SHARDS_FORMAT, "version": SHARDS_VERSION, **manifest})
 

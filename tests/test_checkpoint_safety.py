@@ -372,6 +372,18 @@ def test_well_formed_state_files_of_the_wrong_shape_are_refused_on_resume(lm_run
                      str(case / "checkpoints" / "step-000002")])
         err = capsys.readouterr().err
         assert code == 2 and err.startswith("lmforge: error:") and "does not fit this run" in err, (what, err)
+    # NaN moments would turn the first update's weights into NaN: refused, naming the tensor
+    nan_moment = opt["optimizer"]["state"][first]["exp_avg_sq"].clone()
+    nan_moment.view(-1)[1] = float("nan")
+    poisoned = {**opt, "optimizer": {**opt["optimizer"], "state": {
+        **opt["optimizer"]["state"], first: {**opt["optimizer"]["state"][first], "exp_avg_sq": nan_moment}}}}
+    shutil.copytree(run, tmp_path / "nan")
+    save_state(tmp_path / "nan" / "checkpoints" / "step-000002" / OPTIMIZER_FILE, poisoned)
+    code = main(["train", str(recipe), f"out_dir={tmp_path}", "name=nan", "training.max_steps=3", "--resume",
+                 str(tmp_path / "nan" / "checkpoints" / "step-000002")])
+    err = capsys.readouterr().err
+    assert code == 2 and f"non-finite optimizer state (NaN or inf): 1 of {nan_moment.numel():,} values of " \
+        f"\"parameter {first}'s exp_avg_sq\"" in err, err
     # a structure naming one tensor twice would alias two moments: refused when reading
     aliased = tmp_path / "aliased.safetensors"
     save_file({"0": torch.zeros(2)}, str(aliased), metadata={

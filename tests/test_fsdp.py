@@ -6,6 +6,7 @@ and clear errors for what it cannot run."""
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,19 @@ def assert_no_pickle(ckpt: Path) -> None:
         if f.is_file():
             head = f.read_bytes()[:4]
             assert not head.startswith(b"\x80") and head != b"PK\x03\x04", f
+
+
+def poison(shard: Path, prefix: str) -> str:
+    """Write a NaN over the first value of the first float32 tensor of ``shard`` whose name starts with
+    ``prefix``, in place (the header and the offsets DCP reads stay as they were); returns its name."""
+    data = bytearray(shard.read_bytes())
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + size])
+    name = next(k for k, v in header.items() if k.startswith(prefix) and v["dtype"] == "F32")
+    start = 8 + size + header[name]["data_offsets"][0]
+    data[start:start + 4] = struct.pack("<f", float("nan"))
+    shard.write_bytes(bytes(data))
+    return name
 
 
 def recipe(tmp_path: Path, data_dir: Path, name: str, **training) -> Path:
@@ -116,6 +130,7 @@ def test_a_two_process_checkpoint_resumes_on_two_three_and_one_exactly(tmp_path,
 
     shutil.copytree(tmp_path / "runs" / "cut", tmp_path / "runs" / "cut1")
     shutil.copytree(tmp_path / "runs" / "cut", tmp_path / "runs" / "cut3")
+    shutil.copytree(tmp_path / "runs" / "cut", tmp_path / "runs" / "cutnan")
     on_two = torchrun(["train", str(cut), "training.max_steps=6", "--resume"], tmp_path / "runs" / "cut")
     assert on_two.returncode == 0, on_two.stderr + on_two.stdout
     got = weights(tmp_path / "runs" / "cut" / "checkpoints" / "step-000006")
@@ -125,6 +140,14 @@ def test_a_two_process_checkpoint_resumes_on_two_three_and_one_exactly(tmp_path,
     wider = torchrun(["train", str(cut), "name=cut1", "model.n_embd=64", "training.max_steps=6", "--resume"],
                      tmp_path / "unused")  # a GLOO_ABORT retry must not delete cut1
     assert wider.returncode != 0 and wider.stderr.count("does not fit this model") == 2, wider.stderr
+    # A NaN in process 1's shard of a weight: both processes stop before training, the one that read it
+    # naming the tensor (each process checks only its own shards).
+    poisoned = poison(tmp_path / "runs" / "cutnan" / "checkpoints" / "step-000003" / "shards" /
+                      "shard-00002-model-00001-of-00001.safetensors", "model.")
+    nan = torchrun(["train", str(cut), "name=cutnan", "training.max_steps=6", "--resume"], tmp_path / "unused")
+    assert nan.returncode != 0 and "non-finite weights or optimizer state (NaN or inf): 1 of" in nan.stderr and repr(poisoned) in nan.stderr, nan.stderr
+    assert "another process found non-finite values" in nan.stderr, nan.stderr
+    assert not (tmp_path / "runs" / "cutnan" / "checkpoints" / "step-000006").exists()
     # The same global batch of 6: micro-batch 2 on three processes, 6 on one.
     on_three = torchrun(["train", str(cut), "name=cut3", "training.max_steps=6", "training.micro_batch_size=2",
                          "--resume"], tmp_path / "unused", nproc=3)

@@ -183,6 +183,14 @@ def test_preset_fills_only_keys_not_set():
     assert (config.n_layer, config.n_embd, config.n_head) == (4, 1024, 16)
 
 
+def test_from_preset_fills_the_sizes_in_python_as_a_config_does():
+    config = GPTConfig.from_preset("medium", n_layer=4, vocab_size=10)
+    assert (config.n_layer, config.n_embd, config.n_head, config.preset) == (4, 1024, 16, "medium")
+    assert GPTConfig.from_preset("pipeline-tiny", vocab_size=10).flavor == "llama"
+    with pytest.raises(LMForgeError, match="model.preset"):
+        GPTConfig.from_preset("huge")
+
+
 def test_flops_per_token_formula():
     with torch.device("meta"):
         model = GPT(dataclass_from_dict(GPTConfig, {"preset": "small", "vocab_size": 50257}, prefix="model"))

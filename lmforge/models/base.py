@@ -18,7 +18,8 @@ import yaml
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from lmforge.checkpoint import SHARDS_FILE, WEIGHTS_FILE, is_sharded, read_sharded_weights
+from lmforge.checkpoint import (SHARDS_FILE, WEIGHTS_FILE, first_non_finite, is_sharded, non_finite_message,
+                                read_sharded_weights)
 from lmforge.errors import LMForgeError
 from lmforge.files import atomic_file
 from lmforge.recipes import model_class
@@ -242,22 +243,10 @@ def _read_weights(directory: Path, device: str | torch.device) -> dict[str, torc
         state = {k: v.to(device) for k, v in read_sharded_weights(directory).items()}
     else:
         state = load_file(str(directory / WEIGHTS_FILE), device=str(device))
-    # Training never writes a NaN update (the loop stops before it): non-finite weights are damage, and a
-    # model made of them would serve, export or resume into NaN without saying why.
-    # Any NaN or inf reaches a tensor's sum (a sum of huge finite values may too: then count exactly); the sum
-    # reads each weight once, ~25x faster than isfinite(tensor).all() on a CPU.
-    for name, tensor in state.items():
-        if not tensor.is_floating_point():
-            continue
-        if tensor.element_size() == 1:  # float8: no sum or isfinite of its own
-            tensor = tensor.float()
-        if bool(torch.isfinite(tensor.sum(dtype=torch.float32))):
-            continue
-        bad = int((~torch.isfinite(tensor)).sum())
-        if bad:
-            raise LMForgeError(f"{directory} holds non-finite weights (NaN or inf): {bad:,} of {tensor.numel():,} "
-                               f"values of {name!r}. The file is damaged or was edited; use an earlier checkpoint "
-                               "(runs/NAME/checkpoints/) or retrain")
+    # Non-finite weights are damage: a model made of them would serve, export or resume into NaN without saying why.
+    found = first_non_finite(state.items())
+    if found is not None:
+        raise LMForgeError(non_finite_message(directory, found, "weights"))
     return state
 
 

@@ -62,7 +62,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from lmforge.errors import LMForgeError
-from lmforge.typed import short_repr
+from lmforge.typed import dataclass_from_dict, short_repr
 from lmforge.models.base import LMForgeModel
 from lmforge.models.losses import linear_cross_entropy, lm_loss_problem
 from lmforge.models.mhc import (
@@ -94,8 +94,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 class GPTConfig:
     """Sizes and options of a GPT model; names follow HF ``GPT2Config``.
 
-    ``preset`` is applied by ``resolve_dict`` (config files, CLI overrides, checkpoints); when
-    building a ``GPTConfig`` directly in Python pass the sizes themselves.
+    ``preset`` is applied by ``resolve_dict`` (config files, CLI overrides, checkpoints) and by
+    ``GPTConfig.from_preset``; the plain constructor records it but fills no sizes from it.
     """
 
     flavor: str = "gpt2"  # gpt2 | llama
@@ -130,6 +130,12 @@ class GPTConfig:
     # The LM head's loss (lmforge.models.losses): auto | chunked (fused chunks, no [tokens, vocab] logits
     # kept; the CPU's best) | logits (whole 16-bit logits, padded vocabulary, the cross-entropy operator; CUDA's).
     lm_loss: str = "auto"
+
+    @classmethod
+    def from_preset(cls, preset: str, **values: Any) -> "GPTConfig":
+        """The preset's sizes, with ``values`` (any field, sizes included) taking precedence: what
+        ``model.preset=NAME`` gives in a config, checked the same way."""
+        return dataclass_from_dict(cls, {"preset": preset, **values}, prefix="model")
 
     @classmethod
     def resolve_dict(cls, values: dict[str, Any]) -> dict[str, Any]:

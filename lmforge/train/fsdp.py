@@ -517,6 +517,12 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: 
     except dcp.api.CheckpointException as e:
         raise LMForgeError(f"cannot read the shards of {directory}: {e}; use an earlier checkpoint in "
                            f"{directory.parent}") from e
+    # Each process checks its own shards; all stop together when any holds a NaN or an inf.
+    found = ckpt.first_non_finite(tensors.items())
+    if _any_process(found is not None):
+        raise LMForgeError(ckpt.non_finite_message(directory, found, "weights or optimizer state") if found else
+                           f"another process found non-finite values (NaN or inf) in the shards of {directory} "
+                           "(its message names them); use an earlier checkpoint (runs/NAME/checkpoints/) or retrain")
     set_model_state_dict(model, {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")},
                          options=_options(full=False, strict=False))
     return ckpt.sharded_training_state(directory, saved, tensors)

@@ -175,6 +175,18 @@ def restore_rng(state: dict[str, Any]) -> None:
         torch.mps.set_rng_state(state["mps"])
 
 
+def _refuse_non_finite_optimizer_state(path, opt_state: Any) -> None:
+    """A NaN or inf in the saved optimizer moments would turn the first update's weights into NaN."""
+    optimizer = opt_state.get("optimizer") if isinstance(opt_state, dict) else None
+    entries = optimizer.get("state") if isinstance(optimizer, dict) else None
+    if not isinstance(entries, dict):
+        return  # a malformed state is reported where it is restored
+    found = ckpt.first_non_finite((f"parameter {i}'s {key}", value) for i, state in entries.items()
+                                  if isinstance(state, dict) for key, value in state.items())
+    if found is not None:
+        raise LMForgeError(ckpt.non_finite_message(path / ckpt.OPTIMIZER_FILE, found, "optimizer state"))
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig, model: LMForgeModel, data: TrainData, devinfo: DeviceInfo,
                  distinfo: DistInfo, run_dir: Path, extra_files: Callable[[Path], None] | None = None,
@@ -292,6 +304,7 @@ class Trainer:
             else:
                 self.model.load_checkpoint_weights(path, self.dev.device)
             opt_state = ckpt.load_training_file(path, ckpt.OPTIMIZER_FILE, "optimizer state")
+            _refuse_non_finite_optimizer_state(path, opt_state)
         rng = ckpt.load_training_file(path, ckpt.RNG_FILE, "random-number state")
         # The files parse; what they hold is still checked before use: a damaged or crafted state stops
         # here with a message instead of failing later inside the optimizer or the RNG.
