@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from lmforge.data.prepare import prepare_data, train_tokenizer_from_sources
+from lmforge.data.prepare import VAL_LEAK, prepare_data, train_tokenizer_from_sources
 from lmforge.data.sources import DEFAULT_INCLUDE
 
 
@@ -31,10 +31,10 @@ def _add_source_options(p: argparse.ArgumentParser) -> None:
                    help="hide progress bars (default: shown)")
 
 
-def _print_filters(filters: dict) -> None:
+def _print_filters(filters: dict, what: str = "documents") -> None:
     skipped = filters["skipped"]
     detail = ", ".join(f"{reason} {n}" for reason, n in skipped.items()) or "none"
-    print(f"  documents kept {filters['kept']}, skipped {sum(skipped.values())} ({detail})")
+    print(f"  {what} kept {filters['kept']}, skipped {sum(skipped.values())} ({detail})")
 
 
 def cmd_tokenizer_train(args: argparse.Namespace) -> int:
@@ -59,9 +59,15 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
         args.inputs, args.out, args.tokenizer, include=args.include or DEFAULT_INCLUDE,
         text_field=args.text_field, exclude_tests=args.exclude_tests, near_dedup=args.near_dedup,
         val_fraction=args.val_fraction, seed=args.seed, shard_tokens=args.shard_tokens,
-        overwrite=args.overwrite, show_progress=args.progress)
+        overwrite=args.overwrite, show_progress=args.progress, val_sources=args.val or ())
     print(f"data: {args.out} ({meta['dtype']}, vocab size {meta['vocab_size']})")
     _print_filters(meta["filters"])
+    if "val_filters" in meta:
+        _print_filters(meta["val_filters"], "--val documents")
+        leaked = meta["val_filters"]["skipped"].get(VAL_LEAK, 0)
+        if leaked:
+            print(f"  warning: {leaked} documents of --val duplicate training documents (exact or near copies) "
+                  "and were left out of val: the inputs hold part of the validation set")
     for name, split in meta["splits"].items():
         per_byte = split["bytes"] / split["tokens"] if split["tokens"] else 0.0
         print(f"  {name}: {split['documents']} documents, {split['tokens']:,} tokens in "
@@ -103,7 +109,9 @@ def register(subparsers: argparse._SubParsersAction) -> dict[str, argparse._SubP
     prepare = data_verbs.add_parser(
         "prepare", help="filter, dedup, split and tokenize sources into token shards",
         description="Read sources, drop generated/vendored/duplicate documents, split train/val by "
-                    "document, tokenize and pack the tokens into shards with a meta.json.")
+                    "document, tokenize and pack the tokens into shards with a meta.json. With --val, "
+                    "the inputs are all train and the --val inputs all val (no hash split); a --val "
+                    "document that duplicates a training one is dropped from val and counted.")
     _add_source_options(prepare)
     prepare.add_argument("--tokenizer", required=True, metavar="PATH",
                          help="tokenizer.json or its directory (required)")
@@ -111,8 +119,12 @@ def register(subparsers: argparse._SubParsersAction) -> dict[str, argparse._SubP
                          help="output data directory; must be new or empty unless --overwrite (required)")
     prepare.add_argument("--near-dedup", action="store_true",
                          help="also drop near-duplicates (MinHash, Jaccard >= 0.8) (default: off)")
-    prepare.add_argument("--val-fraction", type=float, default=0.05, metavar="F",
-                         help="share of documents in the val split, at least one (default: 0.05)")
+    prepare.add_argument("--val", action="append", metavar="INPUT",
+                         help="your own validation set: a directory or file like INPUT (a DatasetDict's split "
+                              "directory, e.g. my_ds/validation, works); repeatable. Every --val document goes to "
+                              "val, every input document to train (default: split the inputs by --val-fraction)")
+    prepare.add_argument("--val-fraction", type=float, default=None, metavar="F",
+                         help="share of documents in the val split, at least one; not with --val (default: 0.05)")
     prepare.add_argument("--shard-tokens", type=int, default=100_000_000, metavar="N",
                          help="tokens per shard file (default: 100000000)")
     prepare.add_argument("--overwrite", action="store_true",

@@ -38,6 +38,8 @@ class DataConfig:
     text_field: str = "text"  # the field of JSONL / parquet records that holds the text
     include: list[str] = field(default_factory=lambda: ["**/*.go"])  # data.train_path directories: files read
     val_fraction: float = 0.01  # data.train_path: documents held out for evaluation
+    val_path: str = ""  # data.train_path: your own validation set instead (same kinds of input), all of it held
+    #                     out; its copies of training documents are dropped and counted
 
 
 @dataclass
@@ -337,13 +339,97 @@ def move_keys(values: dict[str, Any], moves: dict[str, str]) -> dict[str, Any]:
     return out
 
 
+# Hugging Face TrainingArguments' names (seeds 000 and 001 set them; so do most users coming from the Trainer),
+# read under training.* by every kind. Seed 002 writes several of them too (batch_size, mixed_precision ...).
+TRAINER_NAMES = {
+    "learning_rate": "training.lr",
+    "per_device_train_batch_size": "training.micro_batch_size",
+    "batch_size": "training.micro_batch_size",
+    "gradient_accumulation_steps": "training.grad_accum_steps",
+    "num_train_epochs": "training.epochs",
+    "lr_scheduler_type": "training.schedule",
+    "logging_steps": "training.log_interval",
+    "eval_steps": "training.eval_interval",
+    "save_steps": "training.save_interval",
+    "save_total_limit": "training.keep_last",
+    "adam_beta1": "training.beta1",
+    "adam_beta2": "training.beta2",
+    "adam_epsilon": "training.eps",
+    "max_grad_norm": "training.grad_clip",
+    "gradient_checkpointing": "training.activation_checkpointing",
+    "mixed_precision": "training.precision",
+    "seed": "seed",
+    "resume_from_checkpoint": "resume_from_checkpoint",
+}
+# The Trainer's schedules that lmforge has (its cosine ends at training.min_lr_ratio x lr; the Trainer's at 0).
+TRAINER_SCHEDULES = {"cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant",
+                     "warmup_stable_decay": "wsd"}
+_EVAL_BATCH = ("evaluation runs training.micro_batch_size sequences a pass; training.eval_batches sets how many "
+               "batches it scores (0 = the whole validation split)")
+# Trainer settings lmforge has no key for: what it does instead.
+TRAINER_WITHOUT_KEY = {
+    "per_device_eval_batch_size": _EVAL_BATCH,
+    "eval_batch_size": _EVAL_BATCH,
+    "warmup_ratio": "give the warmup as training.warmup_steps (e.g. 0.05 x training.max_steps)",
+    "fp16_opt_level": "apex's optimisation levels do not apply: training.precision=fp16 is torch autocast with a "
+                      "gradient scaler",
+    "optim": "lmforge trains with AdamW (fused where the device has it), set by training.lr, training.beta1, "
+             "training.beta2, training.eps and training.weight_decay",
+    "output_dir": "a run is written to OUT_DIR/NAME: give out_dir=DIR and name=RUN",
+    "logging_dir": "TensorBoard's files go to RUN_DIR/tb",
+    "evaluation_strategy": "evaluation runs every training.eval_interval steps (or training.eval_interval_epochs "
+                           "epochs)",
+    "eval_strategy": "evaluation runs every training.eval_interval steps (or training.eval_interval_epochs epochs)",
+    "save_strategy": "checkpoints are written every training.save_interval steps",
+    "load_best_model_at_end": "the checkpoint with the best held-out score is always kept as RUN_DIR/checkpoints/best",
+    "report_to": "TensorBoard logs are on by default (logging.tensorboard); W&B with logging.wandb_project",
+    "dataloader_num_workers": "batches come from memory-mapped token shards in the training process: no workers",
+}
+
+
+def trainer_names(values: dict[str, Any]) -> dict[str, Any]:
+    """Move Hugging Face TrainingArguments' ``training.*`` names to lmforge's (``fp16``/``bf16`` flags to
+    ``training.precision``); a Trainer setting lmforge has no key for is an error saying what it does instead.
+    Returns a new dict."""
+    if not isinstance(values.get("training"), dict):
+        return values
+    training = dict(values["training"])
+    out = {**values, "training": training}
+    for name, instead in TRAINER_WITHOUT_KEY.items():
+        if name in training:
+            raise LMForgeError(f"training.{name} (a Hugging Face Trainer setting) has no lmforge key: {instead}")
+    moves: list[tuple[str, Any, str]] = []  # (lmforge's key, value, the name given); all popped before any is set
+    for name in ("fp16", "bf16"):
+        if name in training:
+            on = training.pop(name)
+            if not isinstance(on, bool):
+                raise LMForgeError(f"training.{name} must be true or false, got {short_repr(on)}; or set "
+                                   "training.precision=auto|fp32|bf16|fp16")
+            if on:
+                moves.append(("training.precision", name, f"training.{name}"))
+    if "lr_scheduler_type" in training:
+        kind = training["lr_scheduler_type"]
+        if not isinstance(kind, str) or kind not in TRAINER_SCHEDULES:
+            raise LMForgeError(f"training.lr_scheduler_type={short_repr(kind)} has no lmforge schedule; use one of "
+                               f"{', '.join(TRAINER_SCHEDULES)} (or training.schedule=cosine|constant|wsd)")
+        training["lr_scheduler_type"] = TRAINER_SCHEDULES[kind]
+    if training.get("mixed_precision") is False or training.get("mixed_precision") == "no":
+        training["mixed_precision"] = "fp32"  # accelerate's spelling of full precision (YAML reads `no` as false)
+    moves += [(target, training.pop(name), f"training.{name}") for name, target in TRAINER_NAMES.items()
+              if name in training]
+    for target, value, alias in moves:
+        set_dotted(out, target, value, alias)
+    return out
+
+
 def apply_aliases(values: dict[str, Any], spec: RecipeSpec | None = None) -> dict[str, Any]:
-    """Rewrite a guide's key names into lmforge's sections with the kind's aliases (the kind of
-    ``values`` when ``spec`` is not given)."""
+    """Rewrite a guide's key names into lmforge's sections: Hugging Face Trainer names for every kind, then
+    the kind's aliases (the kind of ``values`` when ``spec`` is not given)."""
     if not isinstance(values, dict):
         raise LMForgeError(f"a config must be a mapping of sections, not {type(values).__name__}")
     spec = spec or kind_of_layers([values])
-    return spec.aliases(dict(values)) if spec.aliases is not None else dict(values)
+    values = trainer_names(dict(values))
+    return spec.aliases(values) if spec.aliases is not None else values
 
 
 # Pairs of keys where one sets or replaces the other: a later layer that gives the first (e.g. the
@@ -353,7 +439,8 @@ DROP = object()  # remove the earlier key instead of resetting it
 SUPERSEDES: dict[str, dict[str, list[tuple[str, Any]]]] = {
     "training": {"max_steps": [("epochs", 0)], "eval_interval": [("eval_interval_epochs", 0)],
                  "micro_batch_size": [("global_batch_size", 0)]},
-    "data": {"train_path": [("path", "")], "path": [("train_path", "")]},
+    "data": {"train_path": [("path", "")], "path": [("train_path", "")],
+             "val_path": [("val_fraction", DataConfig.val_fraction)]},
 }
 
 
@@ -415,7 +502,8 @@ def _refuse_other_kinds_names(values: dict[str, Any], spec: RecipeSpec) -> None:
             unknown.append((key, {key: value}))
         elif isinstance(value, dict) and dataclasses.is_dataclass(_SECTION_CLASSES.get(key)):
             fields = {f.name for f in dataclasses.fields(_SECTION_CLASSES[key])}
-            unknown += [(f"{key}.{sub}", {key: {sub: v}}) for sub, v in value.items() if sub not in fields]
+            unknown += [(_dotted_path(f"{key}.{sub}", v), {key: {sub: v}}) for sub, v in value.items()
+                        if sub not in fields]
     for dotted, alone in unknown:
         for other in kinds():
             if other is spec or other.aliases is None:
@@ -433,6 +521,14 @@ def _refuse_other_kinds_names(values: dict[str, Any], spec: RecipeSpec) -> None:
             target = ".".join(path)
             raise LMForgeError(f"unknown config key {dotted!r}: it is how the {other.name} kind's guide spells {target}; "
                                f"for this {spec.name} run write {target}={short_repr(node)}")
+
+
+def _dotted_path(prefix: str, value: Any) -> str:
+    """``training.optimizer`` given as ``{"lr": 1e-3}`` is the key ``training.optimizer.lr``."""
+    while isinstance(value, dict) and len(value) == 1:
+        key, value = next(iter(value.items()))
+        prefix = f"{prefix}.{key}"
+    return prefix
 
 
 _SECTION_CLASSES = {"data": DataConfig, "training": TrainingConfig, "logging": LoggingConfig}
@@ -492,6 +588,15 @@ def validate_run_config(cfg: RunConfig) -> None:
         (t.eval_interval >= 0 and t.save_interval >= 0, "training.eval_interval/save_interval must be >= 0"),
         (cfg.data.seq_len > 0, "data.seq_len must be > 0"),
         (0.0 < cfg.data.val_fraction < 1.0, "data.val_fraction must be in (0, 1), e.g. 0.01"),
+        (not cfg.data.val_path or cfg.data.train_path,
+         "data.val_path is the validation set for data.train_path (raw text prepared by training): set "
+         "data.train_path too; data made by `lmforge data prepare` takes its own with --val"),
+        (not cfg.data.val_path or cfg.data.val_fraction == DataConfig.val_fraction,
+         f"data.val_path and data.val_fraction={cfg.data.val_fraction} are both set: data.val_path holds out "
+         "exactly its documents; drop data.val_fraction"),
+        (not cfg.data.val_path or cfg.spec.reads_val_path,
+         f"data.val_path is not read by the {cfg.kind} kind (the lm kind reads it: raw text prepared into token "
+         "shards); drop it"),
         (not (cfg.data.path and cfg.data.train_path),
          "data.path and data.train_path are both set: use data.path for data made by `lmforge data prepare`, "
          "or data.train_path for raw text/JSONL that training prepares itself, not both"),

@@ -8,7 +8,8 @@ flags such as ``--stage code --checkpoint models/language_model_best.pth --data-
 and ``--model-size`` also prints the model's real parameter count next to the guide's table figure.
 
 * ``--stage language|code|tools`` -> recipe ``code_assistant_S``: stages language and code are the ``lm``
-  kind (pretraining, continued pretraining), tools the ``sft`` kind. Stage 4 (RLHF) is not in lmforge.
+  kind (pretraining, continued pretraining), tools the ``sft`` kind. Stage 4 (RLHF) is two trainings, as in
+  the guide: ``--stage rlhf`` answers with the two commands (recipes ``code_assistant_reward``, ``_rlhf``).
 * ``--checkpoint CKPT`` (an lmforge checkpoint or run directory) -> ``training.init_from=CKPT`` and, for
   the lm stages, ``data.tokenizer`` = its tokenizer (the ids its weights were trained on; the sft kind
   takes it from init_from itself); with ``--resume`` the run continues from CKPT instead. Without
@@ -54,7 +55,7 @@ class GuideFlag:
 FLAGS: tuple[GuideFlag, ...] = (
     GuideFlag("--stage", "S", "language | code | tools: train the recipe code_assistant_S (language, code: kind lm, "
               "pretraining and continued pretraining; tools: kind sft, fine-tuning on conversations); no RECIPE "
-              "is needed. Stage 4 (RLHF) is not in lmforge"),
+              "is needed. Stage 4 (rlhf) is two trainings: recipes code_assistant_reward, then code_assistant_rlhf"),
     GuideFlag("--model-size", "X", "tiny | medium | large | xlarge: model.preset=pipeline-X, the guide's sizes in the "
               "llama flavor; prints the model's real parameter count beside the guide's figure"),
     GuideFlag("--batch-size", "N", "training.micro_batch_size: sequences per forward pass"),
@@ -175,6 +176,8 @@ def _split(args: list[str]) -> tuple[list[tuple[str, str | None]], list[str], li
             continue
         flag = FLAG_NAMES.get(name)
         if flag is None:
+            if not any(a == "--stage" or a.startswith("--stage=") for a in args):  # --stage: a seed 004 command
+                _refuse_trainer_flag(name, inline if eq else (args[i] if i < len(args) else None))
             known = [*FLAG_NAMES, *LMFORGE_OPTIONS]
             close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
             hint = f" Did you mean {close[0]}?" if close else ""
@@ -224,6 +227,31 @@ SWITCHES = {
 }
 
 
+def _refuse_trainer_flag(name: str, value: str | None) -> None:
+    """A Hugging Face Trainer argument or an lmforge training key written as a flag (``--learning_rate 5e-4``,
+    ``--max_steps 100``): say how lmforge takes it, not that it is unknown to seed 004."""
+    import dataclasses
+
+    from lmforge.config import TRAINER_NAMES, TRAINER_WITHOUT_KEY, TrainingConfig
+
+    key = name.lstrip("-").replace("-", "_")
+    if value is not None and (value.startswith("-") or "=" in value):
+        value = None  # the next option or an override, not this one's value
+    shown = "VALUE" if value is None else shlex.quote(value)
+    if key == "resume_from_checkpoint":
+        raise LMForgeError(f"{name}: to continue a run from a checkpoint give --resume {shown if value else 'CKPT'} "
+                           "(weights, optimizer, schedule and data position); to start a new run from its weights, "
+                           f"training.init_from={shown}")
+    if key in TRAINER_WITHOUT_KEY:
+        raise LMForgeError(f"{name} (a Hugging Face Trainer argument) has no lmforge setting: {TRAINER_WITHOUT_KEY[key]}")
+    if key in TRAINER_NAMES or key in ("fp16", "bf16"):
+        raise LMForgeError(f"{name} is a Hugging Face Trainer argument: lmforge takes its settings as key=value "
+                           f"overrides, here training.{key}={'true' if value is None else shown} (lmforge train "
+                           "--help; the Trainer's names are read under training.*)")
+    if key in {f.name for f in dataclasses.fields(TrainingConfig)}:
+        raise LMForgeError(f"{name}: lmforge takes its settings as key=value overrides: training.{key}={shown}")
+
+
 def translate(args: list[str]) -> Translation:
     """``lmforge train``'s arguments written with the guide's flags -> a ``Translation``."""
     flags, user_overrides, positionals, resume, print_config = _split(args)
@@ -241,8 +269,13 @@ def translate(args: list[str]) -> Translation:
     recipe = positionals[0] if positionals else None
     if stage is not None:
         if stage == "rlhf":
-            raise LMForgeError("--stage rlhf (the guide's stage 4: a reward model, then PPO at lr 1e-6) is not in "
-                               "lmforge yet; the stages it trains are language, code and tools")
+            raise LMForgeError(
+                "--stage rlhf is the guide's stage 4, two trainings in lmforge as in the guide (its steps 2 and 3): "
+                "`lmforge train code_assistant_reward training.init_from=runs/code_assistant_tools "
+                "data.train_path=PAIRS`, then `lmforge train code_assistant_rlhf "
+                "training.init_from=runs/code_assistant_tools recipe.reward_model=runs/code_assistant_reward "
+                "data.train_path=PROMPTS` (PPO at the guide's lr 1e-6; docs/reward.md, docs/ppo.md). "
+                "`lmforge pipeline run code_assistant_tiny` runs every stage, these two included")
         if stage not in STAGES:
             close = difflib.get_close_matches(stage, list(STAGES), n=1)
             hint = f" Did you mean {close[0]}?" if close else ""

@@ -110,6 +110,14 @@ class Tokenizer:
         try:
             backend = _RustTokenizer.from_file(str(file))
         except Exception as e:  # the Rust side raises plain Exception for any parse problem
+            with open(file, "rb") as f:
+                json_text = f.read(64).lstrip().startswith(b"{")
+            if file.suffix == ".model" or not json_text:
+                raise LMForgeError(
+                    f"{file} is not a tokenizer.json (a SentencePiece .model, or another binary format?). lmforge "
+                    "reads Hugging Face tokenizer.json files: pass the tokenizer.json a Hugging Face tokenizer's "
+                    "directory holds, or train one on your corpus with `lmforge tokenizer train SOURCES --out DIR` "
+                    "(seed 001's tokenizer step)") from e
             raise LMForgeError(
                 f"{file} is not a valid tokenizer file ({e}). Re-create it with `lmforge tokenizer train`."
             ) from e

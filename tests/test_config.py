@@ -17,6 +17,45 @@ def test_recipes_load_with_seed_settings():
     assert (t.eval_interval, t.save_interval, t.keep_last) == (500, 1000, 3)
 
 
+# Seed 001's TrainingArguments (seed 000 writes the same names), as a recipe layer would give them.
+TRAINER_ARGS = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 8, "learning_rate": 5e-4,
+                "lr_scheduler_type": "cosine", "warmup_steps": 2000, "weight_decay": 0.1, "num_train_epochs": 3,
+                "fp16": True, "logging_steps": 50, "eval_steps": 500, "save_steps": 1000, "save_total_limit": 3,
+                "adam_beta1": 0.85, "adam_beta2": 0.95, "adam_epsilon": 1e-7, "max_grad_norm": 0.5, "seed": 7}
+
+
+@pytest.mark.parametrize("recipe", ["go_coder_tiny", "hrgc_go_tiny", "trm_sudoku_tiny"])
+def test_hugging_face_trainer_names_are_read_by_every_kind(recipe):
+    cfg = load_config(recipe, values={"training": TRAINER_ARGS})
+    t = cfg.training
+    assert (t.micro_batch_size, t.grad_accum_steps, t.lr, t.schedule, t.warmup_steps, t.weight_decay) == (
+        2, 8, 5e-4, "cosine", 2000, 0.1)
+    assert (t.epochs, t.precision, t.log_interval, t.eval_interval, t.save_interval, t.keep_last) == (
+        3, "fp16", 50, 500, 1000, 3)
+    assert (t.beta1, t.beta2, t.eps, t.grad_clip, cfg.seed) == (0.85, 0.95, 1e-7, 0.5, 7)
+    # a flag that is off leaves the precision as it was; the Trainer's schedule names map to lmforge's
+    off = load_config(recipe, ["training.fp16=false", "training.bf16=true",
+                               "training.lr_scheduler_type=constant_with_warmup"]).training
+    assert (off.precision, off.schedule) == ("bf16", "constant")
+    assert load_config(recipe, ["training.mixed_precision=no"]).training.precision == "fp32"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("training.per_device_eval_batch_size=4", "has no lmforge key: evaluation runs training.micro_batch_size"),
+    ("training.warmup_ratio=0.1", "give the warmup as training.warmup_steps"),
+    ("training.optim=adamw_8bit", "lmforge trains with AdamW"),
+    ("training.lr_scheduler_type=linear", "'linear' has no lmforge schedule; use one of cosine"),
+    ("training.fp16=1", "training.fp16 must be true or false"),
+])
+def test_trainer_settings_without_a_key_say_what_lmforge_does_instead(override, message):
+    with pytest.raises(LMForgeError, match=re.escape(message)):
+        load_config("go_coder_tiny", [override])
+    with pytest.raises(LMForgeError, match="'training.learning_rate' and 'training.lr' are both given"):
+        load_config("go_coder_tiny", ["training.learning_rate=1e-3", "training.lr=2e-3"])
+    with pytest.raises(LMForgeError, match="'training.bf16' and 'training.precision' are both given"):
+        load_config("go_coder_tiny", ["training.bf16=true", "training.precision=fp32"])
+
+
 def test_dotted_overrides_are_typed_and_applied():
     cfg = load_config("go_coder_tiny", ["training.max_steps=200", "model.n_layer=3", "training.lr=5e-4",
                                         "training.compile=true", "name=x"])

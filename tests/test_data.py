@@ -341,6 +341,119 @@ def test_cli_data_prepare(go_corpus, tmp_path, tok_dir, capsys):
         parser.parse_args(["data", "prepare", str(go_corpus), "--out", str(out)])  # --tokenizer is required
 
 
+# --- a validation set of one's own (--val) ---------------------------------------------------------
+
+def test_val_sources_are_the_val_split_and_their_copies_of_training_documents_are_dropped(tmp_path, tok_dir, tok):
+    train_docs = numbered_records(20)
+    records = write_jsonl(tmp_path / "train.jsonl", train_docs)
+    own = ["held-out one: value 1", "held-out two: value 2", "held-out three: value 3"]
+    # a copy of a training document (leak), a copy of a val document (a plain duplicate), an empty line
+    val = write_jsonl(tmp_path / "validation.jsonl", [own[0], train_docs[4], own[1], own[0], "", own[2], train_docs[4]])
+    out = tmp_path / "d"
+    meta = prepare([records], out, tok_dir, val_sources=[str(val)])
+    assert split_documents(out, "train", tok) == train_docs  # every training document, none held out
+    assert split_documents(out, "val", tok) == own  # exactly the --val documents, in order, less the copies
+    assert meta["splits"]["train"]["documents"] == 20 and meta["splits"]["val"]["documents"] == 3
+    assert meta["val_filters"] == {"kept": 3, "skipped": {"duplicate": 1, "empty": 1, "val_duplicate_of_train": 2}}
+    assert meta["filters"] == {"kept": 23, "skipped": {"duplicate": 1, "empty": 1, "val_duplicate_of_train": 2}}
+    assert meta["sources"] == [{"path": str(records.resolve()), "kind": "jsonl"}]
+    assert meta["val_sources"] == [{"path": str(val.resolve()), "kind": "jsonl"}]
+    assert meta["settings"]["val_fraction"] is None
+    assert json.loads((out / "meta.json").read_text()) == meta
+    # with no --val nothing changes: the hash split, and no val sources recorded
+    meta = prepare([records], tmp_path / "hashed", tok_dir, val_fraction=0.2)
+    assert meta["val_sources"] == [] and "val_filters" not in meta and meta["settings"]["val_fraction"] == 0.2
+    assert set(split_documents(tmp_path / "hashed", "val", tok)) < set(train_docs)
+
+
+def test_val_near_copies_of_training_documents_are_leaks_near_copies_of_val_ones_duplicates(tmp_path, tok_dir, tok):
+    handler, wrap = GO_KEPT["server/handler.go"], GO_KEPT["internal/textutil/wrap.go"]
+    train_docs = [GO_KEPT["main.go"], handler, GO_KEPT["internal/textutil/doc.go"]]
+    near_handler = handler.replace("Item is one", "Item is a single")
+    near_wrap = wrap.replace("package textutil", "package wrapping")
+    records = write_jsonl(tmp_path / "train.jsonl", train_docs)
+    val = write_jsonl(tmp_path / "val.jsonl", [near_handler, wrap, near_wrap, GO_KEPT["server/handler_test.go"]])
+    out = tmp_path / "d"
+    meta = prepare([records], out, tok_dir, val_sources=[val], near_dedup=True)
+    assert split_documents(out, "val", tok) == [wrap, GO_KEPT["server/handler_test.go"]]
+    assert split_documents(out, "train", tok) == train_docs
+    assert meta["val_filters"] == {"kept": 2, "skipped": {"near_duplicate": 1, "val_duplicate_of_train": 1}}
+    # without --near-dedup only exact copies go
+    meta = prepare([records], tmp_path / "exact", tok_dir, val_sources=[val])
+    assert meta["val_filters"] == {"kept": 4, "skipped": {}}
+
+
+def test_bad_val_inputs_are_clear_errors(tmp_path, tok_dir):
+    records = write_jsonl(tmp_path / "train.jsonl", numbered_records(6))
+    out = tmp_path / "out"
+    with pytest.raises(LMForgeError, match=r"--val .*missing.jsonl not found"):
+        prepare([records], out, tmp_path / "no-tokenizer", val_sources=[tmp_path / "missing.jsonl"])  # checked first
+    (tmp_path / "link.jsonl").symlink_to(records)
+    for same in (records, tmp_path / "link.jsonl"):
+        with pytest.raises(LMForgeError, match="is also a training input: the same file cannot be both"):
+            prepare([records], out, tok_dir, val_sources=[same])
+    empty = write_jsonl(tmp_path / "empty.jsonl", ["", "  \n"])
+    with pytest.raises(LMForgeError, match=r"--val .*empty.jsonl yields no documents"):
+        prepare([records], out, tok_dir, val_sources=[empty])
+    copies = write_jsonl(tmp_path / "copies.jsonl", numbered_records(6)[::2])
+    with pytest.raises(LMForgeError, match=r"every document of --val .*copies.jsonl duplicates a training document "
+                                           r"\(3 exact or near copies\), so the val split would be empty"):
+        prepare([records], out, tok_dir, val_sources=[copies])
+    val = write_jsonl(tmp_path / "val.jsonl", ["held out"])
+    with pytest.raises(LMForgeError, match="--val-fraction 0.1 and --val both given"):
+        prepare([records], out, tok_dir, val_sources=[val], val_fraction=0.1)
+    assert not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copies.jsonl", "empty.jsonl", "link.jsonl", "train.jsonl",
+                                                          "val.jsonl"]
+
+
+def test_dataset_dict_notes_its_unread_splits_and_a_split_directory_is_a_val_input(tmp_path, tok_dir, tok, capsys):
+    datasets = pytest.importorskip("datasets")
+    train_rows, val_rows = numbered_records(8), ["held-out row one", "held-out row two"]
+    ds = tmp_path / "ds"
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": train_rows}),
+                          "validation": datasets.Dataset.from_dict({"text": val_rows}),
+                          "test": datasets.Dataset.from_dict({"text": ["benchmark row"]})}).save_to_disk(str(ds))
+    capsys.readouterr()
+    prepare([ds], tmp_path / "hashed", tok_dir)
+    err = capsys.readouterr().err
+    assert err.count("note:") == 1, err  # once, though the dataset is read twice
+    assert (f"note: {ds} has splits test, train, validation; read train only. To hold out its validation split: "
+            f"--val {ds / 'validation'}") in err
+    meta = prepare([ds], tmp_path / "d", tok_dir, val_sources=[ds / "validation"])
+    assert "note:" not in capsys.readouterr().err  # its split is used: nothing to point out
+    assert split_documents(tmp_path / "d", "train", tok) == train_rows
+    assert split_documents(tmp_path / "d", "val", tok) == val_rows
+    assert meta["val_sources"] == [{"path": str((ds / "validation").resolve()), "kind": "hf_dataset"}]
+    # the DatasetDict itself as --val would read its train split: refused, naming the split to give
+    other = write_jsonl(tmp_path / "other.jsonl", ["other text"])
+    with pytest.raises(LMForgeError, match=rf"--val {ds} is a DatasetDict with splits train, validation, test.*"
+                                           rf"e.g. --val {ds / 'validation'}"):
+        prepare([other], tmp_path / "e", tok_dir, val_sources=[ds])
+
+
+def test_cli_data_prepare_with_val(tmp_path, tok_dir, capsys):
+    parser = argparse.ArgumentParser(prog="lmforge")
+    register(parser.add_subparsers(dest="verb"))
+    records = write_jsonl(tmp_path / "train.jsonl", numbered_records(10))
+    one = write_jsonl(tmp_path / "a.jsonl", ["first held-out", numbered_records(10)[2]])
+    two = write_jsonl(tmp_path / "b.jsonl", ["second held-out"])
+    out = tmp_path / "data"
+    args = parser.parse_args(["data", "prepare", str(records), "--val", str(one), "--val", str(two), "--tokenizer",
+                              str(tok_dir), "--out", str(out), "--no-progress"])
+    assert args.func(args) == 0
+    printed = capsys.readouterr().out
+    assert "--val documents kept 2, skipped 1 (val_duplicate_of_train 1)" in printed
+    assert "warning: 1 documents of --val duplicate training documents" in printed
+    assert "train: 10 documents" in printed and "val: 2 documents" in printed
+    assert [s["path"] for s in json.loads((out / "meta.json").read_text())["val_sources"]] == [
+        str(one.resolve()), str(two.resolve())]
+    args = parser.parse_args(["data", "prepare", str(records), "--val", str(two), "--val-fraction", "0.05",
+                              "--tokenizer", str(tok_dir), "--out", str(tmp_path / "other"), "--no-progress"])
+    with pytest.raises(LMForgeError, match="--val-fraction 0.05 and --val both given"):
+        args.func(args)
+
+
 # --- loader ----------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -248,9 +248,11 @@ def test_old_spellings_and_old_checkpoints_of_moved_settings(tmp_path):
                                            "run write training.lr=0.001"):
         load_config("go_coder_tiny", ["lr=1e-3"])
     assert load_config("hrm_sudoku", ["lr=1e-3"]).training.lr == 1e-3
-    with pytest.raises(LMForgeError, match="'training.batch_size': it is how the lm kind's guide spells "
-                                           "training.micro_batch_size; for this hrgc run write training.micro_batch_size=4"):
-        load_config("hrgc_go_tiny", ["training.batch_size=4"])
+    with pytest.raises(LMForgeError, match="'training.optimizer.lr': it is how the lm kind's guide spells "
+                                           "training.lr; for this hrgc run write training.lr=0.001"):
+        load_config("hrgc_go_tiny", ["training.optimizer.lr=1e-3"])
+    # the names seed 002 shares with Hugging Face's Trainer are every kind's (seed 000's hrgc guide writes them)
+    assert load_config("hrgc_go_tiny", ["training.batch_size=4"]).training.micro_batch_size == 4
 
 
 def test_hrgc_counts_the_tokens_it_read_not_the_padding():
@@ -317,6 +319,38 @@ def test_every_family_loads_its_saved_tensors_without_a_random_initialisation(tm
     loaded = LMForgeModel.from_pretrained(tmp_path / "0")
     assert {p.dtype for p in loaded.parameters()} == {torch.float32}
     assert torch.equal(loaded.tok_embed.weight, models[0].tok_embed.weight.bfloat16().float())
+
+
+def test_loading_any_family_does_not_import_the_compiler(tmp_path):
+    """A verb that loads a model (generate, eval, serve, export) does not pay for torch._dynamo's import (~2 s of
+    CPU): neither lmforge's modules nor building the model on the meta device import it. Counted in a fresh
+    process: this one may have imported it already."""
+    import subprocess
+
+    dirs = [str(model.save_pretrained(tmp_path / str(i))) for i, model in enumerate(_one_small_model_per_family())]
+    script = textwrap.dedent(f"""
+        import sys
+        import lmforge.cli
+        from lmforge.models import count_parameters, load_model
+        for directory in {dirs!r}:
+            count_parameters(load_model(directory).config)
+        print("torch._dynamo" in sys.modules)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False"], done.stdout
+
+
+def test_the_triton_check_is_a_constant_to_the_compiler():
+    """Traced inside a compiled forward, ``can_build_triton_kernels`` is one constant, not file-system lookups
+    that break the graph (fullgraph=True refuses a break)."""
+    from lmforge.models.triton_support import can_build_triton_kernels
+
+    def forward(x):
+        return x + 1 if can_build_triton_kernels() else x - 1
+
+    compiled = torch.compile(forward, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(torch.zeros(2)), forward(torch.zeros(2)))
 
 
 def test_an_empty_model_for_a_resume_has_every_tensor_and_tie_of_the_built_one():

@@ -199,8 +199,19 @@ def test_unknown_flags_name_the_close_match(capsys):
     assert rc == 2 and "unknown option --use-flash-attention" in err
     rc, _, err = _run(capsys, ["train", "--stage", "lang"])
     assert rc == 2 and "Did you mean language?" in err
+    # without --stage, a Hugging Face Trainer argument or an lmforge key written as a flag says how lmforge takes it
+    rc, _, err = _run(capsys, ["train", "go_coder_tiny", "--learning_rate", "1e-4"])
+    assert rc == 2 and "--learning_rate is a Hugging Face Trainer argument" in err and "training.learning_rate=1e-4" in err
+    rc, _, err = _run(capsys, ["train", "go_coder_tiny", "--resume_from_checkpoint", "runs/x"])
+    assert rc == 2 and "give --resume runs/x" in err and "training.init_from=runs/x" in err
+    rc, _, err = _run(capsys, ["train", "go_coder_tiny", "--max_steps=10"])
+    assert rc == 2 and "training.max_steps=10" in err
+    rc, _, err = _run(capsys, ["train", "go_coder_tiny", "--warmup_ratio", "0.1"])
+    assert rc == 2 and "has no lmforge setting: give the warmup as training.warmup_steps" in err
     rc, _, err = _run(capsys, ["train", "--stage", "rlhf"])
-    assert rc == 2 and "not in lmforge yet" in err
+    assert rc == 2 and "lmforge train code_assistant_reward" in err and "lmforge train code_assistant_rlhf" in err
+    for recipe in ("code_assistant_reward", "code_assistant_rlhf"):  # the recipes it names exist
+        assert load_config(recipe).kind in ("reward", "ppo")
 
 
 def test_data_file_is_raw_data_or_prepared_shards(tmp_path):

@@ -174,6 +174,11 @@ def test_load_missing_or_invalid_file(tmp_path):
     bad.write_text("{not json", encoding="utf-8")
     with pytest.raises(LMForgeError, match="not a valid tokenizer file"):
         Tokenizer.load(tmp_path)
+    # a SentencePiece model (seed 001's go_coder_llm.model: a protobuf) is named as such, with the way on
+    spm = tmp_path / "go_coder_llm.model"
+    spm.write_bytes(b"\n\x0e\n\x05<unk>\x15\x00\x00\x00\x00\x18\x02")
+    with pytest.raises(LMForgeError, match=r"not a tokenizer.json \(a SentencePiece .model.*lmforge tokenizer train"):
+        Tokenizer.load(spm)
     from tokenizers import Tokenizer as RustTokenizer
     from tokenizers.models import BPE
 

@@ -623,3 +623,48 @@ def test_a_refused_resume_leaves_the_runs_files_as_they_were(tmp_path, data_dir,
     assert main(["train", str(run / "config.yaml"), "--resume"]) == 0
     out = capsys.readouterr().out
     assert "done: step 3 (completed)" in out and "nan" not in out and "differ" not in out
+
+
+def test_data_val_path_is_the_val_split_of_a_train_path_run_and_a_resume_must_keep_it(tmp_path, capsys):
+    """data.val_path: the whole file is the val split (less its copies of training documents), the tokenizer
+    trained on the fly never sees it, and a resume with another data.val_path is refused."""
+    records = [f"record {i}: the value {i * 7919 % 1009} of set {i % 7} is kept in the store\n" for i in range(40)]
+    held_out = [f"quokkazebra {i} quokkazebra and quokkazebra again {i * 3}\n" for i in range(6)]
+    train_file, val_file = tmp_path / "train.jsonl", tmp_path / "val.jsonl"
+    train_file.write_text("".join(json.dumps({"text": t}) + "\n" for t in records))
+    val_file.write_text("".join(json.dumps({"text": t}) + "\n" for t in [*held_out[:3], records[5], *held_out[3:]]))
+    recipe = write_recipe(tmp_path / "r.yaml", "", tmp_path / "runs",
+                          data={"path": "", "train_path": str(train_file), "val_path": str(val_file)},
+                          training={"max_steps": 2, "eval_interval": 2, "save_interval": 2})
+    result = train(load_config(str(recipe)))
+    assert result.step == 2
+    assert "warning: 1 documents of data.val_path=" in capsys.readouterr().out
+    data = tmp_path / "runs" / "t" / "data"
+    meta = json.loads((data / "meta.json").read_text())
+    assert [s["path"] for s in meta["val_sources"]] == [str(val_file.resolve())]
+    assert meta["splits"]["val"]["documents"] == 6 and meta["splits"]["train"]["documents"] == 40
+    tok = Tokenizer.load(data / "tokenizer.json")
+    val = TokenDataset(data, "val")
+    assert tok.decode(val.read(0, val.num_tokens).tolist()).replace("</s>", "") == "".join(held_out)
+    # trained on data.train_path alone (on both it learns quokkazebra as a token)
+    assert not [t for t in json.loads((data / "tokenizer.json").read_text())["model"]["vocab"] if "quokka" in t]
+    evals = [json.loads(line) for line in (tmp_path / "runs" / "t" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in evals if "eval/loss" in r] == [2]
+
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"text": "another held-out text"}) + "\n")
+    with pytest.raises(LMForgeError, match=rf"was prepared with the validation set {val_file.resolve()}, but this "
+                                           rf"run has data.val_path={other}; train into a new run"):
+        train(load_config(str(recipe), [f"data.val_path={other}", "training.max_steps=3"]), resume=True)
+    with pytest.raises(LMForgeError, match="but this run has no data.val_path"):
+        train(load_config(str(recipe), ["data.val_path=", "training.max_steps=3"]), resume=True)
+    with pytest.raises(LMForgeError, match="data.val_path and data.val_fraction=0.2 are both set"):
+        load_config(str(recipe), ["data.val_fraction=0.2"])
+    with pytest.raises(LMForgeError, match="data.val_path is the validation set for data.train_path.*set data.train_"):
+        load_config(str(recipe), ["data.train_path=", f"data.path={data}"])
+    with pytest.raises(LMForgeError, match="data.val_path is not read by the sft kind"):
+        load_config(None, ["kind=sft", f"data.train_path={train_file}", f"data.val_path={val_file}"])
+    # a val_path given over a recipe's val_fraction replaces it (the recipe's split is what the user's set replaces)
+    split = load_config(None, values={"data": {"train_path": str(train_file), "val_fraction": 0.2}},
+                        overrides=[f"data.val_path={val_file}"]).data
+    assert (split.val_path, split.val_fraction) == (str(val_file), 0.01)

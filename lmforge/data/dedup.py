@@ -86,15 +86,27 @@ class NearDeduper:
         # Keeping the top 32 bits after the min is the same as before it (the shift is monotonic).
         return (sig >> np.uint64(32)).astype(np.uint32)
 
-    def is_new(self, text: str) -> bool:
-        """False when an earlier kept document is a near duplicate; otherwise index this one."""
-        sig = self.signature(text)
+    def _lookup(self, sig: np.ndarray) -> tuple[bool, list[bytes]]:
+        """Whether an indexed document is a near duplicate of the signature ``sig``, and its band keys."""
         keys = [sig[i * self._rows:(i + 1) * self._rows].tobytes() for i in range(self._bands)]
         candidates = {c for band, key in enumerate(keys) for c in self._buckets[band].get(key, ())}
         if candidates:
             others = np.stack([self._signatures[c] for c in sorted(candidates)])
             if (others == sig).mean(axis=1).max() >= self._threshold:
-                return False
+                return True, keys
+        return False, keys
+
+    def is_near(self, text: str) -> bool:
+        """Whether an indexed document is a near duplicate of ``text``, which is not indexed (a validation
+        document checked against the training ones)."""
+        return self._lookup(self.signature(text))[0]
+
+    def is_new(self, text: str) -> bool:
+        """False when an earlier kept document is a near duplicate; otherwise index this one."""
+        sig = self.signature(text)
+        near, keys = self._lookup(sig)
+        if near:
+            return False
         doc_id = len(self._signatures)
         self._signatures.append(sig)
         for band, key in enumerate(keys):

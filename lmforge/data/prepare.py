@@ -7,7 +7,10 @@ into the shard files). Sources are read in a fixed order, and the second pass ch
 so the passes always agree.
 
 Splits are by document (by file for code trees): a hash of ``seed`` and the document's source_id
-decides, so a file stays in the same split across runs and never leaks into both.
+decides, so a file stays in the same split across runs and never leaks into both. With ``val_sources``
+(the user's own validation set) there is no hash split: the sources are train, the val sources val.
+Deduplication then runs over both, train first, so a val document that duplicates a training one
+(exactly, or nearly with ``near_dedup``) is dropped from val and counted as ``val_duplicate_of_train``.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import hashlib
 import itertools
 import json
 import os
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -24,9 +28,10 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from lmforge.data.dedup import ExactDeduper, NearDeduper, text_digest
+from lmforge.data.dedup import NearDeduper, text_digest
 from lmforge.data.loader import DTYPES, FORMAT, META_FILE, VERSION
-from lmforge.data.sources import DEFAULT_INCLUDE, FilterStats, iter_documents, source_kind
+from lmforge.data.sources import (DEFAULT_INCLUDE, Document, FilterStats, dataset_dict_splits, iter_documents,
+                                  source_kind, unread_splits_note)
 from lmforge.errors import LMForgeError
 from lmforge.tokenizer import Tokenizer, check_out_dir, train_tokenizer
 from lmforge.files import atomic_directory, remove_stale
@@ -34,6 +39,8 @@ from lmforge.files import atomic_directory, remove_stale
 SPLITS = ("train", "val")
 ENCODE_BATCH_BYTES = 1 << 20  # text per encode_batch call: its Encodings are far larger than the text
 HELDOUT_MAX_BYTES = 10_000_000  # held-out text measured for the tokenizer's bytes per token
+DEFAULT_VAL_FRACTION = 0.05
+VAL_LEAK = "val_duplicate_of_train"  # the filter count of val documents dropped as copies of training ones
 
 
 def split_key(source_id: str, seed: int) -> float:
@@ -55,37 +62,62 @@ def assign_heldout(keys: np.ndarray, fraction: float) -> np.ndarray:
 
 @dataclass
 class _Survey:
-    """What the first pass learned, one entry per document that passed the filters."""
+    """What the first pass learned, one entry per document that passed the filters (the sources', then
+    the val sources')."""
 
-    stats: FilterStats
+    stats: FilterStats  # all documents
     digests: list[bytes]
     keys: np.ndarray  # split keys
     sizes: np.ndarray  # UTF-8 bytes
     keep: np.ndarray  # False for duplicates
+    n_train: int  # entries from the sources; the rest are from the val sources
+    train_stats: FilterStats
+    val_stats: FilterStats | None  # when there are val sources
 
 
 def _survey(sources: Sequence[str | Path], read_opts: dict, near_dedup: bool, seed: int,
-            show_progress: bool) -> _Survey:
-    stats = FilterStats()
-    exact = ExactDeduper()
+            show_progress: bool, val_sources: Sequence[str | Path] = ()) -> _Survey:
+    stats, val_stats = FilterStats(), FilterStats()
+    seen: set[bytes] = set()  # digests of every training document read: the first copy wins
+    seen_val: set[bytes] = set()  # of the val documents kept: a copy of one is a duplicate, not a leak
     near = NearDeduper(seed=seed) if near_dedup else None
+    near_val = NearDeduper(seed=seed) if near_dedup and val_sources else None
     digests, keys, sizes, keep = [], [], [], []
-    docs = iter_documents(sources, stats=stats, **read_opts)
-    for doc in tqdm(docs, desc="reading", unit=" docs", disable=not show_progress):
+
+    def tagged() -> Iterator[tuple[bool, Document]]:
+        for doc in iter_documents(sources, stats=stats, **read_opts):
+            yield False, doc
+        for doc in iter_documents(val_sources, stats=val_stats, **read_opts):
+            yield True, doc
+
+    n_train = 0
+    for is_val, doc in tqdm(tagged(), desc="reading", unit=" docs", disable=not show_progress):
         digest = text_digest(doc.text)
         digests.append(digest)
         keys.append(split_key(doc.source_id, seed))
         sizes.append(len(doc.text.encode("utf-8")))
-        if not exact.is_new(digest):
-            stats.discard("duplicate")
-            keep.append(False)
-        elif near is not None and not near.is_new(doc.text):
-            stats.discard("near_duplicate")
-            keep.append(False)
+        if not is_val:
+            n_train += 1
+            if digest in seen:
+                reason = "duplicate"
+            else:
+                seen.add(digest)
+                reason = "near_duplicate" if near is not None and not near.is_new(doc.text) else None
+        elif digest in seen or (near is not None and near.is_near(doc.text)):
+            reason = VAL_LEAK
+        elif digest in seen_val:
+            reason = "duplicate"
+        elif near_val is not None and not near_val.is_new(doc.text):
+            reason = "near_duplicate"
         else:
-            keep.append(True)
-    return _Survey(stats, digests, np.array(keys, dtype=np.float64), np.array(sizes, dtype=np.int64),
-                   np.array(keep, dtype=bool))
+            seen_val.add(digest)
+            reason = None
+        if reason is not None:
+            (val_stats if is_val else stats).discard(reason)
+        keep.append(reason is None)
+    both = FilterStats(stats.kept + val_stats.kept, stats.skipped + val_stats.skipped)
+    return _Survey(both, digests, np.array(keys, dtype=np.float64), np.array(sizes, dtype=np.int64),
+                   np.array(keep, dtype=bool), n_train, stats, val_stats if val_sources else None)
 
 
 def _reread(sources: Sequence[str | Path], read_opts: dict, survey: _Survey) -> Iterator[tuple[int, str]]:
@@ -144,6 +176,33 @@ def _with_eos(ids: list[list[int]], eos_id: int, dtype: np.dtype) -> np.ndarray:
     return np.insert(flat, np.cumsum(lengths), eos_id)
 
 
+def check_val_sources(sources: Sequence[str | Path], val_sources: Sequence[str | Path], read_opts: dict,
+                      option: str = "--val ") -> list[str]:
+    """The val sources' kinds; a missing path, a DatasetDict whose train split would be read, an input given
+    as both, and val sources without a document are errors (``option`` names them: "--val ")."""
+    inputs = {Path(s).resolve() for s in sources}
+    kinds = []
+    for raw in val_sources:
+        path = Path(raw)
+        if not path.exists():
+            raise LMForgeError(f"{option}{path} not found. Check the spelling, or create it first.")
+        if path.resolve() in inputs:
+            raise LMForgeError(f"{option}{path} is also a training input: the same file cannot be both training "
+                               "and validation data. Give the validation set only as the validation input.")
+        kind = source_kind(path)
+        splits = dataset_dict_splits(path) if kind == "hf_dataset_dict" else []
+        if "train" in splits:  # it would be read as its train split
+            held = next((s for s in ("validation", "valid", "val", "dev", "test") if s in splits), "SPLIT")
+            raise LMForgeError(f"{option}{path} is a DatasetDict with splits {', '.join(splits)}, and its train "
+                               f"split is the one read: name the split to hold out, e.g. {option}{path / held}")
+        kinds.append(kind)
+    # Before the (long) first pass: read until the first document, so an empty val set fails fast.
+    if val_sources and next(iter_documents(val_sources, **read_opts), None) is None:
+        raise LMForgeError(f"{option}{' '.join(map(str, val_sources))} yields no documents (all empty, or no file "
+                           "matches --include). Check the validation inputs and --include / --text-field.")
+    return kinds
+
+
 def _check_out_dir(out: Path, overwrite: bool, sources: Sequence[str | Path], tokenizer_path: Path | None) -> None:
     remove_stale(out)  # a run killed mid-replacement may have moved the previous data aside
     if out.exists() and not out.is_dir():
@@ -195,36 +254,57 @@ def _write_splits(tmp: Path, sources: Sequence[str | Path], read_opts: dict, sur
 
 def prepare_data(sources: Sequence[str | Path], out_dir: str | Path, tokenizer: Tokenizer | str | Path,
                  include: Sequence[str] = DEFAULT_INCLUDE, text_field: str = "text",
-                 exclude_tests: bool = False, near_dedup: bool = False, val_fraction: float = 0.05,
+                 exclude_tests: bool = False, near_dedup: bool = False, val_fraction: float | None = None,
                  seed: int = 1337, shard_tokens: int = 100_000_000, overwrite: bool = False,
-                 show_progress: bool = True) -> dict:
+                 show_progress: bool = True, val_sources: Sequence[str | Path] = ()) -> dict:
     """Filter, deduplicate, split and tokenize ``sources`` into ``out_dir``; returns its meta.json.
 
+    The val split is ``val_fraction`` (default 0.05) of the documents by a hash split, or, with
+    ``val_sources``, exactly the documents of those (less copies of training documents); not both.
     ``out_dir`` appears only once complete (it is built in a hidden sibling and renamed), so an
     interrupted run never leaves a directory that looks valid. It holds a copy of the tokenizer.
     """
     if not sources:
         raise LMForgeError("no input paths given: pass one or more directories or files to read.")
+    if val_sources and val_fraction is not None:
+        raise LMForgeError(f"--val-fraction {val_fraction} and --val both given: --val holds out exactly its "
+                           "documents (no hash split). Drop --val-fraction, or drop --val to split the inputs.")
+    val_fraction = DEFAULT_VAL_FRACTION if val_fraction is None else val_fraction
     if not 0 < val_fraction < 1:
         raise LMForgeError(f"--val-fraction {val_fraction} must be between 0 and 1 (0.05 is typical).")
     if shard_tokens < 1:
         raise LMForgeError(f"--shard-tokens {shard_tokens} must be at least 1.")
     kinds = [source_kind(Path(s)) for s in sources]  # fails fast on a missing path
+    read_opts = {"include": tuple(include), "text_field": text_field, "exclude_tests": exclude_tests}
+    val_kinds = check_val_sources(sources, val_sources, read_opts)
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer.load(tokenizer)
     out = Path(out_dir).resolve()  # resolved so that "." still has a name for the temporary sibling
-    _check_out_dir(out, overwrite, sources, Path(tok.origin) if Path(tok.origin).exists() else None)
-    read_opts = {"include": tuple(include), "text_field": text_field, "exclude_tests": exclude_tests}
-    survey = _survey(sources, read_opts, near_dedup, seed, show_progress)
-    if survey.stats.kept == 0:
+    _check_out_dir(out, overwrite, [*sources, *val_sources],
+                   Path(tok.origin) if Path(tok.origin).exists() else None)
+    for src, kind in zip(sources, kinds, strict=True):
+        note = unread_splits_note(Path(src), [*sources, *val_sources]) if kind == "hf_dataset_dict" else None
+        if note:
+            print(note, file=sys.stderr)
+    survey = _survey(sources, read_opts, near_dedup, seed, show_progress, val_sources)
+    if survey.train_stats.kept == 0:
         raise LMForgeError(
             f"no documents left to prepare from {list(map(str, sources))} (filters: "
-            f"{survey.stats.as_dict()}). Check the inputs and --include / --text-field.")
+            f"{survey.train_stats.as_dict()}). Check the inputs and --include / --text-field.")
     is_val = np.zeros(len(survey.keep), dtype=bool)
-    is_val[survey.keep] = assign_heldout(survey.keys[survey.keep], val_fraction)
+    if val_sources:
+        is_val[survey.n_train:] = survey.keep[survey.n_train:]
+        if not is_val.any():
+            raise LMForgeError(
+                f"every document of --val {' '.join(map(str, val_sources))} duplicates a training document "
+                f"({survey.val_stats.skipped[VAL_LEAK]} exact or near copies), so the val split would be empty: "
+                "the inputs already contain the validation set. Give --val held-out data, or remove it from "
+                "the inputs.")
+    else:
+        is_val[survey.keep] = assign_heldout(survey.keys[survey.keep], val_fraction)
     dtype_name = "uint16" if tok.vocab_size <= 2**16 else "uint32"
 
     with atomic_directory(out) as tmp:
-        shards = _write_splits(tmp, sources, read_opts, survey, is_val, tok, DTYPES[dtype_name],
+        shards = _write_splits(tmp, [*sources, *val_sources], read_opts, survey, is_val, tok, DTYPES[dtype_name],
                                shard_tokens, show_progress)
         splits = {}
         for split, members in (("train", survey.keep & ~is_val), ("val", is_val)):
@@ -236,11 +316,15 @@ def prepare_data(sources: Sequence[str | Path], out_dir: str | Path, tokenizer: 
             "splits": splits, "filters": survey.stats.as_dict(),
             "sources": [{"path": str(Path(s).resolve()), "kind": kind}
                         for s, kind in zip(sources, kinds, strict=True)],
+            "val_sources": [{"path": str(Path(s).resolve()), "kind": kind}
+                            for s, kind in zip(val_sources, val_kinds, strict=True)],
             "settings": {"include": list(include), "text_field": text_field, "exclude_tests": exclude_tests,
-                         "near_dedup": near_dedup, "val_fraction": val_fraction, "seed": seed,
-                         "shard_tokens": shard_tokens},
+                         "near_dedup": near_dedup, "val_fraction": None if val_sources else val_fraction,
+                         "seed": seed, "shard_tokens": shard_tokens},
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
+        if survey.val_stats is not None:
+            meta["val_filters"] = survey.val_stats.as_dict()
         tok.save(tmp)
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     return meta

@@ -7,7 +7,8 @@ A source path is one of (detected from the path):
 * a Hugging Face dataset written by ``save_to_disk`` (a directory with ``dataset_info.json`` and
   ``state.json``): one document per row. For a ``DatasetDict`` (``dataset_dict.json``) only the
   ``train`` split is read when there is one (a benchmark's test split must never become training
-  data); otherwise every split, in name order. ``source_id`` = ``NAME#row`` or ``NAME#split/row``;
+  data); otherwise every split, in name order. ``source_id`` = ``NAME#row`` or ``NAME#split/row``.
+  Each split is a sub-directory that is itself a dataset, so ``NAME/validation`` reads that split;
 * a ``.jsonl`` file: one JSON object per line, ``source_id`` = ``NAME:line``;
 * a ``.parquet`` file: one document per row of the text column, ``source_id`` = ``NAME#row``;
 * any other file (``.txt``, ``.md``, ...): the whole file is one document, ``source_id`` = its name;
@@ -82,6 +83,35 @@ def source_kind(path: Path) -> str:
     if suffix == ".parquet":
         return "parquet"
     return "text"
+
+
+def dataset_dict_splits(path: Path) -> list[str]:
+    """The split names of a ``DatasetDict`` saved with ``save_to_disk`` (from its ``dataset_dict.json``)."""
+    try:
+        splits = json.loads((path / "dataset_dict.json").read_text(encoding="utf-8"))["splits"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise LMForgeError(f"{path / 'dataset_dict.json'} is not a readable DatasetDict index ({e}). Save the "
+                           "dataset again with save_to_disk.") from e
+    return [str(s) for s in splits]
+
+
+def splits_read(splits: Sequence[str]) -> list[str]:
+    """Which splits of a ``DatasetDict`` are read: ``train`` alone when there is one, else all in name order."""
+    return ["train"] if "train" in splits else sorted(splits)
+
+
+def unread_splits_note(path: Path, inputs: Sequence[str | Path] = ()) -> str | None:
+    """A note naming the splits of a ``DatasetDict`` at ``path`` that are not read, and how to hold one out;
+    None when every split is read or one of its splits is among ``inputs`` (the user knows them)."""
+    splits = dataset_dict_splits(path)
+    read = splits_read(splits)
+    unread = [s for s in sorted(splits) if s not in read]
+    given = {Path(p).resolve() for p in inputs}
+    if not unread or any((path / s).resolve() in given for s in splits):
+        return None
+    held = next((s for s in ("validation", "valid", "val", "dev") if s in unread), unread[0])
+    return (f"note: {path} has splits {', '.join(sorted(splits))}; read {', '.join(read)} only. To hold out "
+            f"its {held} split: --val {path / held} (data.val_path={path / held} in a training config).")
 
 
 def iter_documents(paths: Sequence[str | Path], include: Sequence[str] = DEFAULT_INCLUDE,
@@ -273,7 +303,7 @@ def _iter_hf_dataset(path: Path, text_field: str, is_dict: bool) -> Iterator[Doc
             "pip install 'lmforge[hf]' (or pip install datasets).") from e
     loaded = datasets.load_from_disk(str(path))
     if is_dict:
-        splits = ["train"] if "train" in loaded else sorted(loaded)
+        splits = splits_read(list(loaded))
         parts = [(f"{split}/", loaded[split]) for split in splits]
     else:
         parts = [("", loaded)]

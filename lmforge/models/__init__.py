@@ -20,9 +20,9 @@ def build_empty_model(config: Any, device) -> LMForgeModel:
     model computes from its config (``reset_buffers``) are computed."""
     import torch
 
-    from lmforge.models.base import rebuild_unsaved_buffers
+    from lmforge.models.base import on_meta_device, rebuild_unsaved_buffers
 
-    with torch.device("meta"):
+    with on_meta_device():
         model = build_model(config)
     # to_empty gives each module its own tensor: a parameter several modules share (a tied LM head, a trunk two
     # models use) is shared again afterwards, wherever the model tied it.
@@ -46,9 +46,9 @@ def load_model(directory, map_location="cpu") -> LMForgeModel:
 def count_parameters(config: Any) -> int:
     """Parameters of the model ``config`` describes (a shared tensor, e.g. a tied LM head, counted once),
     without allocating them: the model is built on PyTorch's meta device, so a 7B config costs nothing."""
-    import torch
+    from lmforge.models.base import on_meta_device
 
-    with torch.device("meta"):
+    with on_meta_device():
         model = build_model(config)
     return model.num_parameters()
 

@@ -28,6 +28,33 @@ from lmforge.typed import dataclass_from_dict
 CONFIG_FILE = "config.yaml"
 
 
+class _NoFillsOnMeta(torch.overrides.TorchFunctionMode):
+    """Skips the random (and constant) fills of ``torch.nn.init`` and ``Tensor.normal_`` ... on meta tensors."""
+
+    FILLS = frozenset({nn.init.normal_, nn.init.trunc_normal_, nn.init.uniform_, nn.init.constant_, nn.init.zeros_,
+                       nn.init.ones_, nn.init.xavier_normal_, nn.init.xavier_uniform_, nn.init.kaiming_normal_,
+                       nn.init.kaiming_uniform_, nn.init.orthogonal_, torch.Tensor.normal_, torch.Tensor.uniform_,
+                       torch.Tensor.zero_, torch.Tensor.fill_})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.FILLS:
+            target = args[0] if args else kwargs.get("tensor")  # nn.init passes it by keyword
+            if isinstance(target, torch.Tensor) and target.is_meta:
+                return target
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def on_meta_device():
+    """Build modules on PyTorch's meta device: shapes without memory, for a model whose weights are loaded
+    (or only counted) next. Their initialisers are skipped: a meta tensor holds no values, and filling one runs
+    a Python decomposition whose first call imports torch._dynamo, ~2 s of CPU every verb that loads a model
+    paid before it did any work."""
+    with torch.device("meta"), _NoFillsOnMeta():
+        yield
+
+
 class LMForgeModel(nn.Module):
     """Base class: subclasses set ``family`` and ``config_class`` and implement ``forward``."""
 
@@ -153,7 +180,7 @@ class LMForgeModel(nn.Module):
             raise LMForgeError(f"{directory} holds a {klass.family!r} model, not a {cls.family!r} model")
         # Built on the meta device and given the file's tensors (assign=True): no random initialisation and
         # no second copy of the weights (a 1.3B model loaded in ~30 s and twice its size before).
-        with torch.device("meta"):
+        with on_meta_device():
             model = klass(config)
         try:
             state = _read_weights(directory, map_location)

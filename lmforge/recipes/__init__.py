@@ -175,6 +175,7 @@ class RecipeSpec:
     # training.compile_mode reduce-overhead / max-autotune (CUDA graphs) is safe with this kind: no output of
     # its compiled step (a carried state, a cache) is read after the next micro-batch's replay
     supports_cuda_graphs: bool = False
+    reads_val_path: bool = False  # data.val_path (a validation set of the user's own beside data.train_path)
     # --- evaluation -------------------------------------------------------------------------------
     best_metric: str = "eval/loss"  # the metric that picks checkpoints/best
     best_higher_is_better: bool = False

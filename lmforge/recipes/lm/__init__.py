@@ -58,4 +58,5 @@ SPEC = register(RecipeSpec(
     bench_data=bench_data,
     supports_fsdp=True,
     supports_cuda_graphs=True,
+    reads_val_path=True,
 ))

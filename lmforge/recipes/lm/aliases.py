@@ -1,5 +1,6 @@
 """The RLM-mHC guide's key names (seed 002) for the gpt family, Hydra-style: `lmforge train rlm_mhc_tiny
-training.optimizer.lr=5e-5 training.batch_size=4 data.train_path=x.jsonl` works as written. Its
+training.optimizer.lr=5e-5 training.batch_size=4 data.train_path=x.jsonl` works as written (the names it
+shares with Hugging Face's Trainer, such as training.batch_size, are every kind's: ``lmforge.config.TRAINER_NAMES``). Its
 model sizes (`model.hidden_dim` ...) are mapped by the gpt family's config (``lmforge.models.gpt.SEED_NAMES``);
 here they only make a later layer's spelling replace an earlier layer's other spelling."""
 
@@ -14,20 +15,12 @@ from lmforge.typed import short_repr
 
 SEED_ALIASES = {
     "model.gradient_checkpointing": "training.activation_checkpointing",
-    "training.gradient_checkpointing": "training.activation_checkpointing",
     "training.optimizer.lr": "training.lr",
     "training.optimizer.weight_decay": "training.weight_decay",
     "training.optimizer.eps": "training.eps",
     "training.scheduler.type": "training.schedule",
     "training.scheduler.warmup_steps": "training.warmup_steps",
     "training.scheduler.min_lr_ratio": "training.min_lr_ratio",
-    "training.batch_size": "training.micro_batch_size",
-    "training.gradient_accumulation_steps": "training.grad_accum_steps",
-    "training.mixed_precision": "training.precision",
-    "training.save_steps": "training.save_interval",
-    "training.logging_steps": "training.log_interval",
-    "training.eval_steps": "training.eval_interval",
-    "training.max_grad_norm": "training.grad_clip",
     "training.wandb.project": "logging.wandb_project",
     "training.wandb.entity": "logging.wandb_entity",
     "training.wandb.name": "logging.wandb_run_name",

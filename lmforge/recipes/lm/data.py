@@ -38,10 +38,14 @@ def given_tokenizer(cfg: RunConfig) -> str:
 def prepare_train_path(cfg: RunConfig, distinfo: DistInfo) -> None:
     """data.train_path (raw JSONL / text / a directory): tokenize it into RUN_DIR/data once, with
     data.tokenizer or a tokenizer trained on it (model.vocab_size tokens, or 8192), and reuse that
-    directory on resumed runs. Rank 0 does the work; the others wait."""
+    directory on resumed runs. data.val_path, if given, is the val split (else data.val_fraction of
+    data.train_path); the tokenizer is trained on data.train_path only. Rank 0 does the work; the others
+    wait."""
     from lmforge.data import prepare_data, train_tokenizer_from_sources
     from lmforge.data.loader import read_meta
+    from lmforge.data.prepare import VAL_LEAK, check_val_sources
     src, out = Path(cfg.data.train_path), token_data_dir(cfg)
+    val = [Path(cfg.data.val_path)] if cfg.data.val_path else []
     given = given_tokenizer(cfg)
     if distinfo.is_main:
         if not src.exists():
@@ -54,11 +58,21 @@ def prepare_train_path(cfg: RunConfig, distinfo: DistInfo) -> None:
             if prepared_from != [str(src.resolve())]:
                 raise LMForgeError(f"{out} was prepared from {prepared_from}, not data.train_path={src}; "
                                    "train into a new run (name=NEW) or delete that directory")
+            held_out = [s["path"] for s in meta.get("val_sources", [])]  # data of older runs has none
+            if held_out != [str(v.resolve()) for v in val]:
+                was = (f"the validation set {held_out[0]}" if held_out
+                       else "data.val_fraction's split (no data.val_path)")
+                now = f"data.val_path={val[0]}" if val else "no data.val_path"
+                raise LMForgeError(f"{out} was prepared with {was}, but this run has {now}; train into a new run "
+                                   "(name=NEW), or delete that directory to prepare it again")
             if given and Tokenizer.load(given).sha256 != meta["tokenizer_sha256"]:
                 raise LMForgeError(f"{out} was tokenized with another tokenizer than {given}; train into a new "
                                    "run (name=NEW)")
             print(f"data: reusing {out} (prepared from {src})")
         else:
+            # before a tokenizer is trained: a missing, empty or doubly given data.val_path fails fast
+            check_val_sources([src], val, {"include": include, "text_field": cfg.data.text_field},
+                              option="data.val_path=")
             tokenizer: Path | str = given
             scratch = cfg.run_dir / ".tokenizer-training"  # the tokenizer's lasting copy goes into `out`
             try:
@@ -68,9 +82,14 @@ def prepare_train_path(cfg: RunConfig, distinfo: DistInfo) -> None:
                     train_tokenizer_from_sources([src], scratch, vocab_size=vocab, include=include,
                                                  text_field=cfg.data.text_field, seed=cfg.seed, overwrite=True)
                     tokenizer = scratch
-                print(f"data: tokenizing {src} into {out}")
-                prepare_data([src], out, tokenizer, include=include, text_field=cfg.data.text_field,
-                             val_fraction=cfg.data.val_fraction, seed=cfg.seed)
+                print(f"data: tokenizing {src}" + (f" (validation: {val[0]})" if val else "") + f" into {out}")
+                meta = prepare_data([src], out, tokenizer, include=include, text_field=cfg.data.text_field,
+                                    val_fraction=None if val else cfg.data.val_fraction, seed=cfg.seed,
+                                    val_sources=val)
+                leaked = meta.get("val_filters", {}).get("skipped", {}).get(VAL_LEAK, 0)
+                if leaked:
+                    print(f"warning: {leaked} documents of data.val_path={val[0]} duplicate documents of "
+                          f"data.train_path={src} (exact or near copies) and were left out of the val split")
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
     barrier(distinfo)

@@ -71,6 +71,8 @@ class Rotary(nn.Module):
 
     def reset_buffers(self, device: torch.device | str) -> None:
         """Compute the tables (on ``device``): at construction, and after a load onto the meta device."""
+        if torch.device(device).type == "meta":
+            return  # shapes only (the empty tables registered): computed once the model has a real device
         hd = self.head_dim
         inv_freq = self.theta ** (-torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd)
         freqs = torch.outer(torch.arange(self.seq_len, dtype=torch.float32, device=device), inv_freq)
