@@ -243,8 +243,10 @@ def load_config(recipe: str | None = None, overrides: list[str] | None = None,
     spec = kind_of_layers(layers)
     # A guide's names are resolved per layer, so a later layer's alias overrides an earlier key.
     merged: dict[str, Any] = {}
-    for layer in layers:
+    for i, layer in enumerate(layers):
         layer = apply_aliases(layer, spec)
+        if i > 0 or not recipe:  # not a recipe file: a run's resolved config.yaml holds every key, both of these too
+            _refuse_both_in_one_layer(layer)
         merged = deep_merge(_drop_superseded(merged, layer, spec), layer)
     return config_from_dict(merged)
 
@@ -442,6 +444,22 @@ SUPERSEDES: dict[str, dict[str, list[tuple[str, Any]]]] = {
     "data": {"train_path": [("path", "")], "path": [("train_path", "")],
              "val_path": [("val_fraction", DataConfig.val_fraction)]},
 }
+
+
+def _refuse_both_in_one_layer(layer: dict[str, Any]) -> None:
+    """A key and the one it switches off (training.max_steps and epochs ...) given in one place (one command
+    line, a pipeline stage's overrides) would leave one silently ignored: across layers the later wins
+    (SUPERSEDES)."""
+    training = layer.get("training")
+    if not isinstance(training, dict):
+        return
+    for plain, others in SUPERSEDES["training"].items():
+        for other, off in others:
+            if plain in training and other in training and training[other] != off:
+                raise LMForgeError(
+                    f"training.{plain}={short_repr(training[plain])} and training.{other}="
+                    f"{short_repr(training[other])} are both given in one place, and {other} decides over "
+                    f"{plain}: keep one (training.{other}={off} switches it off)")
 
 
 def _drop_superseded(merged: dict[str, Any], layer: dict[str, Any], spec: RecipeSpec) -> dict[str, Any]:

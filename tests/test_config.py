@@ -56,6 +56,19 @@ def test_trainer_settings_without_a_key_say_what_lmforge_does_instead(override, 
         load_config("go_coder_tiny", ["training.bf16=true", "training.precision=fp32"])
 
 
+def test_a_key_and_the_one_that_switches_it_off_in_one_place_is_an_error():
+    """Across layers the later wins (the user's max_steps over a recipe's epochs); in one command line one of
+    the two would be silently ignored (seed 003's `epochs=500` beside `training.max_steps=3` trained 5,000
+    steps)."""
+    with pytest.raises(LMForgeError, match=r"training.max_steps=3 and training.epochs=500 are both given in one "
+                                           r"place.*training.epochs=0 switches it off"):
+        load_config("hrm_sudoku", ["epochs=500", "training.max_steps=3"])
+    with pytest.raises(LMForgeError, match="training.micro_batch_size=4 and training.global_batch_size=8"):
+        load_config("go_coder_tiny", ["training.micro_batch_size=4", "training.global_batch_size=8"])
+    assert load_config("hrm_sudoku", ["training.max_steps=3"]).training.max_steps == 3  # over the recipe's epochs
+    assert load_config("hrm_sudoku", ["epochs=0", "training.max_steps=3"]).training.max_steps == 3
+
+
 def test_dotted_overrides_are_typed_and_applied():
     cfg = load_config("go_coder_tiny", ["training.max_steps=200", "model.n_layer=3", "training.lr=5e-4",
                                         "training.compile=true", "name=x"])

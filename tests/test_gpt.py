@@ -129,6 +129,15 @@ def test_corrupt_or_truncated_weights_raise_lmforge_error(tmp_path):
         LMForgeModel.from_pretrained(tmp_path)
 
 
+def test_from_pretrained_takes_a_run_directory(tmp_path):
+    """As every verb does: a run directory means its best checkpoint (else its latest step)."""
+    best = tiny()
+    best.save_pretrained(tmp_path / "run" / "checkpoints" / "best")
+    assert torch.equal(GPT.from_pretrained(tmp_path / "run").tok_embed.weight, best.tok_embed.weight)
+    with pytest.raises(LMForgeError, match="holds no model"):
+        LMForgeModel.from_pretrained(tmp_path)
+
+
 def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path):
     """A model of NaN weights would serve, export or resume into NaN without saying why."""
     model = tiny()

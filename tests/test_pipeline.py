@@ -319,7 +319,8 @@ def test_a_stage_on_two_processes_runs_under_torchrun_sharded(corpus, tmp_path, 
     data["stages"] = data["stages"][:2]  # tok, base
     base = _stage(data, "base")
     base["overrides"]["model"].update({"embd_pdrop": 0.0, "resid_pdrop": 0.0, "attn_pdrop": 0.0})
-    base["overrides"]["training"] = {**base["overrides"]["training"], "global_batch_size": 4, "parallel": "fsdp"}
+    base["overrides"]["training"] = {**{k: v for k, v in base["overrides"]["training"].items() if k != "micro_batch_size"},
+                                     "global_batch_size": 4, "parallel": "fsdp"}  # one of the two, in one place
     one = write(tmp_path / "one.yaml", data)
     base.update(processes=2)
     two = write(tmp_path / "two.yaml", data)
@@ -356,7 +357,8 @@ def test_a_failed_stage_on_two_processes_records_their_error(corpus, tmp_path):
     data["stages"] = data["stages"][:2]
     base = _stage(data, "base")
     base.update(processes=2)
-    base["overrides"]["training"] = {**base["overrides"]["training"], "global_batch_size": 5}
+    base["overrides"]["training"] = {**{k: v for k, v in base["overrides"]["training"].items() if k != "micro_batch_size"},
+                                     "global_batch_size": 5}
     file = write(tmp_path / "p.yaml", data)
     with pytest.raises(LMForgeError, match=r"2 training processes \(torchrun\) failed with exit code 1: "
                                            r"training.global_batch_size=5 is not divisible by 2 process"):

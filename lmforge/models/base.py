@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from lmforge.checkpoint import (SHARDS_FILE, WEIGHTS_FILE, first_non_finite, is_sharded, non_finite_message,
-                                read_sharded_weights)
+                                read_sharded_weights, resolve_model_dir)
 from lmforge.errors import LMForgeError
 from lmforge.files import atomic_file
 from lmforge.recipes import model_class
@@ -172,8 +172,9 @@ class LMForgeModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, map_location: str | torch.device = "cpu"):
-        """Load a model saved by ``save_pretrained``; works on the base class for any family."""
-        directory = Path(directory)
+        """Load a model saved by ``save_pretrained`` (or a run directory's ``best``, else its latest checkpoint);
+        works on the base class for any family."""
+        directory = resolve_model_dir(directory)
         weights_path = directory / WEIGHTS_FILE
         klass, config = read_model_config(directory)
         if cls is not LMForgeModel and not issubclass(klass, cls):
