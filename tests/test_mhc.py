@@ -418,7 +418,7 @@ def test_init_from_fine_tunes_other_data_and_resume_refuses_it(tmp_path, jsonl):
 
 
 def test_missing_data_and_bad_jsonl_are_clear_errors(tmp_path):
-    with pytest.raises(LMForgeError, match="no training data: set data.train_path"):
+    with pytest.raises(LMForgeError, match="no training data: set data.train_path.*`lmforge data stories --out DIR`"):
         train(load_config("rlm_mhc_tiny", [f"out_dir={tmp_path}", *TINY]))
     with pytest.raises(LMForgeError, match="data.train_path=.*nope.jsonl does not exist"):
         train(load_config("rlm_mhc_tiny", [f"out_dir={tmp_path}", f"data.train_path={tmp_path / 'nope.jsonl'}",

@@ -102,7 +102,10 @@ def build_token_data(cfg: RunConfig, distinfo: DistInfo) -> TrainData:
     if not cfg.data.path and not cfg.data.train_path:
         raise LMForgeError("no training data: set data.train_path to a JSONL file of {\"text\": ...} records "
                            "(or a text file / directory), or data.path to a directory made by `lmforge data "
-                           "prepare` (e.g. data.path=data/go)")
+                           "prepare` (e.g. data.path=data/go). No data at hand: `lmforge data stories --out DIR` "
+                           "writes a small story corpus in seconds (then data.train_path=DIR/train.txt "
+                           "data.val_path=DIR/val.txt), and `lmforge bench RECIPE` runs the model on random "
+                           "tokens")
     if not path.exists():
         raise LMForgeError(f"data.path={path} does not exist; run `lmforge data prepare SRC --tokenizer TOK "
                            f"--out {path}` first")
