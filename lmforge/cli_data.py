@@ -61,13 +61,20 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
         val_fraction=args.val_fraction, seed=args.seed, shard_tokens=args.shard_tokens,
         overwrite=args.overwrite, show_progress=args.progress, val_sources=args.val or ())
     print(f"data: {args.out} ({meta['dtype']}, vocab size {meta['vocab_size']})")
-    _print_filters(meta["filters"])
-    if "val_filters" in meta:
-        _print_filters(meta["val_filters"], "--val documents")
-        leaked = meta["val_filters"]["skipped"].get(VAL_LEAK, 0)
+    if "val_filters" in meta:  # meta's filters count both; each side on its own line
+        val = meta["val_filters"]
+        train = {"kept": meta["filters"]["kept"] - val["kept"],
+                 "skipped": {reason: n - val["skipped"].get(reason, 0) for reason, n in meta["filters"]["skipped"].items()
+                             if n - val["skipped"].get(reason, 0)}}
+        _print_filters(train)
+        _print_filters(val, "--val documents")
+        leaked = val["skipped"].get(VAL_LEAK, 0)
         if leaked:
-            print(f"  warning: {leaked} documents of --val duplicate training documents (exact or near copies) "
+            copies = "exact or near copies" if args.near_dedup else "exact copies"
+            print(f"  warning: {leaked} documents of --val duplicate training documents ({copies}) "
                   "and were left out of val: the inputs hold part of the validation set")
+    else:
+        _print_filters(meta["filters"])
     for name, split in meta["splits"].items():
         per_byte = split["bytes"] / split["tokens"] if split["tokens"] else 0.0
         print(f"  {name}: {split['documents']} documents, {split['tokens']:,} tokens in "

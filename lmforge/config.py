@@ -366,6 +366,11 @@ TRAINER_NAMES = {
 # The Trainer's schedules that lmforge has (its cosine ends at training.min_lr_ratio x lr; the Trainer's at 0).
 TRAINER_SCHEDULES = {"cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant",
                      "warmup_stable_decay": "wsd"}
+# Trainer settings whose Trainer default is what lmforge does anyway: dropped, so a pasted TrainingArguments dump
+# loads (max_steps -1 is the Trainer's "not set": num_train_epochs decides).
+TRAINER_DEFAULTS = {"optim": ("adamw_torch", "adamw_torch_fused", "adamw_hf"), "warmup_ratio": (0, 0.0),
+                    "dataloader_num_workers": (0,), "max_steps": (-1,), "load_best_model_at_end": (True, False),
+                    "report_to": ("tensorboard", ["tensorboard"])}
 _EVAL_BATCH = ("evaluation runs training.micro_batch_size sequences a pass; training.eval_batches sets how many "
                "batches it scores (0 = the whole validation split)")
 # Trainer settings lmforge has no key for: what it does instead.
@@ -397,18 +402,25 @@ def trainer_names(values: dict[str, Any]) -> dict[str, Any]:
         return values
     training = dict(values["training"])
     out = {**values, "training": training}
+    for name, value in TRAINER_DEFAULTS.items():  # a pasted Trainer dump: its defaults are lmforge's behaviour
+        if name in training and training[name] in value:
+            del training[name]
+    if "save_total_limit" in training and training["save_total_limit"] is None:
+        raise LMForgeError("training.save_total_limit=null (the Trainer keeps every checkpoint) has no lmforge "
+                           "equivalent: training.keep_last=N keeps the last N step checkpoints, besides best/")
     for name, instead in TRAINER_WITHOUT_KEY.items():
         if name in training:
             raise LMForgeError(f"training.{name} (a Hugging Face Trainer setting) has no lmforge key: {instead}")
     moves: list[tuple[str, Any, str]] = []  # (lmforge's key, value, the name given); all popped before any is set
-    for name in ("fp16", "bf16"):
-        if name in training:
-            on = training.pop(name)
-            if not isinstance(on, bool):
-                raise LMForgeError(f"training.{name} must be true or false, got {short_repr(on)}; or set "
-                                   "training.precision=auto|fp32|bf16|fp16")
-            if on:
-                moves.append(("training.precision", name, f"training.{name}"))
+    flags = {name: training.pop(name) for name in ("fp16", "bf16") if name in training}
+    for name, on in flags.items():
+        if not isinstance(on, bool):
+            raise LMForgeError(f"training.{name} must be true or false, got {short_repr(on)}; or set "
+                               "training.precision=auto|fp32|bf16|fp16")
+        if on:
+            moves.append(("training.precision", name, f"training.{name}"))
+    if flags and not any(flags.values()) and "precision" not in training and "mixed_precision" not in training:
+        moves.append(("training.precision", "fp32", " and ".join(f"training.{n}=false" for n in flags)))
     if "lr_scheduler_type" in training:
         kind = training["lr_scheduler_type"]
         if not isinstance(kind, str) or kind not in TRAINER_SCHEDULES:

@@ -232,7 +232,7 @@ def _refuse_trainer_flag(name: str, value: str | None) -> None:
     ``--max_steps 100``): say how lmforge takes it, not that it is unknown to seed 004."""
     import dataclasses
 
-    from lmforge.config import TRAINER_NAMES, TRAINER_WITHOUT_KEY, TrainingConfig
+    from lmforge.config import TRAINER_NAMES, TRAINER_SCHEDULES, TRAINER_WITHOUT_KEY, TrainingConfig
 
     key = name.lstrip("-").replace("-", "_")
     if value is not None and (value.startswith("-") or "=" in value):
@@ -245,9 +245,14 @@ def _refuse_trainer_flag(name: str, value: str | None) -> None:
     if key in TRAINER_WITHOUT_KEY:
         raise LMForgeError(f"{name} (a Hugging Face Trainer argument) has no lmforge setting: {TRAINER_WITHOUT_KEY[key]}")
     if key in TRAINER_NAMES or key in ("fp16", "bf16"):
+        switch = key in ("fp16", "bf16", "gradient_checkpointing")  # the Trainer's store_true flags
+        if key == "lr_scheduler_type" and value is not None and value not in TRAINER_SCHEDULES:
+            raise LMForgeError(f"{name} {shown}: lmforge has no such schedule; training.lr_scheduler_type takes "
+                               f"{', '.join(TRAINER_SCHEDULES)} (training.schedule: cosine, constant, wsd)")
+        given = ("true" if switch else "VALUE") if value is None else shown
         raise LMForgeError(f"{name} is a Hugging Face Trainer argument: lmforge takes its settings as key=value "
-                           f"overrides, here training.{key}={'true' if value is None else shown} (lmforge train "
-                           "--help; the Trainer's names are read under training.*)")
+                           f"overrides, here training.{key}={given} (lmforge train --help; the Trainer's names "
+                           "are read under training.*)")
     if key in {f.name for f in dataclasses.fields(TrainingConfig)}:
         raise LMForgeError(f"{name}: lmforge takes its settings as key=value overrides: training.{key}={shown}")
 

@@ -38,6 +38,13 @@ def test_hugging_face_trainer_names_are_read_by_every_kind(recipe):
                                "training.lr_scheduler_type=constant_with_warmup"]).training
     assert (off.precision, off.schedule) == ("bf16", "constant")
     assert load_config(recipe, ["training.mixed_precision=no"]).training.precision == "fp32"
+    # both flags off is the Trainer's full precision (auto would pick fp16 on an older GPU)
+    assert load_config(recipe, ["training.fp16=false", "training.bf16=false"]).training.precision == "fp32"
+    assert load_config(recipe, ["training.fp16=false", "training.precision=bf16"]).training.precision == "bf16"
+    # a pasted TrainingArguments dump: the Trainer's defaults that are lmforge's behaviour load
+    dump = load_config(recipe, values={"training": {**TRAINER_ARGS, "optim": "adamw_torch", "warmup_ratio": 0.0,
+                                                    "max_steps": -1, "dataloader_num_workers": 0}}).training
+    assert (dump.epochs, dump.lr) == (3, 5e-4)
 
 
 @pytest.mark.parametrize("override, message", [
@@ -46,6 +53,7 @@ def test_hugging_face_trainer_names_are_read_by_every_kind(recipe):
     ("training.optim=adamw_8bit", "lmforge trains with AdamW"),
     ("training.lr_scheduler_type=linear", "'linear' has no lmforge schedule; use one of cosine"),
     ("training.fp16=1", "training.fp16 must be true or false"),
+    ("training.save_total_limit=null", "save_total_limit=null (the Trainer keeps every checkpoint) has no lmforge"),
 ])
 def test_trainer_settings_without_a_key_say_what_lmforge_does_instead(override, message):
     with pytest.raises(LMForgeError, match=re.escape(message)):

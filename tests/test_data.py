@@ -108,7 +108,7 @@ def test_jsonl_custom_field_text_file_and_parquet(tmp_path):
                      encoding="utf-8")
     notes = tmp_path / "notes.md"
     notes.write_text("# Notes\n\nwhole file is one document\n", encoding="utf-8")
-    pa = pytest.importorskip("pyarrow")
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     table = pa.table({"body": ["row zero", None, "row two"], "n": [0, 1, 2]})
@@ -127,7 +127,7 @@ def test_jsonl_custom_field_text_file_and_parquet(tmp_path):
 
 
 def test_hf_dataset_on_disk_and_dataset_dict_train_split(tmp_path):
-    datasets = pytest.importorskip("datasets")
+    import datasets
     plain = datasets.Dataset.from_dict({"text": ["alpha", "beta"], "label": [0, 1]})
     plain.save_to_disk(str(tmp_path / "hf"))
     datasets.DatasetDict({
@@ -392,6 +392,13 @@ def test_bad_val_inputs_are_clear_errors(tmp_path, tok_dir):
     for same in (records, tmp_path / "link.jsonl"):
         with pytest.raises(LMForgeError, match="is also a training input: the same file cannot be both"):
             prepare([records], out, tok_dir, val_sources=[same])
+    # a file inside a training directory is one training document there: no copy would ever be detected
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    inner = write_jsonl(tree / "held.jsonl", ["held-out text"])
+    for val, sources, word in ((inner, [tree], "lies inside"), (tree, [inner], "holds")):
+        with pytest.raises(LMForgeError, match=rf"--val .* {word} the training input .*move the validation files out"):
+            prepare(sources, out, tok_dir, val_sources=[val], include=["**/*.jsonl"])
     empty = write_jsonl(tmp_path / "empty.jsonl", ["", "  \n"])
     with pytest.raises(LMForgeError, match=r"--val .*empty.jsonl yields no documents"):
         prepare([records], out, tok_dir, val_sources=[empty])
@@ -404,11 +411,11 @@ def test_bad_val_inputs_are_clear_errors(tmp_path, tok_dir):
         prepare([records], out, tok_dir, val_sources=[val], val_fraction=0.1)
     assert not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["copies.jsonl", "empty.jsonl", "link.jsonl", "train.jsonl",
-                                                          "val.jsonl"]
+                                                          "tree", "val.jsonl"]
 
 
 def test_dataset_dict_notes_its_unread_splits_and_a_split_directory_is_a_val_input(tmp_path, tok_dir, tok, capsys):
-    datasets = pytest.importorskip("datasets")
+    import datasets
     train_rows, val_rows = numbered_records(8), ["held-out row one", "held-out row two"]
     ds = tmp_path / "ds"
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": train_rows}),
@@ -443,8 +450,9 @@ def test_cli_data_prepare_with_val(tmp_path, tok_dir, capsys):
                               str(tok_dir), "--out", str(out), "--no-progress"])
     assert args.func(args) == 0
     printed = capsys.readouterr().out
+    assert "  documents kept 10, skipped 0 (none)\n" in printed  # the training inputs' own line
     assert "--val documents kept 2, skipped 1 (val_duplicate_of_train 1)" in printed
-    assert "warning: 1 documents of --val duplicate training documents" in printed
+    assert "warning: 1 documents of --val duplicate training documents (exact copies)" in printed
     assert "train: 10 documents" in printed and "val: 2 documents" in printed
     assert [s["path"] for s in json.loads((out / "meta.json").read_text())["val_sources"]] == [
         str(one.resolve()), str(two.resolve())]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("lm_eval")
+import lm_eval  # noqa: E402,F401  (the test extra has it: a missing one fails here)
 
 from lmforge.cli import main  # noqa: E402
 from lmforge.eval.harness import LMForgeLM  # noqa: E402
@@ -44,7 +44,7 @@ def setup(tmp_path_factory):
 @pytest.fixture(scope="module")
 def hf_lm(setup):
     """lm_eval's own hf backend on the export, scoring as lmforge does (tests/lm_eval_tasks.hf_model_args)."""
-    pytest.importorskip("accelerate")  # lm_eval[hf]
+    import accelerate  # noqa: F401  (lm_eval[hf], in the test extra)
     from lm_eval.models.huggingface import HFLM
 
     _, hf_dir, _ = setup
@@ -96,7 +96,7 @@ def test_answers_equal_the_hf_backend_on_the_export(setup, hf_results, monkeypat
 def test_gpt2_flavor_long_inputs_and_empty_contexts_score_as_in_the_hf_backend(setup, tmp_path):
     """Requests the local tasks do not make: contexts longer than the model's 64 positions (cut from the
     left), an empty context (the separator), a text over several rolling windows; a gpt2-flavor model."""
-    pytest.importorskip("accelerate")  # lm_eval[hf]
+    import accelerate  # noqa: F401  (lm_eval[hf], in the test extra)
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
 

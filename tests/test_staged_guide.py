@@ -206,6 +206,10 @@ def test_unknown_flags_name_the_close_match(capsys):
     assert rc == 2 and "give --resume runs/x" in err and "training.init_from=runs/x" in err
     rc, _, err = _run(capsys, ["train", "go_coder_tiny", "--max_steps=10"])
     assert rc == 2 and "training.max_steps=10" in err
+    rc, _, err = _run(capsys, ["train", "go_coder_tiny", "--learning_rate", "--fp16"])  # no value given
+    assert rc == 2 and "training.learning_rate=VALUE" in err
+    rc, _, err = _run(capsys, ["train", "go_coder_tiny", "--lr_scheduler_type", "linear"])
+    assert rc == 2 and "lmforge has no such schedule" in err
     rc, _, err = _run(capsys, ["train", "go_coder_tiny", "--warmup_ratio", "0.1"])
     assert rc == 2 and "has no lmforge setting: give the warmup as training.warmup_steps" in err
     rc, _, err = _run(capsys, ["train", "--stage", "rlhf"])

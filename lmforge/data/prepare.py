@@ -176,19 +176,39 @@ def _with_eos(ids: list[list[int]], eos_id: int, dtype: np.dtype) -> np.ndarray:
     return np.insert(flat, np.cumsum(lengths), eos_id)
 
 
+def _flags(option: str) -> str:
+    """How the reading options are spelled where ``option`` is: the command line's flags or a config's keys."""
+    return "--include / --text-field" if option.startswith("--") else "data.include / data.text_field"
+
+
+def _refuse_overlap(path: Path, sources: Sequence[str | Path], option: str) -> None:
+    """A validation input that is a training input, lies inside a training directory or holds one would be
+    read as training data too (a directory reads a file as one document, so no copy would be detected)."""
+    here = path.resolve()
+    for src in map(Path, sources):
+        there = src.resolve()
+        if here == there:
+            raise LMForgeError(f"{option}{path} is also a training input: the same file cannot be both training "
+                               "and validation data. Give the validation set only as the validation input.")
+        if source_kind(src) == "hf_dataset_dict":
+            continue  # only its train split is read: DS --val DS/validation holds out another split
+        if here.is_relative_to(there) or there.is_relative_to(here):
+            inside = here.is_relative_to(there)
+            raise LMForgeError(f"{option}{path} {'lies inside' if inside else 'holds'} the training input {src}, "
+                               "whose files are read as training documents: move the validation files out of "
+                               "the training directory (or give the training files one by one).")
+
+
 def check_val_sources(sources: Sequence[str | Path], val_sources: Sequence[str | Path], read_opts: dict,
                       option: str = "--val ") -> list[str]:
     """The val sources' kinds; a missing path, a DatasetDict whose train split would be read, an input given
     as both, and val sources without a document are errors (``option`` names them: "--val ")."""
-    inputs = {Path(s).resolve() for s in sources}
     kinds = []
     for raw in val_sources:
         path = Path(raw)
         if not path.exists():
             raise LMForgeError(f"{option}{path} not found. Check the spelling, or create it first.")
-        if path.resolve() in inputs:
-            raise LMForgeError(f"{option}{path} is also a training input: the same file cannot be both training "
-                               "and validation data. Give the validation set only as the validation input.")
+        _refuse_overlap(path, sources, option)
         kind = source_kind(path)
         splits = dataset_dict_splits(path) if kind == "hf_dataset_dict" else []
         if "train" in splits:  # it would be read as its train split
@@ -199,7 +219,7 @@ def check_val_sources(sources: Sequence[str | Path], val_sources: Sequence[str |
     # Before the (long) first pass: read until the first document, so an empty val set fails fast.
     if val_sources and next(iter_documents(val_sources, **read_opts), None) is None:
         raise LMForgeError(f"{option}{' '.join(map(str, val_sources))} yields no documents (all empty, or no file "
-                           "matches --include). Check the validation inputs and --include / --text-field.")
+                           f"matches the include globs). Check the validation inputs and {_flags(option)}.")
     return kinds
 
 
@@ -256,13 +276,14 @@ def prepare_data(sources: Sequence[str | Path], out_dir: str | Path, tokenizer: 
                  include: Sequence[str] = DEFAULT_INCLUDE, text_field: str = "text",
                  exclude_tests: bool = False, near_dedup: bool = False, val_fraction: float | None = None,
                  seed: int = 1337, shard_tokens: int = 100_000_000, overwrite: bool = False,
-                 show_progress: bool = True, val_sources: Sequence[str | Path] = ()) -> dict:
+                 show_progress: bool = True, val_sources: Sequence[str | Path] = (), val_option: str = "--val ") -> dict:
     """Filter, deduplicate, split and tokenize ``sources`` into ``out_dir``; returns its meta.json.
 
     The val split is ``val_fraction`` (default 0.05) of the documents by a hash split, or, with
     ``val_sources``, exactly the documents of those (less copies of training documents); not both.
     ``out_dir`` appears only once complete (it is built in a hidden sibling and renamed), so an
     interrupted run never leaves a directory that looks valid. It holds a copy of the tokenizer.
+    ``val_option`` is how messages name the validation inputs ("--val ", or "data.val_path=" in training).
     """
     if not sources:
         raise LMForgeError("no input paths given: pass one or more directories or files to read.")
@@ -276,7 +297,7 @@ def prepare_data(sources: Sequence[str | Path], out_dir: str | Path, tokenizer: 
         raise LMForgeError(f"--shard-tokens {shard_tokens} must be at least 1.")
     kinds = [source_kind(Path(s)) for s in sources]  # fails fast on a missing path
     read_opts = {"include": tuple(include), "text_field": text_field, "exclude_tests": exclude_tests}
-    val_kinds = check_val_sources(sources, val_sources, read_opts)
+    val_kinds = check_val_sources(sources, val_sources, read_opts, option=val_option)
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer.load(tokenizer)
     out = Path(out_dir).resolve()  # resolved so that "." still has a name for the temporary sibling
     _check_out_dir(out, overwrite, [*sources, *val_sources],
@@ -289,16 +310,16 @@ def prepare_data(sources: Sequence[str | Path], out_dir: str | Path, tokenizer: 
     if survey.train_stats.kept == 0:
         raise LMForgeError(
             f"no documents left to prepare from {list(map(str, sources))} (filters: "
-            f"{survey.train_stats.as_dict()}). Check the inputs and --include / --text-field.")
+            f"{survey.train_stats.as_dict()}). Check the inputs and {_flags(val_option)}.")
     is_val = np.zeros(len(survey.keep), dtype=bool)
     if val_sources:
         is_val[survey.n_train:] = survey.keep[survey.n_train:]
         if not is_val.any():
             raise LMForgeError(
-                f"every document of --val {' '.join(map(str, val_sources))} duplicates a training document "
+                f"every document of {val_option}{' '.join(map(str, val_sources))} duplicates a training document "
                 f"({survey.val_stats.skipped[VAL_LEAK]} exact or near copies), so the val split would be empty: "
-                "the inputs already contain the validation set. Give --val held-out data, or remove it from "
-                "the inputs.")
+                "the training inputs already contain the validation set. Give held-out data as the validation "
+                "set, or remove it from the training inputs.")
     else:
         is_val[survey.keep] = assign_heldout(survey.keys[survey.keep], val_fraction)
     dtype_name = "uint16" if tok.vocab_size <= 2**16 else "uint32"

@@ -661,7 +661,7 @@ def _validate_training(stage: Stage, pipe: Pipeline) -> None:
     if cfg.training.parallel != "ddp" and processes == 1 and sys.platform == "win32":
         raise LMForgeError(f"training.parallel={cfg.training.parallel} runs the stage under torchrun, which the "
                            "pipeline stops by passing signals on: that needs Linux or macOS")
-    for key in ("path", "train_path", "tokenizer"):
+    for key in ("path", "train_path", "val_path", "tokenizer"):
         value = getattr(cfg.data, key, "")
         if value:
             check_input_path(value, pipe, f"data.{key}")

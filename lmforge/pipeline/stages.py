@@ -33,7 +33,7 @@ from lmforge.pipeline.state import HashCache, MissingInput, digest
 NOT_FINGERPRINTED = {
     "": ("name", "out_dir", "resume_from_checkpoint", "logging"),
     "training": ("init_from", "log_interval", "peak_flops", "save_interval", "keep_last"),
-    "data": ("path", "train_path", "tokenizer"),
+    "data": ("path", "train_path", "val_path", "tokenizer"),
 }
 EVAL_FILE = "metrics.json"
 
@@ -115,7 +115,7 @@ def stage_inputs(stage: Stage, pipe: Pipeline, cache: HashCache) -> dict[str, An
             inputs["processes"] = stage_processes(stage)
         if cfg.training.init_from:
             inputs["init"] = cache.model(model_dir_of(cfg.training.init_from))
-        for key in ("path", "train_path"):
+        for key in ("path", "train_path", "val_path"):
             if getattr(cfg.data, key):
                 inputs[f"data.{key}"] = cache.path(getattr(cfg.data, key))
         if cfg.data.tokenizer:

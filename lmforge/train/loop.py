@@ -184,7 +184,7 @@ def _refuse_non_finite_optimizer_state(path, opt_state: Any) -> None:
     found = ckpt.first_non_finite((f"parameter {i}'s {key}", value) for i, state in entries.items()
                                   if isinstance(state, dict) for key, value in state.items())
     if found is not None:
-        raise LMForgeError(ckpt.non_finite_message(path / ckpt.OPTIMIZER_FILE, found, "optimizer state"))
+        raise LMForgeError(ckpt.non_finite_message(path, found, "optimizer state"))
 
 
 class Trainer:

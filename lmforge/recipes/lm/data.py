@@ -85,7 +85,7 @@ def prepare_train_path(cfg: RunConfig, distinfo: DistInfo) -> None:
                 print(f"data: tokenizing {src}" + (f" (validation: {val[0]})" if val else "") + f" into {out}")
                 meta = prepare_data([src], out, tokenizer, include=include, text_field=cfg.data.text_field,
                                     val_fraction=None if val else cfg.data.val_fraction, seed=cfg.seed,
-                                    val_sources=val)
+                                    val_sources=val, val_option="data.val_path=")
                 leaked = meta.get("val_filters", {}).get("skipped", {}).get(VAL_LEAK, 0)
                 if leaked:
                     print(f"warning: {leaked} documents of data.val_path={val[0]} duplicate documents of "
