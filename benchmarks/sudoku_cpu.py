@@ -43,6 +43,8 @@ def main() -> int:
     ap.add_argument("--data", default=None, help="dataset directory (default OUT/sudoku-1k, built if missing)")
     ap.add_argument("--minutes", type=float, default=20.0, help="training wall time per model")
     ap.add_argument("--models", default="trm,hrm,baseline", help="comma-separated subset of trm,hrm,baseline")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="an override for every model's run, e.g. model.mlp_t=false (repeatable)")
     ap.add_argument("--run-one", nargs=3, metavar=("RECIPE", "OVERRIDES_JSON", "RSS_FILE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.run_one:
@@ -72,7 +74,7 @@ def main() -> int:
 
             shutil.rmtree(run_dir)
         overrides = [f"data.path={data}", f"out_dir={out / 'runs'}", f"name={recipe}",
-                     f"training.max_time_minutes={args.minutes}", "logging.progress_bar=false"]
+                     f"training.max_time_minutes={args.minutes}", "logging.progress_bar=false", *args.set]
         rss_file = out / f"{recipe}.rss.json"
         t0 = time.perf_counter()
         subprocess.run([sys.executable, __file__, "--run-one", recipe, json.dumps(overrides), str(rss_file)], check=True)
