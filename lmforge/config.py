@@ -243,10 +243,10 @@ def load_config(recipe: str | None = None, overrides: list[str] | None = None,
     spec = kind_of_layers(layers)
     # A guide's names are resolved per layer, so a later layer's alias overrides an earlier key.
     merged: dict[str, Any] = {}
-    for i, layer in enumerate(layers):
-        layer = apply_aliases(layer, spec)
+    for i, given in enumerate(layers):
+        layer = apply_aliases(given, spec)
         if i > 0 or not recipe:  # not a recipe file: a run's resolved config.yaml holds every key, both of these too
-            _refuse_both_in_one_layer(layer)
+            _refuse_both_in_one_layer(layer, given)
         merged = deep_merge(_drop_superseded(merged, layer, spec), layer)
     return config_from_dict(merged)
 
@@ -367,12 +367,13 @@ TRAINER_NAMES = {
 TRAINER_SCHEDULES = {"cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant",
                      "warmup_stable_decay": "wsd"}
 # Trainer settings whose Trainer default is what lmforge does anyway: dropped, so a pasted TrainingArguments dump
-# loads (max_steps -1 is the Trainer's "not set": num_train_epochs decides).
+# loads (max_steps -1 is the Trainer's "not set": num_train_epochs decides; lmforge always keeps checkpoints/best).
 TRAINER_DEFAULTS = {"optim": ("adamw_torch", "adamw_torch_fused", "adamw_hf"), "warmup_ratio": (0, 0.0),
                     "dataloader_num_workers": (0,), "max_steps": (-1,), "load_best_model_at_end": (True, False),
                     "report_to": ("tensorboard", ["tensorboard"])}
 _EVAL_BATCH = ("evaluation runs training.micro_batch_size sequences a pass; training.eval_batches sets how many "
                "batches it scores (0 = the whole validation split)")
+_EVAL_EVERY = "evaluation runs every training.eval_interval steps (or training.eval_interval_epochs epochs)"
 # Trainer settings lmforge has no key for: what it does instead.
 TRAINER_WITHOUT_KEY = {
     "per_device_eval_batch_size": _EVAL_BATCH,
@@ -384,11 +385,9 @@ TRAINER_WITHOUT_KEY = {
              "training.beta2, training.eps and training.weight_decay",
     "output_dir": "a run is written to OUT_DIR/NAME: give out_dir=DIR and name=RUN",
     "logging_dir": "TensorBoard's files go to RUN_DIR/tb",
-    "evaluation_strategy": "evaluation runs every training.eval_interval steps (or training.eval_interval_epochs "
-                           "epochs)",
-    "eval_strategy": "evaluation runs every training.eval_interval steps (or training.eval_interval_epochs epochs)",
+    "evaluation_strategy": _EVAL_EVERY,
+    "eval_strategy": _EVAL_EVERY,
     "save_strategy": "checkpoints are written every training.save_interval steps",
-    "load_best_model_at_end": "the checkpoint with the best held-out score is always kept as RUN_DIR/checkpoints/best",
     "report_to": "TensorBoard logs are on by default (logging.tensorboard); W&B with logging.wandb_project",
     "dataloader_num_workers": "batches come from memory-mapped token shards in the training process: no workers",
 }
@@ -458,18 +457,24 @@ SUPERSEDES: dict[str, dict[str, list[tuple[str, Any]]]] = {
 }
 
 
-def _refuse_both_in_one_layer(layer: dict[str, Any]) -> None:
+def _refuse_both_in_one_layer(layer: dict[str, Any], given: dict[str, Any]) -> None:
     """A key and the one it switches off (training.max_steps and epochs ...) given in one place (one command
     line, a pipeline stage's overrides) would leave one silently ignored: across layers the later wins
-    (SUPERSEDES)."""
+    (SUPERSEDES). ``given`` is the layer as written, whose Trainer spellings the message uses."""
     training = layer.get("training")
     if not isinstance(training, dict):
         return
+    written = given.get("training") if isinstance(given.get("training"), dict) else {}
+
+    def spelled(key: str) -> str:
+        return next((f"training.{name}" for name, target in TRAINER_NAMES.items()
+                     if target == f"training.{key}" and name in written), f"training.{key}")
+
     for plain, others in SUPERSEDES["training"].items():
         for other, off in others:
             if plain in training and other in training and training[other] != off:
                 raise LMForgeError(
-                    f"training.{plain}={short_repr(training[plain])} and training.{other}="
+                    f"{spelled(plain)}={short_repr(training[plain])} and {spelled(other)}="
                     f"{short_repr(training[other])} are both given in one place, and {other} decides over "
                     f"{plain}: keep one (training.{other}={off} switches it off)")
 

@@ -73,6 +73,8 @@ def test_a_key_and_the_one_that_switches_it_off_in_one_place_is_an_error():
         load_config("hrm_sudoku", ["epochs=500", "training.max_steps=3"])
     with pytest.raises(LMForgeError, match="training.micro_batch_size=4 and training.global_batch_size=8"):
         load_config("go_coder_tiny", ["training.micro_batch_size=4", "training.global_batch_size=8"])
+    with pytest.raises(LMForgeError, match="training.max_steps=5 and training.num_train_epochs=1 are both given"):
+        load_config("go_coder_tiny", ["training.num_train_epochs=1", "training.max_steps=5"])  # as the user wrote it
     assert load_config("hrm_sudoku", ["training.max_steps=3"]).training.max_steps == 3  # over the recipe's epochs
     assert load_config("hrm_sudoku", ["epochs=0", "training.max_steps=3"]).training.max_steps == 3
 

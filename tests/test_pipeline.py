@@ -309,6 +309,23 @@ def test_status_table_and_json_of_every_stage_kind(corpus, tmp_path, capsys):
     assert (out / "export" / "hf" / "config.json").is_file() and (out / "export" / "tiny-f16.gguf").is_file()
 
 
+def test_a_changed_validation_set_reruns_the_stage_that_reads_it(corpus, tmp_path):
+    """data.val_path is an input like data.train_path: its content is part of the stage's fingerprint."""
+    val = tmp_path / "val"
+    val.mkdir()
+    (val / "held.go").write_text("package held\n\nfunc Held(a, b int) int {\n\treturn a*b + a - b\n}\n")
+    data = pipeline_dict(corpus)
+    data["stages"] = data["stages"][:2]  # tok, base
+    _stage(data, "base")["data"] = {"train_path": "${vars.corpus}", "seq_len": 32, "val_path": str(val)}
+    file, out = write(tmp_path / "p.yaml", data), tmp_path / "out"
+    run_pipeline(file, out_dir=out)
+    assert states(file, out) == {"tok": "done", "base": "done"}
+    with open(val / "held.go", "a") as f:
+        f.write("\nfunc Other() int { return 7 }\n")
+    rows = {r.stage: r for r in pipeline_status(file, out_dir=out)}
+    assert (rows["base"].state, rows["base"].detail) == ("stale", "data.val_path changed")
+
+
 # ---- several processes -----------------------------------------------------------------------------------
 def test_a_stage_on_two_processes_runs_under_torchrun_sharded(corpus, tmp_path, capsys, monkeypatch):
     """`processes: 2` trains the stage with torchrun (here FSDP on two CPU processes, gloo): the same
