@@ -62,6 +62,12 @@ STEPS: list[tuple[str, list[str], int, int]] = [
                       "--json"], 150, 60),
     ("bench_124m", [PY, "-m", "lmforge", "bench", *GPT2_124M, *NO_DROPOUT, *GPT2_VOCAB, "--steps", "20", "--json"],
      180, 90),
+    # AdamW's moments in 8 bits (training.optimizer_states=8bit; eager step): its speed against bench_124m's,
+    # and at 1.3B the peak memory against bench_1b's
+    ("bench_124m_8bit", [PY, "-m", "lmforge", "bench", *GPT2_124M, *NO_DROPOUT, *GPT2_VOCAB,
+                         "training.optimizer_states=8bit", "--steps", "20", "--json"], 150, 60),
+    ("bench_1b_8bit", [PY, "-m", "lmforge", "bench", *LLAMA_1B, "training.optimizer_states=8bit", "--steps", "10",
+                       "--json"], 200, 100),
     ("bench_124m_mb32", [PY, "-m", "lmforge", "bench", *GPT2_124M, *NO_DROPOUT, "training.micro_batch_size=32",
                          *GPT2_VOCAB, "--steps", "20", "--json"], 120, 60),
     # both together (each alone: +3.8% and +2% on the second lease)

@@ -12,13 +12,14 @@ from typing import Any
 import torch
 
 from lmforge.config import GRAPH_MODES, load_config
-from lmforge.device import (DeviceInfo, _sync, adamw_kernels, keep_freed_memory_for_reuse, model_flops_utilization,
+from lmforge.device import (DeviceInfo, _sync, keep_freed_memory_for_reuse, model_flops_utilization,
                             peak_memory_mb, setup_device)
 from lmforge.errors import LMForgeError
 from lmforge.models import build_model
 from lmforge.models.losses import lm_loss_path
 from lmforge.recipes import TrainData
 from lmforge.train import fsdp, seed_everything
+from lmforge.train.optim import make_adamw
 from lmforge.train.distributed import DistInfo, init_distributed, shutdown
 from lmforge.train.fsdp import check_kind
 from lmforge.train.loop import Trainer
@@ -93,9 +94,9 @@ def _transformers_stepper(cfg, devinfo: DeviceInfo):
     if cfg.training.compile:  # both compiled (in the same mode), or neither
         model = torch.compile(model, mode=cfg.training.compile_mode)
     t = cfg.training
-    # The same AdamW implementation lmforge uses on this device, so only the model and loop differ.
-    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
-                            weight_decay=t.weight_decay, **adamw_kernels(devinfo.device))
+    # The same AdamW implementation lmforge uses on this device (8-bit moments too, with
+    # training.optimizer_states=8bit), so only the model and loop differ.
+    opt = make_adamw([{"params": list(model.parameters()), "weight_decay": t.weight_decay}], cfg, devinfo.device)
     data = cfg.spec.bench_data(cfg)  # the same seeded batches lmforge times
     scaler = torch.amp.GradScaler(devinfo.device.type, enabled=devinfo.precision == "fp16")
 

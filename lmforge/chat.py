@@ -26,6 +26,7 @@ transformers' ``apply_chat_template`` and llama.cpp render exactly what ``render
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import re
 import uuid
@@ -111,15 +112,86 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
             messages[i] = m
         elif content is not None and not isinstance(content, str):
             raise LMForgeError(f"messages[{i}].content must be a string")
+        if m.get("tool_calls") is not None:
+            _check_tool_calls(m["tool_calls"], i)
         if m.get("content") is None and not m.get("tool_calls"):
             raise LMForgeError(f"messages[{i}] has no content")
     return messages
 
 
+# Special-token spellings in what the caller wrote (message contents, tool calls, tool results, tool
+# definitions) are text, never the special tokens: else a user could close their turn with "</s>" and
+# forge a system or assistant turn. ``protect`` replaces each such spelling with MARK + a code character
+# before the template runs, so in the rendered "markup" every special spelling left is the template's
+# own; ``unmark`` turns the codes back into the spellings (Tokenizer.encode_markup encodes them as text).
+MARK = "\U000F0000"  # a supplementary private-use character; MARK itself is escaped as MARK + MARK
+_CODE0 = 0xF0001  # special k of the list given to ``protect`` is MARK + chr(_CODE0 + k)
+_UNMARK_RE = re.compile(re.escape(MARK) + "(.)", re.DOTALL)
+
+
+def protect(value: Any, specials: list[str]) -> Any:
+    """``value`` (messages, tools: nested dicts, lists and strings) with every string's MARK and
+    special-token spellings (``specials``) replaced by their marks; other values as they are."""
+    pattern, codes = _protector(tuple(specials))
+
+    def walk(v: Any) -> Any:
+        if isinstance(v, str):
+            return pattern.sub(lambda m: codes[m.group(0)], v)
+        if isinstance(v, dict):  # keys too: a tool call's argument names, a schema's property names
+            return {walk(k): walk(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [walk(x) for x in v]
+        return v
+    return walk(value)
+
+
+@functools.lru_cache(maxsize=8)
+def _protector(specials: tuple[str, ...]) -> tuple[re.Pattern, dict[str, str]]:
+    codes = {MARK: MARK + MARK, **{s: MARK + chr(_CODE0 + k) for k, s in enumerate(specials) if s}}
+    spellings = sorted(codes, key=len, reverse=True)  # the longest first: "<|end|>" before "<|end"
+    return re.compile("|".join(re.escape(s) for s in spellings)), codes
+
+
+def unmark(markup: str, specials: list[str]) -> str:
+    """The text of ``markup``: each mark back to what it stands for."""
+    if MARK not in markup:
+        return markup
+
+    def one(m: re.Match) -> str:
+        code = m.group(1)
+        return MARK if code == MARK else specials[ord(code) - _CODE0]
+    return _UNMARK_RE.sub(one, markup)
+
+
+def _check_tool_calls(calls: Any, i: int) -> None:
+    shape = (f"messages[{i}].tool_calls must be a list of {{\"id\": ..., \"type\": \"function\", \"function\": "
+             "{\"name\": ..., \"arguments\": ...}} objects")
+    if not isinstance(calls, list):
+        raise LMForgeError(f"{shape}, got {type(calls).__name__}")
+    for k, call in enumerate(calls):
+        where = f"messages[{i}].tool_calls[{k}]"
+        if not isinstance(call, dict):
+            raise LMForgeError(f"{shape}; {where} is a {type(call).__name__}")
+        fn = call["function"] if "function" in call else call
+        if "function" in call and not isinstance(fn, dict):
+            raise LMForgeError(f"{shape}; {where}.function is a {type(fn).__name__}")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise LMForgeError(f"{shape}; {where}.function.name is missing or not a string")
+        if not isinstance(fn.get("arguments"), (str, dict)):
+            raise LMForgeError(f"{shape}; {where}.function.arguments must be a JSON object or its text")
+
+
 def render_chat(messages: list[dict[str, Any]], bos_token: str, eos_token: str, tools: list | None = None,
-                add_generation_prompt: bool = True, template: str = CHAT_TEMPLATE) -> str:
-    """The prompt text for ``messages`` (and ``tools``), ending with the assistant header."""
+                add_generation_prompt: bool = True, template: str = CHAT_TEMPLATE,
+                protect_specials: list[str] | None = None) -> str:
+    """The prompt text for ``messages`` (and ``tools``), ending with the assistant header.
+
+    With ``protect_specials`` (the tokenizer's special-token spellings) it is the markup instead: the
+    messages' and tools' spellings of those tokens (and of ``MARK``) are marked (``protect``), so that
+    only the template's own markers remain special; ``unmark`` gives the text."""
     check_messages(messages)
+    if protect_specials is not None:
+        messages, tools = protect(messages, protect_specials), protect(tools, protect_specials)
     try:
         return _compiled_template(template).render(
             messages=messages, tools=tools or None, bos_token=bos_token, eos_token=eos_token,
@@ -141,12 +213,20 @@ class ToolCall:
 _CALL_RE = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
+def parse_tool_calls(text: str, cut: bool = False) -> tuple[str, list[ToolCall]]:
     """Split generated text into its plain content and its well-formed tool calls.
 
     A block whose JSON does not parse, or lacks a string ``name`` / object ``arguments``, stays in
     the content as text: the caller then sees what the model wrote instead of a call that would fail.
+    ``cut``: the text was cut (by max_tokens or the context) before it ended: an unclosed last
+    ``<tool_call>`` is a call the model did not finish, and is dropped instead of kept as content (a text
+    cut inside the marker itself keeps those characters: "<" may as well begin "<b>");
+    the complete calls before it are returned.
     """
+    if cut:
+        at = text.rfind(TOOL_CALL_OPEN)
+        if at >= 0 and TOOL_CALL_CLOSE not in text[at:]:
+            text = text[:at]
     calls: list[ToolCall] = []
     kept: list[str] = []
     last = 0
@@ -168,3 +248,13 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
         calls.append(ToolCall(body["name"], json.dumps(args, ensure_ascii=False), f"call_{uuid.uuid4().hex[:24]}"))
     kept.append(text[last:])
     return "".join(kept).strip() if calls else text, calls
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The sampler's seed for choice ``index`` of a request with ``seed`` (``lmforge serve``'s n > 1), or for
+    reply ``index`` of a ``lmforge chat`` conversation: a hash of both, so that different (seed, index) pairs do
+    not share samples (``seed + index`` made choice 1 of seed 1 choice 0 of seed 2). Index 0 keeps the seed."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2**63

@@ -40,9 +40,11 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.errors import LMForgeError
-from lmforge.files import atomic_file, reporting_write_faults
+from lmforge.files import FileLock, atomic_file, lock_held, reporting_write_faults
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
+DAMAGED_PREFIX = "damaged-"  # a damaged step checkpoint set aside by a resume from an earlier one
+RUN_LOCK_FILE = ".train.lock"
 STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng_state.safetensors"
@@ -85,7 +87,9 @@ def _fsync_dir_tree(directory: Path) -> None:
 
 def clean_partial(ckpt_root: Path) -> None:
     """Undo what an interrupted write left: drop unfinished ``.tmp-*`` directories, and put back a
-    checkpoint that was moved aside (``.old-NAME``) if its replacement never arrived."""
+    checkpoint that was moved aside (``.old-NAME``) if its replacement never arrived. Called under the run's
+    ``RunDirLock``: no other run writes here, so every temporary directory is a dead writer's (its PID may
+    have been given to another process since: a container's restart)."""
     if not ckpt_root.is_dir():
         return
     for p in ckpt_root.glob(".tmp-*"):
@@ -96,6 +100,30 @@ def clean_partial(ckpt_root: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
         else:
             old.rename(final)
+
+
+def file_in_the_way(path: Path) -> Path | None:
+    """The first of ``path`` and its parents that exists but is not a directory (so no directory can be
+    made at ``path``), or None."""
+    for p in [path, *path.parents]:
+        if p.exists() or p.is_symlink():
+            return None if p.is_dir() else p
+    return None
+
+
+# ---- the run-directory lock ------------------------------------------------------------------------
+def RunDirLock(run_dir: Path) -> FileLock:  # noqa: N802 (a lock's constructor, named as one)
+    """One `lmforge train` per run directory at a time: ``RUN_DIR/.train.lock`` (``lmforge.files.FileLock``)."""
+    directory = Path(run_dir)
+    return FileLock(directory / RUN_LOCK_FILE, lambda holder: LMForgeError(
+        f"another `lmforge train` ({holder}) is writing to {directory}; two runs in one run directory "
+        "would overwrite each other's checkpoints and metrics. Wait for it to finish (or stop it), or choose "
+        "another run name (name=NEW) — nothing was written."))
+
+
+def run_in_progress(run_dir: Path) -> bool:
+    """Whether a live `lmforge train` holds the lock of ``run_dir`` now (False where that cannot be told)."""
+    return lock_held(Path(run_dir) / RUN_LOCK_FILE)
 
 
 # Completes write_fault's "free space ..." / "make it writable ...": the earlier checkpoints are intact.
@@ -166,6 +194,18 @@ def save_json(path: Path, data: dict[str, Any]) -> None:
         tmp.write_text(json.dumps(data, indent=2))
 
 
+def _resume_earlier(ckpt: Path) -> str:
+    """What to do about a damaged step checkpoint ``ckpt`` when resuming: resume from the one before it
+    (``--resume`` of an earlier checkpoint sets newer damaged ones aside), named exactly."""
+    m = STEP_DIR.match(ckpt.name)
+    earlier = [p for s, p in list_checkpoints(ckpt.parent) if m and s < int(m.group(1))]
+    if not earlier:
+        return (f"no earlier checkpoint is in {ckpt.parent}: start a new run (name=NEW), or from its weights "
+                "with training.init_from if they load")
+    return (f"resume from an earlier checkpoint: `lmforge train RECIPE --resume {earlier[-1]}` "
+            f"(it sets {ckpt.name} aside as {DAMAGED_PREFIX}{ckpt.name})")
+
+
 def read_trainer_state(ckpt: Path) -> dict[str, Any]:
     path = ckpt / STATE_FILE
     try:
@@ -173,10 +213,44 @@ def read_trainer_state(ckpt: Path) -> dict[str, Any]:
     except FileNotFoundError as e:
         raise LMForgeError(f"{ckpt} is not a training checkpoint: {STATE_FILE} is missing") from e
     except ValueError as e:  # not JSON, or not even UTF-8 text
-        raise LMForgeError(f"{path} is corrupt ({e}); resume from an earlier checkpoint in {ckpt.parent}") from e
+        raise LMForgeError(f"{path} is corrupt ({e}); the checkpoint is damaged: {_resume_earlier(ckpt)}") from e
     if not isinstance(state, dict):
-        raise LMForgeError(f"{path} is corrupt (not a JSON object); resume from an earlier checkpoint in {ckpt.parent}")
+        raise LMForgeError(f"{path} is corrupt (not a JSON object); the checkpoint is damaged: "
+                           f"{_resume_earlier(ckpt)}")
     return state
+
+
+def checkpoint_damage(ckpt: Path) -> str | None:
+    """Why the step checkpoint ``ckpt`` cannot be resumed from, found cheaply (its JSON and YAML files parse,
+    its safetensors files' headers read and cover each file); None when nothing is found. It does not read the
+    tensors: a checkpoint it passes may still be damaged inside."""
+    import yaml
+    from safetensors import safe_open
+
+    try:
+        state = json.loads((ckpt / STATE_FILE).read_text())
+        if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+            return f"{ckpt / STATE_FILE} holds no step number"
+    except (OSError, ValueError) as e:
+        return f"{ckpt / STATE_FILE}: {e}"
+    for name in ("config.yaml", "run_config.yaml"):
+        if (ckpt / name).is_file():
+            try:
+                yaml.safe_load((ckpt / name).read_text())
+            except (OSError, ValueError, yaml.YAMLError) as e:
+                return f"{ckpt / name}: {type(e).__name__}"
+    if (ckpt / "tokenizer.json").is_file():
+        try:
+            json.loads((ckpt / "tokenizer.json").read_bytes())
+        except (OSError, ValueError) as e:
+            return f"{ckpt / 'tokenizer.json'}: {e}"
+    for f in [*ckpt.glob("*.safetensors"), *(ckpt / SHARDS_DIR).glob("*.safetensors")]:
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as opened:
+                opened.keys()
+        except Exception as e:  # noqa: BLE001 - safetensors raises several types for a damaged file
+            return f"{f}: {e}"
+    return None
 
 
 def load_training_file(ckpt: Path, name: str, what: str) -> Any:
@@ -219,19 +293,44 @@ def convert_legacy(ckpt: Path) -> list[str]:
     return done
 
 
+def _best_dir(root: Path) -> Path | None:
+    """``root/best`` if it holds weights. A run stopped between the two renames that replace ``best/`` leaves
+    the previous best whole as ``.old-best`` and no ``best/``: it is put back (what a resume does), or, where
+    it cannot be renamed (a read-only directory), used where it is."""
+    best, old = root / "best", root / ".old-best"
+    if (best / WEIGHTS_FILE).is_file():
+        return best
+    if best.exists() or not (old / WEIGHTS_FILE).is_file():
+        return None
+    if run_in_progress(root.parent):
+        raise LMForgeError(f"{best} is being replaced by the `lmforge train` running in {root.parent} (its previous "
+                           f"version is in {old} for a moment): run the command again in a few seconds")
+    try:
+        os.rename(old, best)
+    except OSError:
+        return old
+    import sys
+
+    print(f"note: {best} was missing after an interrupted replacement: put back from {old}", file=sys.stderr)
+    return best
+
+
 def resolve_model_dir(path: str | os.PathLike) -> Path:
     """A checkpoint, `best`, a run directory or its `checkpoints/` folder -> a directory with weights.
 
     For a run directory: `best` if it exists, else the latest step checkpoint.
     """
     p = Path(path)
+    if not p.exists() and p.name == "best" and _best_dir(p.parent) is not None:
+        return _best_dir(p.parent)
     if not p.exists():
         raise LMForgeError(f"checkpoint path {p} does not exist")
     if (p / WEIGHTS_FILE).is_file() or is_sharded(p):
         return p
     for root in (p / "checkpoints", p):
-        if (root / "best" / "model.safetensors").is_file():
-            return root / "best"
+        best = _best_dir(root)
+        if best is not None:
+            return best
         latest = latest_checkpoint(root)
         if latest is not None:
             return latest

@@ -9,9 +9,8 @@ import sys
 from pathlib import Path
 
 from lmforge.cli_common import (
-    add_baseline_args,
+    SHARED_OPTIONS,
     add_device_args,
-    add_precision_arg,
     add_quantize_arg,
     add_sampling_args,
     formatter,
@@ -77,14 +76,54 @@ def _cmd_train(args) -> int:
 
 
 # ---- eval and generate: common options, then each training kind's --------------------------------
-# Option sets several kinds share, named in their RecipeSpec's CLIOptions.uses.
-SHARED_OPTIONS = {
-    "sampling": lambda group: add_sampling_args(group, max_new_tokens=200),
-    "precision": lambda group: add_precision_arg(group),
-    "baseline": add_baseline_args,
-    "batch-size": lambda group: group.add_argument("--batch-size", type=int, default=None, help="rows per forward "
-                                                   "pass (default: 8 windows for language models, 256 puzzles)"),
-}
+# Option sets several kinds share (named in their RecipeSpec's CLIOptions.uses): lmforge.cli_common.SHARED_OPTIONS.
+# What makes two declarations of one option string the same option, which kinds may then share.
+_SAME_OPTION = ("dest", "nargs", "const", "default", "type", "choices", "required", "metavar")
+
+
+class _KindGroup:
+    """The argument group a kind's ``CLIOptions.add`` is handed: an option string that another kind (or a
+    shared set) has already added is shared when it is the same option (same action, dest, type, default,
+    choices ...; the first help text is shown), and refused with an ``LMForgeError`` naming both kinds when
+    it is not, instead of argparse's bare conflict error, which stopped every command, ``--help`` included."""
+
+    def __init__(self, parser, group, title: str, names: set[str], owners: dict[str, set[str]],
+                 added_by: dict[str, str], verb: str):
+        self._parser, self._group, self._title, self._names = parser, group, title, names
+        self._owners, self._added_by, self._verb = owners, added_by, verb
+
+    def add_argument(self, *args, **kwargs):
+        taken = {o: self._parser._option_string_actions[o] for o in args
+                 if o in self._parser._option_string_actions}
+        if not taken:
+            action = self._group.add_argument(*args, **kwargs)
+            for option in action.option_strings:
+                self._owners.setdefault(option, set()).update(self._names)
+                self._added_by[option] = self._title
+            return action
+        option, existing = next(iter(taken.items()))
+        scratch = argparse.ArgumentParser(add_help=False)
+        mine = scratch.add_argument(*args, **kwargs)
+        shared_by = self._added_by.get(option)
+        same = (shared_by is not None and type(mine) is type(existing) and set(args) <= set(existing.option_strings)
+                and all(getattr(mine, a) == getattr(existing, a) for a in _SAME_OPTION))
+        if not same:
+            them = shared_by or f"`lmforge {self._verb}` itself (for every kind)"
+            differ = [a for a in ("action", *_SAME_OPTION) if
+                      (type(mine) is not type(existing) if a == "action" else getattr(mine, a) != getattr(existing, a))]
+            what = (f"differently ({', '.join(differ)})" if differ and shared_by else
+                    "differently (other option strings)" if shared_by else "again")
+            raise LMForgeError(f"{self._title} adds {option} to `lmforge {self._verb}`, which {them} adds "
+                               f"{what}: two kinds may share an option only when they declare the same option "
+                               f"({', '.join(('action', *_SAME_OPTION))} alike). Rename the kind's option (e.g. "
+                               f"--{min(self._names)}-{option.lstrip('-')}), or declare it exactly as {them} "
+                               "does; see docs/adding-a-recipe.md")
+        for o in existing.option_strings:  # the same option: it now belongs to this kind too
+            self._owners.setdefault(o, set()).update(self._names)
+        return existing
+
+    def __getattr__(self, name):  # add_mutually_exclusive_group, title ...: the real group's
+        return getattr(self._group, name)
 
 
 def _add_kind_options(p, verb: str) -> None:
@@ -93,22 +132,24 @@ def _add_kind_options(p, verb: str) -> None:
     from lmforge.recipes import kinds
 
     owners: dict[str, set[str]] = {}
+    added_by: dict[str, str] = {}  # option string -> who added it first, for the error of a clash
 
-    def add(title: str, names: set[str], adder) -> None:
-        group = p.add_argument_group(title)
-        before = len(p._actions)
-        adder(group)
-        for action in p._actions[before:]:
-            for option in action.option_strings:
-                owners.setdefault(option, set()).update(names)
+    def add(title: str, who: str, names: set[str], adder) -> None:
+        group = _KindGroup(p, p.add_argument_group(title), who, names, owners, added_by, verb)
+        try:
+            adder(group)
+        except argparse.ArgumentError as e:  # a clash _KindGroup does not see (a mutually exclusive group's)
+            raise LMForgeError(f"{who} adds an option to `lmforge {verb}` that clashes with another's: {e}. "
+                               "Rename it; see docs/adding-a-recipe.md") from e
 
     specs = [s for s in kinds() if getattr(s, verb) is not None]
     for shared, adder in SHARED_OPTIONS.items():
         users = {s.name for s in specs if shared in getattr(s, verb).uses}
         if users:
-            add(f"{shared} (kinds: {', '.join(sorted(users))})", users, adder)
+            add(f"{shared} (kinds: {', '.join(sorted(users))})", f"the shared option set {shared!r} (kinds "
+                f"{', '.join(sorted(users))})", users, adder)
     for s in specs:
-        add(f"kind {s.name}: {getattr(s, verb).help}", {s.name}, getattr(s, verb).add)
+        add(f"kind {s.name}: {getattr(s, verb).help}", f"kind {s.name!r}", {s.name}, getattr(s, verb).add)
     p.set_defaults(kind_options=owners, verb_name=verb)
 
 
@@ -543,7 +584,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # anywhere, the imports of the first seconds included
+        print("lmforge: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
+    try:
+        parser = build_parser()  # reads every kind's spec: a plug-in's mistake shows here, for every verb
+    except LMForgeError as e:
+        print(f"lmforge: error: {e}", file=sys.stderr)
+        return 2
     if argv is None:
         argv = sys.argv[1:]
     if argv[:1] == ["train"]:  # seed 004's `scripts/train.py --stage ...` flags -> a recipe and overrides
@@ -582,9 +635,6 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"lmforge: error: {fault}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("lmforge: interrupted", file=sys.stderr)
-        return 130
 
 
 if __name__ == "__main__":

@@ -49,7 +49,10 @@ def add_sampling_args(p, max_new_tokens: int) -> None:
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = off")
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass; 1.0 = off")
-    p.add_argument("--seed", type=seed_arg, default=None, help="seed for reproducible samples (0 to 2**64-1)")
+    # None = not given: each call draws from torch's global generator (a fresh sample each run); a kind that
+    # wants a seed either way passes `args.seed` on only when it is not None (lmforge.infer.generate does).
+    p.add_argument("--seed", type=seed_arg, default=None, help="seed for reproducible samples (0 to 2**64-1; "
+                   "default: none, a different sample each run)")
 
 
 def seed_arg(text: str) -> int:
@@ -94,3 +97,18 @@ def require_data(args, what: str) -> str:
 
         raise LMForgeError(f"--data is required for this checkpoint: {what}")
     return args.data
+
+
+def add_batch_size_arg(p) -> None:
+    p.add_argument("--batch-size", type=int, default=None, help="rows per forward pass (default: 8 windows for "
+                   "language models, 256 puzzles)")
+
+
+# Option sets several kinds share, named in their RecipeSpec's CLIOptions.uses (``lmforge.recipes.register``
+# refuses any other name). Here, at the bottom, so that the registry can check the names.
+SHARED_OPTIONS = {
+    "sampling": lambda group: add_sampling_args(group, max_new_tokens=200),  # --max-new-tokens .. --seed
+    "precision": add_precision_arg,  # --precision
+    "baseline": add_baseline_args,  # --baseline --no-baseline --max-new-tokens
+    "batch-size": add_batch_size_arg,  # --batch-size
+}

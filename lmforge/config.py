@@ -62,6 +62,9 @@ class TrainingConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global gradient norm; 0 = off
+    # How AdamW keeps its two moments: fp32 (8 bytes a weight) | 8bit (2 bytes: blocks of 8-bit floats,
+    # stochastically rounded; the Trainer's optim="adamw_8bit"; see lmforge.train.optim)
+    optimizer_states: str = "fp32"
     precision: str = "auto"  # auto | fp32 | bf16 | fp16 (fp16 uses a grad scaler)
     compile: bool = False  # torch.compile the model (slow start; helps on GPUs); per block under fsdp
     # torch.compile's mode with compile=true: default | reduce-overhead (CUDA graphs: the step's kernels
@@ -127,11 +130,16 @@ class RunConfig:
         return get_kind(self.kind)
 
     def save(self, path: str | Path) -> None:
+        """Write the config as YAML to ``path`` atomically (a hidden sibling renamed into place); a full disk
+        or a permission problem is an LMForgeError naming ``path``, and leaves nothing behind."""
+        from lmforge.files import atomic_file, reporting_write_faults
+
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
-        tmp.replace(path)
+        text = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        with reporting_write_faults(path, "and run the command again"):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_file(path) as tmp:
+                tmp.write_text(text)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,6 +371,10 @@ TRAINER_NAMES = {
     "seed": "seed",
     "resume_from_checkpoint": "resume_from_checkpoint",
 }
+# AdamW's moments kept how (training.optimizer_states): the first is the default.
+OPTIMIZER_STATES = ("fp32", "8bit")
+# The Trainer's `optim` values that are AdamW with 8-bit moments (bitsandbytes' and torchao's).
+TRAINER_8BIT_OPTIMS = ("adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit", "adamw_torch_8bit", "adamw_ao_8bit")
 # The Trainer's schedules that lmforge has (its cosine ends at training.min_lr_ratio x lr; the Trainer's at 0).
 TRAINER_SCHEDULES = {"cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant",
                      "warmup_stable_decay": "wsd"}
@@ -382,7 +394,8 @@ TRAINER_WITHOUT_KEY = {
     "fp16_opt_level": "apex's optimisation levels do not apply: training.precision=fp16 is torch autocast with a "
                       "gradient scaler",
     "optim": "lmforge trains with AdamW (fused where the device has it), set by training.lr, training.beta1, "
-             "training.beta2, training.eps and training.weight_decay",
+             "training.beta2, training.eps and training.weight_decay; optim=adamw_8bit is "
+             "training.optimizer_states=8bit",
     "output_dir": "a run is written to OUT_DIR/NAME: give out_dir=DIR and name=RUN",
     "logging_dir": "TensorBoard's files go to RUN_DIR/tb",
     "evaluation_strategy": _EVAL_EVERY,
@@ -407,11 +420,17 @@ def trainer_names(values: dict[str, Any]) -> dict[str, Any]:
     if "save_total_limit" in training and training["save_total_limit"] is None:
         raise LMForgeError("training.save_total_limit=null (the Trainer keeps every checkpoint) has no lmforge "
                            "equivalent: training.keep_last=N keeps the last N step checkpoints, besides best/")
+    optim = training.pop("optim") if training.get("optim") in TRAINER_8BIT_OPTIMS else None
     for name, instead in TRAINER_WITHOUT_KEY.items():
         if name in training:
             raise LMForgeError(f"training.{name} (a Hugging Face Trainer setting) has no lmforge key: {instead}")
     moves: list[tuple[str, Any, str]] = []  # (lmforge's key, value, the name given); all popped before any is set
+    if optim is not None:
+        moves.append(("training.optimizer_states", "8bit", f"training.optim={optim}"))
     flags = {name: training.pop(name) for name in ("fp16", "bf16") if name in training}
+    if flags.get("fp16") is True and flags.get("bf16") is True:
+        raise LMForgeError("training.fp16 and training.bf16 are both true: keep one (lmforge's "
+                           "training.precision=fp16 or bf16)")
     for name, on in flags.items():
         if not isinstance(on, bool):
             raise LMForgeError(f"training.{name} must be true or false, got {short_repr(on)}; or set "
@@ -597,6 +616,12 @@ def validate_run_config(cfg: RunConfig) -> None:
         (t.schedule_over in ("steps", "time"), "training.schedule_over must be steps or time"),
         (t.parallel in ("ddp", "fsdp", "hsdp"),
          f"training.parallel must be ddp, fsdp or hsdp, got {short_repr(t.parallel)}"),
+        (t.optimizer_states in OPTIMIZER_STATES,
+         f"training.optimizer_states must be {' or '.join(OPTIMIZER_STATES)}, got {short_repr(t.optimizer_states)}"),
+        (t.optimizer_states != "8bit" or t.parallel == "ddp",
+         f"training.optimizer_states=8bit keeps its moments in blocks of each process's whole tensors, which "
+         f"training.parallel={t.parallel} shards: use one of them (FSDP already divides the optimizer's memory by the "
+         "processes; training.fsdp_offload moves it to CPU memory)"),
         (t.fsdp_checkpoint in ("sharded", "gathered"),
          f"training.fsdp_checkpoint must be sharded or gathered, got {short_repr(t.fsdp_checkpoint)}"),
         (not t.fsdp_offload or t.parallel != "ddp",

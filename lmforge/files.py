@@ -15,7 +15,9 @@ import glob
 import os
 import re
 import shutil
-from collections.abc import Iterator
+import socket
+import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -162,3 +164,92 @@ def atomic_file(out: Path) -> Iterator[Path]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+class FileLock:
+    """An exclusive advisory lock on ``path`` (``flock``: the OS releases it when its holder exits or dies,
+    kill -9 too), whose file says who holds it ("pid N on HOST"). Where there are no file locks (Windows'
+    Python has no fcntl; Lustre mounted noflock or NFS without lockd refuse them) a live PID of this host in
+    the file is the lock, as a best effort. ``refuse(holder)`` is the error when another process holds it."""
+
+    def __init__(self, path: Path, refuse: Callable[[str], LMForgeError]):
+        self.path = Path(path)
+        self.refuse = refuse
+        self.fd: int | None = None
+
+    def acquire(self) -> FileLock:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise LMForgeError(f"cannot create the lock file {self.path} ({e.strerror}): make {self.path.parent} "
+                               "writable, or choose another directory") from e
+        holder = _holder(fd)
+        try:
+            import fcntl
+
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except ImportError:
+            if _live_holder(holder):
+                os.close(fd)
+                raise self.refuse(holder) from None
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) or _live_holder(holder):
+                os.close(fd)
+                raise self.refuse(holder) from None
+            print(f"note: {self.path.parent} does not take file locks ({e.strerror}): lmforge cannot stop a "
+                  "process on another machine from working here at the same time", file=sys.stderr)
+        os.ftruncate(fd, 0)
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        try:
+            import fcntl
+
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+        except (ImportError, OSError):  # no file locks here: the PID in the file was the lock
+            os.ftruncate(self.fd, 0)
+        os.close(self.fd)
+        self.fd = None
+
+    def __enter__(self) -> FileLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def lock_held(path: Path) -> bool:
+    """Whether a live process holds the ``FileLock`` of ``path`` now (False where that cannot be told)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        import fcntl
+
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except ImportError:
+        return _live_holder(_holder(fd))
+    except OSError as e:
+        return e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) or _live_holder(_holder(fd))
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
+def _holder(fd: int) -> str:
+    os.lseek(fd, 0, os.SEEK_SET)
+    return os.read(fd, 200).decode(errors="replace").strip() or "pid ?"
+
+
+def _live_holder(holder: str) -> bool:
+    m = re.match(r"pid (\d+) on (.+)$", holder)
+    return bool(m and m.group(2) == socket.gethostname() and _alive(int(m.group(1))))

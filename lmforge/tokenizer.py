@@ -76,6 +76,14 @@ class Tokenizer:
         self._bytes: list[bytes] | None = None  # token_bytes' table, built on first use
         self._text_lengths: np.ndarray | None = None  # text_bytes' table, built on first use
         self._longest: int | None = None  # max_chars' longest token in bytes
+        # The special tokens' spellings and ids, and (built on first use) a copy of the backend that encodes
+        # their spellings as plain text: encode_markup's.
+        added = backend.get_added_tokens_decoder()
+        self.special_spellings = sorted((t.content for t in added.values() if t.special), key=len, reverse=True)
+        self._special_ids = {t.content: i for i, t in added.items() if t.special}
+        self._special_re = (re.compile("(" + "|".join(re.escape(s) for s in self.special_spellings) + ")")
+                            if self.special_spellings else None)
+        self._plain: _RustTokenizer | None = None
 
     def _foreign_specials(self, named: dict[str, str | None]) -> dict[str, str | None]:
         vocab = self._backend.get_vocab(with_added_tokens=True)
@@ -118,9 +126,7 @@ class Tokenizer:
                     "reads Hugging Face tokenizer.json files: pass the tokenizer.json a Hugging Face tokenizer's "
                     "directory holds, or train one on your corpus with `lmforge tokenizer train SOURCES --out DIR` "
                     "(seed 001's tokenizer step)") from e
-            raise LMForgeError(
-                f"{file} is not a valid tokenizer file ({e}). Re-create it with `lmforge tokenizer train`."
-            ) from e
+            raise LMForgeError(f"{file} is damaged: not a valid tokenizer file ({e}). {_restore_advice(file)}") from e
         return cls(backend, origin=str(file), special_names=_configured_specials(file.parent),
                    chat_template=_configured_chat_template(file.parent))
 
@@ -151,7 +157,10 @@ class Tokenizer:
         return hashlib.sha256(self._canonical.encode("utf-8")).hexdigest()
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``; no bos/eos is added."""
+        """Token ids of ``text``; no bos/eos is added. Text that spells a special token is that token, except
+        in a ``ChatText`` (``apply_chat_template``), where only the template's markers are."""
+        if isinstance(text, ChatText):
+            return self.encode_markup_batch([text.markup])[0]
         try:
             return self._backend.encode(text, add_special_tokens=False).ids
         except TypeError:
@@ -160,6 +169,8 @@ class Tokenizer:
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of many texts, encoded in parallel on the Rust side."""
+        if any(isinstance(t, ChatText) for t in texts):  # each by its own kind: a plain text is not markup
+            return [self.encode(t) for t in texts]
         try:
             return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
         except TypeError:
@@ -209,12 +220,61 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], tools: list | None = None,
                             add_generation_prompt: bool = True) -> str:
-        """The prompt text of an OpenAI-style conversation (``lmforge.chat``), ready for ``encode``."""
+        """The prompt text of an OpenAI-style conversation (``lmforge.chat``), ready for ``encode``.
+
+        It is a ``ChatText``: ``encode`` of it encodes what the messages and tools say as text (a user's
+        "</s>" is the characters, not the token), the template's own markers as special tokens."""
+        from lmforge.chat import unmark
+
+        markup = self.chat_markup(messages, tools, add_generation_prompt)
+        return ChatText(unmark(markup, self.special_spellings), markup)
+
+    def chat_markup(self, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = True) -> str:
+        """The conversation rendered with the special-token spellings of its messages and tools marked
+        (``lmforge.chat.protect``): for ``encode_markup``, and for slicing at the rendered turns (SFT)."""
         from lmforge.chat import render_chat
 
         bos = self.special_tokens.get("bos") or ""
         return render_chat(messages, bos, self.special_tokens["eos"], tools=tools,
-                           add_generation_prompt=add_generation_prompt, template=self.chat_template)
+                           add_generation_prompt=add_generation_prompt, template=self.chat_template,
+                           protect_specials=self.special_spellings)
+
+    def encode_chat(self, messages: list[dict], tools: list | None = None,
+                    add_generation_prompt: bool = True) -> list[int]:
+        """The token ids of a conversation (without the leading document separator the server adds)."""
+        return self.encode_markup_batch([self.chat_markup(messages, tools, add_generation_prompt)])[0]
+
+    def encode_markup_batch(self, markups: Sequence[str]) -> list[list[int]]:
+        """Token ids of ``chat_markup`` texts (or pieces of them): each special-token spelling left in the
+        markup (the template's) is that token; the text between, marks unmarked, is encoded with special-token
+        spellings as plain text. A markup without marks (nothing the messages say spells a special token) is
+        encoded as ``encode`` encodes its text, for every tokenizer (cutting at the markers and encoding the
+        pieces alone would add a Metaspace tokenizer's leading "▁" after each marker)."""
+        from lmforge.chat import MARK, unmark
+
+        if self._special_re is None or not any(MARK in m for m in markups):
+            return self.encode_batch([unmark(m, self.special_spellings) for m in markups])
+        if not all(MARK in m for m in markups):  # one way per markup, whatever the others in the batch are
+            return [self.encode_markup_batch([m])[0] for m in markups]
+        if self._plain is None:
+            plain = _RustTokenizer.from_str(self._backend.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        parts = [self._special_re.split(m) for m in markups]  # text, special, text, special, ..., text
+        texts = [unmark(p, self.special_spellings) for ps in parts for p in ps[::2]]
+        try:
+            encoded = iter(e.ids for e in self._plain.encode_batch(texts, add_special_tokens=False))
+        except TypeError:
+            for text in texts:
+                check_text(text)
+            raise
+        out = []
+        for ps in parts:
+            ids: list[int] = []
+            for k, p in enumerate(ps):
+                ids += next(encoded) if k % 2 == 0 else [self._special_ids[p]]
+            out.append(ids)
+        return out
 
     def bytes_per_token(self, texts: Iterable[str]) -> float:
         """UTF-8 bytes per token over ``texts`` (higher = better compression)."""
@@ -252,6 +312,19 @@ class Tokenizer:
             for name, text in texts.items():
                 stack.enter_context(atomic_file(directory / name)).write_text(text, encoding="utf-8")
         return directory
+
+
+class ChatText(str):
+    """A rendered conversation's text that remembers its ``chat_markup``: ``Tokenizer.encode`` of it encodes
+    the messages' words as text and only the template's markers as special tokens. (Slices and sums of it
+    are plain strings: encode those with ``encode_markup_batch`` on slices of the markup.)"""
+
+    markup: str
+
+    def __new__(cls, text: str = "", markup: str | None = None):
+        self = super().__new__(cls, text)
+        self.markup = text if markup is None else markup
+        return self
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -350,6 +423,26 @@ def _untrained_bpe() -> _RustTokenizer:
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     return backend
+
+
+def _restore_advice(file: Path) -> str:
+    """What to do about a damaged tokenizer.json: copy the same tokenizer back from another copy of it. A newly
+    trained one has other ids, which weights or token shards made with the old one would silently mismatch."""
+    here = file.parent
+    if (here / "config.yaml").is_file() or (here / "meta.json").is_file():  # a checkpoint or a data directory
+        run = here.parent.parent if here.parent.name == "checkpoints" else None
+        copies = ([f"{run / 'tokenizer' / TOKENIZER_FILE}"] if run else []) + [
+            "the data directory the run was trained on" if run else "the run's RUN_DIR/tokenizer/",
+            "another checkpoint of the run" if run else "a checkpoint of a run trained on it"]
+        return (f"Copy the same tokenizer over it from {', '.join(copies[:-1])} or {copies[-1]}; do not train a new "
+                "one: its ids would not match the weights and data made with this one.")
+    if here.name == "tokenizer" and (here.parent / "checkpoints").is_dir():  # a run's own copy
+        return (f"Copy the same tokenizer over it from a checkpoint of the run ({here.parent / 'checkpoints'}/*/) "
+                "or the data directory it was trained on; do not train a new one: its ids would not match the "
+                "weights.")
+    return ("Copy it back from where it came from (a run's RUN_DIR/tokenizer/, a data directory or a checkpoint "
+            "made with it); re-create it with `lmforge tokenizer train` only if no model or prepared data uses it "
+            "(a new tokenizer has other ids).")
 
 
 def check_out_dir(out_dir: Path, overwrite: bool) -> None:

@@ -1,5 +1,7 @@
 """lmforge's import graph: no cycles, no module importing a layer above its own, no training kind
-importing another, and no code outside a kind's folder that tests a family or kind name.
+importing another, and no code outside a kind's folder that tests a family or kind name (compares with
+one, ``startswith`` / ``endswith`` it, matches a ``case`` of it, looks it up in a dict literal keyed by
+family or kind names, or compares with a class's ``family``: ask the registry or the model class instead).
 
 Every ``import`` statement counts, at module level or inside a function (a lazy import is still a
 dependency). The registry's list of built-in kinds (``lmforge.recipes.BUILTIN``) names packages as
@@ -122,18 +124,82 @@ def test_a_kind_imports_no_other_kind():
     assert not crossing, "\n".join(crossing)
 
 
-def _named_constants(node: ast.AST) -> list[str]:
+def _named_constants(node: ast.AST, constants: dict[str, list[str]] | None = None) -> list[str]:
+    """The strings ``node`` spells: a literal, a tuple / list / set of them, or a module-level name bound
+    to one of those (``constants``)."""
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return [node.value]
     if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
         return [c.value for c in node.elts if isinstance(c, ast.Constant) and isinstance(c.value, str)]
+    if isinstance(node, ast.Name) and constants:
+        return constants.get(node.id, [])
     return []
 
 
+def _module_constants(tree: ast.Module) -> dict[str, list[str]]:
+    """Module-level ``NAME = "hrgc"`` / ``NAME = ("gpt", ...)``: a name a comparison may hide a literal behind."""
+    found: dict[str, list[str]] = {}
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if isinstance(target, ast.Name) and _named_constants(node.value):
+                    found[target.id] = _named_constants(node.value)
+    return found
+
+
+def _a_family_constant(node: ast.AST) -> bool:
+    """``GPT.family``: one family's name, read off its model class."""
+    return (isinstance(node, ast.Attribute) and node.attr == "family" and isinstance(node.value, ast.Name)
+            and node.value.id[:1].isupper())
+
+
+def _affix_names(node: ast.Call, names: set[str]) -> bool:
+    """``x.startswith("hrgc")`` / ``x.endswith(("trm", "hrm"))``: an argument that is a name, or (3 characters
+    or more) the start / end of one."""
+    method = node.func.attr  # type: ignore[attr-defined]
+    for value in (v for arg in node.args[:1] for v in _named_constants(arg)):
+        if value in names or (len(value) >= 3 and any(getattr(n, method)(value) for n in names)):
+            return True
+    return False
+
+
+def _case_names(pattern: ast.AST, names: set[str]) -> bool:
+    """A ``case`` pattern that matches one of ``names`` (or ``GPT.family``), alone or among alternatives."""
+    for node in ast.walk(pattern):
+        if isinstance(node, ast.MatchValue) and (names.intersection(_named_constants(node.value))
+                                                 or _a_family_constant(node.value)):
+            return True
+    return False
+
+
 def family_tests(source: str, names: set[str]) -> list[int]:
-    """Lines of ``source`` that compare something with one of ``names`` (== / != / in)."""
-    return [node.lineno for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Compare)
-            and any(names.intersection(_named_constants(side)) for side in [node.left, *node.comparators])]
+    """Lines of ``source`` that test something against one of ``names`` (family and kind names): a
+    comparison (== / != / in / not in) with a literal of them, a module-level constant holding them or a
+    class's ``family`` (``x != GPT.family``); a ``startswith`` / ``endswith`` on them; a ``case`` of them;
+    and a lookup in a dict literal keyed by them (``{"hrgc": ...}[family]``, ``{...}.get(family)``)."""
+    tree = ast.parse(source)
+    constants = _module_constants(tree)
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(names.intersection(_named_constants(side, constants)) or _a_family_constant(side)
+                   for side in sides):
+                lines.add(node.lineno)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in ("startswith", "endswith") and _affix_names(node, names)):
+            lines.add(node.lineno)
+        elif isinstance(node, ast.match_case) and _case_names(node.pattern, names):
+            lines.add(node.pattern.lineno)
+        elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Dict):
+            if any(key is not None and names.intersection(_named_constants(key)) for key in node.value.keys):
+                lines.add(node.lineno)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+              and isinstance(node.func.value, ast.Dict)):
+            if any(key is not None and names.intersection(_named_constants(key)) for key in node.func.value.keys):
+                lines.add(node.lineno)
+    return sorted(lines)
 
 
 def test_no_code_outside_a_kinds_folder_tests_a_family_or_kind_name():
@@ -158,3 +224,29 @@ def test_the_checks_find_what_they_look_for():
     bad = {**graph, "lmforge.recipes.hrgc.model": graph["lmforge.recipes.hrgc.model"] | {"lmforge.recipes.puzzles.model"}}
     assert kind_crossings(bad) == ["lmforge.recipes.hrgc.model imports lmforge.recipes.puzzles.model"]
     assert family_tests('if model.family == "hrgc":\n    pass\nok = x in ("trm", "hrm")', {"hrgc", "trm"}) == [1, 3]
+
+
+def test_the_family_check_sees_names_behind_affixes_cases_lookups_and_constants():
+    """Each way of testing a name that the comparison alone missed is found; the look-alikes are not."""
+    names = {"hrgc", "trm", "hrm", "gpt", "sft"}
+    source = """KIND = "sft"
+a = family.startswith("hrgc")
+b = family.startswith("hrg")
+c = name.endswith(("x", "trm"))
+d = {"hrgc": 1, "gpt": 2}[family]
+e = {"hrgc": 1}.get(family)
+match family:
+    case "hrgc":
+        pass
+    case "x" | "trm":
+        pass
+    case GPT.family:
+        pass
+f = family != GPT.family
+g = kind == KIND
+ok = text.startswith("h") or path.endswith(".py") or {"plan": 1}[key] or model.family == other.family
+ok = family_weights["hrgc"] if "x" in y else kinds.get(name)
+"""
+    assert family_tests(source, names) == [2, 3, 4, 5, 6, 8, 10, 12, 14, 15]
+    # the comparison lmforge.eval.harness made (`family != GPT.family`) before it asked for the model class
+    assert family_tests("from lmforge.models.gpt import GPT\nif family != GPT.family:\n    raise E", names) == [2]

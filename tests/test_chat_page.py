@@ -409,3 +409,86 @@ def test_errors_are_shown_readably(page, chat_server):
     page.reply("Say hello")
     assert [m["role"] for m in page.last_request()["messages"]] == ["user", "assistant", "user"]
     assert page.script_errors() == []
+
+
+# ---- a reply that fails mid-way ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def failing_server():
+    """A stand-in server for the page whose replies fail after their first words: "error" with an error
+    event in the stream (as `lmforge serve` reports one once the headers are out), "drop" with a connection
+    that closes before [DONE]; any other message gets the reply "fine"."""
+    import asyncio
+    import threading
+    import time
+
+    import uvicorn
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    from lmforge.serve.page import add_chat_page
+
+    from .serve_helpers import free_port
+
+    app = FastAPI()
+    add_chat_page(app)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "fake", "object": "model", "context_length": 64}]}
+
+    async def chat(request):  # a plain Starlette route: the request comes as it is
+        last = (await request.json())["messages"][-1]["content"]
+
+        def event(delta: dict, finish: str | None = None) -> str:
+            return "data: " + json.dumps({"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "fake",
+                                          "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}) + "\n\n"
+
+        async def body():
+            yield event({"role": "assistant", "content": ""})
+            if last in ("error", "drop"):
+                yield event({"content": "partial words"})
+                await asyncio.sleep(0.2)  # shown before it fails
+                if last == "error":
+                    yield "data: " + json.dumps({"error": {"message": "generation failed: boom", "code": "x"}}) + "\n\n"
+                    yield "data: [DONE]\n\n"
+                return  # "drop": no [DONE]
+            yield event({"content": "fine"})
+            yield event({}, "stop")
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    app.router.add_route("/v1/chat/completions", chat, methods=["POST"])
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + HANG
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    yield type("FakeServer", (), {"base": f"http://127.0.0.1:{port}"})()
+    server.should_exit = True
+    thread.join(timeout=HANG)
+
+
+@pytest.mark.parametrize("failure, words", [("error", "generation failed: boom"),
+                                            ("drop", "The connection closed before the reply ended")])
+def test_a_reply_that_fails_mid_way_stays_visible_but_out_of_the_conversation(page, failing_server, failure, words):
+    page.open(failing_server, key=None)
+    assert content(page.reply("hello")) == "fine"
+    error = page.error_after(lambda: page.send(failure))
+    assert words in error
+    failed = page.messages("assistant")[-1]
+    assert content(failed) == "partial words" and failed.get_attribute("data-state") == "error"
+    assert "failed" in failed.get_attribute("class") and "not part of the conversation" in failed.text
+    asked = page.messages("user")[-1]
+    assert "failed" in asked.get_attribute("class") and "reply failed" in asked.text
+    assert page("input").get_attribute("value") == failure  # back in the input box, to send again
+    page("input").clear()
+    page.reply("again")
+    assert page.last_request()["messages"] == [{"role": "user", "content": "hello"},
+                                               {"role": "assistant", "content": "fine"},
+                                               {"role": "user", "content": "again"}]
+    assert page.script_errors() == []

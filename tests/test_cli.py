@@ -243,3 +243,14 @@ def test_train_takes_a_kind_as_its_first_override_as_the_docs_write_it(capsys):
     assert (cfg["kind"], cfg["name"], cfg["recipe"]["beta"]) == ("dpo", "prefs", 0.2)
     assert main(["train", "kind=dpoo", "--print-config"]) == 2
     assert "unknown training kind 'dpoo'" in capsys.readouterr().err
+
+
+def test_ctrl_c_while_the_command_line_is_still_being_built_is_a_message_not_a_traceback(monkeypatch, capsys):
+    import lmforge.cli as cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)  # the first seconds: every kind's modules import
+    assert cli.main(["train", "go_coder_tiny"]) == 130
+    assert capsys.readouterr().err == "lmforge: interrupted\n"

@@ -50,14 +50,15 @@ def test_hugging_face_trainer_names_are_read_by_every_kind(recipe):
 @pytest.mark.parametrize("override, message", [
     ("training.per_device_eval_batch_size=4", "has no lmforge key: evaluation runs training.micro_batch_size"),
     ("training.warmup_ratio=0.1", "give the warmup as training.warmup_steps"),
-    ("training.optim=adamw_8bit", "lmforge trains with AdamW"),
+    ("training.optim=sgd", "lmforge trains with AdamW"),
+    ("training.fp16=true training.bf16=true", "training.fp16 and training.bf16 are both true: keep one"),
     ("training.lr_scheduler_type=linear", "'linear' has no lmforge schedule; use one of cosine"),
     ("training.fp16=1", "training.fp16 must be true or false"),
     ("training.save_total_limit=null", "save_total_limit=null (the Trainer keeps every checkpoint) has no lmforge"),
 ])
 def test_trainer_settings_without_a_key_say_what_lmforge_does_instead(override, message):
     with pytest.raises(LMForgeError, match=re.escape(message)):
-        load_config("go_coder_tiny", [override])
+        load_config("go_coder_tiny", override.split())
     with pytest.raises(LMForgeError, match="'training.learning_rate' and 'training.lr' are both given"):
         load_config("go_coder_tiny", ["training.learning_rate=1e-3", "training.lr=2e-3"])
     with pytest.raises(LMForgeError, match="'training.bf16' and 'training.precision' are both given"):

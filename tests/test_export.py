@@ -67,16 +67,29 @@ def test_export_refuses_what_transformers_cannot_express_and_keeps_existing_outp
     _, ckpt = checkpoint(tmp_path / "plain", tokenizer_dir, flavor="llama")
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
-    with pytest.raises(LMForgeError, match="not an earlier export") as refused:
+    with pytest.raises(LMForgeError, match="not an earlier lmforge export") as refused:
         export_hf(ckpt, tmp_path / "mine")
-    assert "--overwrite" not in str(refused.value)  # it would be refused too: not suggested (a probe followed it)
-    with pytest.raises(LMForgeError, match="not an earlier export"):
+    assert "pass --overwrite" not in str(refused.value)  # it would be refused too: not suggested (a probe followed it)
+    with pytest.raises(LMForgeError, match="not an earlier lmforge export"):
         export_hf(ckpt, tmp_path / "mine", overwrite=True)
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
     export_hf(ckpt, tmp_path / "hf")
     with pytest.raises(LMForgeError, match="holds an earlier export; pass --overwrite"):
         export_hf(ckpt, tmp_path / "hf")
+    (tmp_path / "hf" / "README.md").write_text("my model card")  # the user's own file survives a re-export
+    (tmp_path / "hf" / "eval").symlink_to(tmp_path)  # and a link to a directory stays a link
+    (tmp_path / "hf" / "model.safetensors").write_bytes(b"stale")
     export_hf(ckpt, tmp_path / "hf", overwrite=True)
+    assert (tmp_path / "hf" / "README.md").read_text() == "my model card"
+    assert (tmp_path / "hf" / "eval").is_symlink() and (tmp_path / "hf" / "eval").resolve() == tmp_path.resolve()
+    assert (tmp_path / "hf" / "model.safetensors").stat().st_size > 5  # the export's own files are the new ones
+    # a Hugging Face model directory lmforge did not write (no lmforge_source) is never replaced
+    theirs = tmp_path / "downloaded"
+    theirs.mkdir()
+    (theirs / "config.json").write_text('{"model_type": "gpt2"}')
+    with pytest.raises(LMForgeError, match="not an earlier lmforge export.*even with --overwrite"):
+        export_hf(ckpt, theirs, overwrite=True)
+    assert sorted(p.name for p in theirs.iterdir()) == ["config.json"]
 
 
 def test_cli_export_names_the_formats_a_puzzle_model_does_have(tmp_path, capsys):

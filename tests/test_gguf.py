@@ -245,14 +245,21 @@ def test_export_refuses_what_llama_cpp_cannot_run_and_keeps_other_files(tmp_path
     assert GGUF_DTYPES == ("f32", "f16", "q8_0")
     mine = tmp_path / "notes.gguf"
     mine.write_text("keep me")
-    with pytest.raises(LMForgeError, match="exists; pass --overwrite"):
-        export_gguf(ckpt, mine)
-    with pytest.raises(LMForgeError, match="not a GGUF file"):
-        export_gguf(ckpt, mine, overwrite=True)
+    for overwrite in (False, True):  # said at once: --overwrite would not replace it either
+        with pytest.raises(LMForgeError, match="is not a GGUF file .another file., so lmforge does not replace it, "
+                                               "even with --overwrite") as refused:
+            export_gguf(ckpt, mine, overwrite=overwrite)
+        assert "pass --overwrite" not in str(refused.value)
+    (tmp_path / "adir").mkdir()
+    with pytest.raises(LMForgeError, match="not a GGUF file .a directory."):
+        export_gguf(ckpt, tmp_path / "adir")
+    (tmp_path / "adir").rmdir()
     assert mine.read_text() == "keep me"
     # An earlier export is replaced in place with --overwrite.
     first = export_gguf(ckpt, tmp_path / "model.gguf")
     size = first.stat().st_size
+    with pytest.raises(LMForgeError, match="holds a GGUF file; pass --overwrite"):
+        export_gguf(ckpt, first)
     assert export_gguf(ckpt, first, dtype="f16", overwrite=True) == first and first.stat().st_size < size
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mhc", "model.gguf", "notes.gguf", "trm"]
 

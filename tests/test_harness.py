@@ -188,3 +188,36 @@ def test_refusals(setup, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if it were not installed
     assert main(["eval", str(checkpoint), "--tasks", "local_mc"]) == 2
     assert "pip install 'lmforge[eval]'" in capsys.readouterr().err
+
+
+def test_the_refusal_names_the_kinds_whose_model_the_harness_scores(tmp_path, monkeypatch):
+    """Which checkpoints `--tasks` takes, and the kinds its refusal names, come from the registry: every kind
+    that trains a GPT (the class LMForgeLM drives), a kind of another package included."""
+    import dataclasses
+
+    import yaml
+
+    from lmforge import recipes
+    from lmforge.errors import LMForgeError
+    from lmforge.eval.harness import check_language_model
+    from lmforge.models.gpt import GPT
+    from lmforge.recipes.puzzles.trm import TRM, TRMConfig
+
+    trm_dir = TRM(TRMConfig(seq_len=4, vocab_size=5, num_puzzle_identifiers=1, hidden_size=16,
+                            num_heads=2)).save_pretrained(tmp_path / "trm")
+    with pytest.raises(LMForgeError, match=r"\(the gpt family: kinds dpo, grpo, lm, sft\); .* holds a 'trm' model"):
+        check_language_model(trm_dir)
+
+    class PluginGPT(GPT):
+        family = "plugin_gpt"
+
+    plugin = dataclasses.replace(recipes.get_kind("sft"), name="plugin_chat", families=(PluginGPT,))
+    recipes.kinds()  # the built-in kinds loaded before the registry is patched
+    monkeypatch.setitem(recipes._KINDS, plugin.name, plugin)
+    monkeypatch.setitem(recipes._FAMILIES, PluginGPT.family, (PluginGPT, plugin))
+    with pytest.raises(LMForgeError, match=r"\(the gpt, plugin_gpt families: kinds dpo, grpo, lm, plugin_chat, sft\)"):
+        check_language_model(trm_dir)
+    (tmp_path / "plugin").mkdir()
+    (tmp_path / "plugin" / "config.yaml").write_text(yaml.safe_dump({"family": PluginGPT.family}))
+    (tmp_path / "plugin" / "model.safetensors").write_bytes(b"")  # only config.yaml is read
+    check_language_model(tmp_path / "plugin")  # a GPT of another family is a language model too

@@ -643,3 +643,14 @@ def test_two_processes_run_the_probe_on_every_rank(corpus, tmp_path):
     state = json.loads((tmp_path / "r" / "checkpoints" / "step-000004" / "trainer_state.json").read_text())
     assert len(state["data_per_rank"]) == 2 and state["data"] == state["data_per_rank"][0]
     assert all("failures" in s for s in state["data_per_rank"])
+
+
+def test_8bit_moments_keep_the_module_learning_rates(corpus, tmp_path):
+    """training.optimizer_states=8bit (seed 000's optim="adamw_8bit") is HRGC's AdamW with its per-module groups."""
+    run = train_cli(corpus, tmp_path, "training.optim=adamw_8bit", "model.planner_lr=0.0036",
+                    "recipe.validation_frequency=0")
+    state = load_state(run / "checkpoints" / "step-000006" / "optimizer.safetensors", "optimizer")
+    groups = {g["name"]: g for g in state["optimizer"]["param_groups"]}
+    assert groups["planner/decay"]["base_lr"] == pytest.approx(0.0036)
+    codes = [entry["exp_avg"] for entry in state["optimizer"]["state"].values() if "exp_avg_scale" in entry]
+    assert codes and all(c.dtype == torch.uint8 for c in codes)

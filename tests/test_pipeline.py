@@ -596,3 +596,15 @@ def test_quick_stages_follow_lmforge_code_and_later_stages_follow_their_output(t
     assert [r.result for r in summary.stages] == ["ran", "skipped"]  # the same stories: the tokenizer stands
     assert states(file, out) == {"stories": "done", "tok": "done"}
     assert (out / "stories.old-1" / "train.txt").read_bytes() == (out / "stories" / "train.txt").read_bytes()
+
+
+def test_a_second_pipeline_run_in_one_out_dir_is_refused_while_the_first_holds_it(tmp_path):
+    from lmforge.pipeline.state import RunLock, run_in_progress
+
+    with RunLock(tmp_path):
+        assert run_in_progress(tmp_path)
+        with pytest.raises(LMForgeError, match=r"another `lmforge pipeline run` \(pid \d+ on .+\) is working in"):
+            RunLock(tmp_path).acquire()
+    assert not run_in_progress(tmp_path)
+    with RunLock(tmp_path):  # released: taken again
+        pass

@@ -485,3 +485,11 @@ def test_ddp_two_processes_match_one(sudoku_dir, tmp_path):
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5]
     for step in a:
         assert a[step] == pytest.approx(b[step], rel=1e-5)
+
+
+def test_8bit_moments_are_refused_for_the_puzzle_optimizer(sudoku_dir, tmp_path):
+    from lmforge.train import train
+
+    cfg = load_config("hrm_sudoku", _overfit_recipe(tmp_path, sudoku_dir, "hrm", 2) + ["training.optimizer_states=8bit"])
+    with pytest.raises(LMForgeError, match=r"optimizer_states=8bit is AdamW's.*own optimizer \(AdamATan2SignSGD\)"):
+        train(cfg)

@@ -81,7 +81,7 @@ def test_prompt_rows_are_checked_as_the_sft_reader_checks_conversations(tmp_path
                          ({**good, "tools": [{"type": "function", "function": {"description": "x"}}]},
                           "tools[0] has no function name"),
                          ({"messages": [user, {"role": "assistant", "content": "", "tool_calls": 5}, user]},
-                          "messages[1].tool_calls is a int"),
+                          "messages[1].tool_calls must be a list of"),
                          ({"messages": [user, {"role": "assistant", "tool_calls": [
                              {"type": "function", "function": {"name": "f", "arguments": '{"a": NaN}'}}]}, user]},
                           "messages[1].tool_calls[0] (f): the arguments cannot be written as JSON")):
@@ -91,7 +91,7 @@ def test_prompt_rows_are_checked_as_the_sft_reader_checks_conversations(tmp_path
             read_prompt_rows(path)
     # a scored row's reference calls that are not a list are refused like any other bad reference call
     path.write_text(json.dumps({"messages": [user, {"role": "assistant", "content": "", "tool_calls": 5}]}) + "\n")
-    with pytest.raises(LMForgeError, match="rows.jsonl:1: a reference tool call"):
+    with pytest.raises(LMForgeError, match=r"rows.jsonl:1: messages\[1\].tool_calls must be a list of"):
         load_rows(path)
 
 

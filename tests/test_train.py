@@ -178,9 +178,12 @@ def test_corrupt_checkpoint_is_reported_and_earlier_one_survives(tmp_path, data_
     assert main(["train", str(recipe), "--resume"]) == 2
     err = capsys.readouterr().err
     assert "model.safetensors" in err and "corrupt" in err
-    # resuming the same run from an older checkpoint would mix histories: refused, nothing deleted
-    assert main(["train", str(recipe), f"--resume={ck / 'step-000002'}"]) == 2
-    assert "newer than step-000002" in capsys.readouterr().err and weights.is_file()
+    # the newer checkpoint is damaged: resuming the run from the earlier one sets it aside (kept) and continues
+    damaged = weights.read_bytes()
+    assert main(["train", str(recipe), f"--resume={ck / 'step-000002'}"]) == 0
+    assert "step-000004 is damaged" in capsys.readouterr().out
+    assert (ck / "damaged-step-000004" / "model.safetensors").read_bytes() == damaged
+    assert (ck / "step-000004" / "trainer_state.json").is_file() and weights.stat().st_size > 100
     # the earlier checkpoint still works, continued as a new run
     assert main(["train", str(recipe), "name=t2", f"--resume={ck / 'step-000002'}"]) == 0
     assert (tmp_path / "runs" / "t2" / "checkpoints" / "step-000004" / "trainer_state.json").is_file()
@@ -256,7 +259,9 @@ def test_crash_between_the_renames_of_a_checkpoint_replacement_is_undone(tmp_pat
     root = tmp_path / "checkpoints"
     ck.write_checkpoint(root, 2, lambda d: (d / ck.STATE_FILE).write_text('{"step": 2}'), keep_last=3)
     os.rename(root / "step-000002", root / ".old-step-000002")  # the state right after the first rename
-    (root / ".tmp-step-000002-123").mkdir()  # and the unfinished replacement
+    writer = subprocess.Popen([sys.executable, "-c", "pass"])
+    writer.wait()  # a writer that is gone (clean_partial leaves a live writer's directory alone)
+    (root / f".tmp-step-000002-{writer.pid}").mkdir()  # and the unfinished replacement
     ck.clean_partial(root)
     assert [p.name for p in root.iterdir()] == ["step-000002"]
     assert ck.read_trainer_state(root / "step-000002")["step"] == 2
@@ -460,15 +465,16 @@ def test_non_finite_gradient_with_a_finite_loss_stops_before_the_update(tmp_path
     assert all(torch.isfinite(w).all() for w in weights.values())
 
 
+@pytest.mark.parametrize("states", ["fp32", "8bit"])
 def test_a_non_finite_step_between_checks_is_skipped_on_the_device_and_stops_at_the_next_check(
-        tmp_path, data_dir, monkeypatch):
+        tmp_path, data_dir, monkeypatch, states):
     """The host reads the NaN flag only at check steps (here every 4th): the bad 5th update, and the
-    finite 6th and 7th after it, are skipped by the fused optimizer on the device; step 8 stops with
-    the weights of step 4, bit for bit."""
+    finite 6th and 7th after it, are skipped by the optimizer on the device (fused AdamW's kernel, or
+    AdamW8bit); step 8 stops with the weights of step 4, bit for bit."""
     seen = poison_backward(monkeypatch, at=5, value=float("nan"))
     recipe = write_recipe(tmp_path / "r.yaml", data_dir, tmp_path / "runs",
                           training={"max_steps": 12, "save_interval": 4, "log_interval": 4, "eval_interval": 0,
-                                    "keep_last": 5})
+                                    "keep_last": 5, "optimizer_states": states})
     with pytest.raises(LMForgeError, match=r"gradient norm is nan at step 5: training stopped before applying that "
                                            r"update \(found at step 8: the updates of steps 5-7 were skipped on the "
                                            r"device\).*step-000004"):
@@ -491,6 +497,11 @@ def test_the_device_side_skip_is_used_only_where_the_optimizer_kernel_honours_it
     assert not _NonFinite(fused, cpu, scaled=False, offload=True).on_device  # FSDP offload: gradients on the CPU
     assert not _NonFinite(fused, cpu, scaled=True).on_device  # fp16: the grad scaler owns found_inf
     assert not _NonFinite(torch.optim.AdamW(params, foreach=True), cpu, scaled=False).on_device
+    from lmforge.train.optim import AdamW8bit
+
+    eight = AdamW8bit(params)
+    assert _NonFinite(eight, cpu, scaled=False).on_device and eight.found_inf is not None
+    assert not _NonFinite(AdamW8bit(params), cpu, scaled=True).on_device
 
 
 # Reads of a tensor's value on the host: on an accelerator each waits for the device's queue.
@@ -668,3 +679,55 @@ def test_data_val_path_is_the_val_split_of_a_train_path_run_and_a_resume_must_ke
     split = load_config(None, values={"data": {"train_path": str(train_file), "val_fraction": 0.2}},
                         overrides=[f"data.val_path={val_file}"]).data
     assert (split.val_path, split.val_fraction) == (str(val_file), 0.01)
+
+
+def test_a_stop_at_an_evaluation_step_leaves_it_to_the_resume(tmp_path, data_dir, monkeypatch):
+    """Ctrl-C during step 4, where an evaluation is due, stops without it (a stop stays quick); the resume
+    does it first, on step 4's weights, and logs the steps since the last log line as one window, as an
+    unbroken run does: every logged figure and best/ equal the unbroken run's."""
+    import lmforge.train as train_module
+
+    build = train_module.build_model
+    backwards = {"n": 0, "at": 0}
+
+    def build_with_ctrl_c(cfg):
+        model = build(cfg)
+
+        def hook(grad):
+            backwards["n"] += 1
+            if backwards["n"] == backwards["at"]:
+                os.kill(os.getpid(), signal.SIGINT)
+            return grad
+
+        model.blocks[0].mlp.fc.bias.register_hook(hook)
+        return model
+
+    monkeypatch.setattr(train_module, "build_model", build_with_ctrl_c)
+    recipe = write_recipe(tmp_path / "r.yaml", data_dir, tmp_path / "runs",
+                          training={"max_steps": 8, "eval_interval": 4, "save_interval": 0, "log_interval": 3})
+    train(load_config(str(recipe), ["name=unbroken"]))
+    backwards.update(n=0, at=4)
+    cut = train(load_config(str(recipe), ["name=cut"]))
+    assert (cut.step, cut.stopped) == (4, "signal")
+    run = tmp_path / "runs" / "cut"
+    assert not [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "eval/loss" in r]
+    assert json.loads((run / "checkpoints" / "step-000004" / "trainer_state.json").read_text())["pending"] == ["eval"]
+    backwards.update(n=0, at=0)
+    # resumed into another run (name=NEW --resume PATH): that run does the evaluation; cut's checkpoint is left as is
+    other = train(load_config(str(recipe), ["name=other", "training.max_steps=4"]),
+                  resume=str(run / "checkpoints" / "step-000004"))
+    assert "eval/loss" in other.eval_metrics
+    assert json.loads((run / "checkpoints" / "step-000004" / "trainer_state.json").read_text())["pending"] == ["eval"]
+    assert train(load_config(str(recipe), ["name=cut"]), resume=True).step == 8
+    state = json.loads((run / "checkpoints" / "step-000004" / "trainer_state.json").read_text())
+    assert state["pending"] == [] and state["best_score"] == other.eval_metrics["eval/loss"]  # a second resume knows
+
+    def logged(name: str) -> list[tuple]:
+        rows = map(json.loads, (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines())
+        return [(r["step"], r.get("train/loss"), r.get("eval/loss")) for r in rows]
+
+    assert logged("cut") == logged("unbroken")
+    assert [s for s, _, e in logged("cut") if e is not None] == [4, 8]
+    a = load_file(str(tmp_path / "runs" / "unbroken" / "checkpoints" / "best" / "model.safetensors"))
+    b = load_file(str(run / "checkpoints" / "best" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -87,6 +87,30 @@ class TokenDataset:
     def num_tokens(self) -> int:
         return int(self._offsets[-1])
 
+    def shard_path(self, position: int) -> Path:
+        """The file the token at global ``position`` is in."""
+        info = [s for s in read_meta(self.data_dir)["splits"][self.split]["shards"] if s["tokens"]]
+        k = int(np.searchsorted(self._offsets, position, side="right") - 1)
+        return self.data_dir / info[k]["file"]
+
+    def check_ids(self, ids: np.ndarray, starts: np.ndarray | None = None) -> None:
+        """Refuse token ids outside meta.json's vocabulary (a damaged shard), which the model's embedding would
+        fail on (the model's vocabulary is at least meta.json's: ``check_vocab``). ``ids`` is the CPU array a
+        batch is made from, so the check costs one pass over it there and never waits on a device."""
+        if not ids.size or self.vocab_size <= 0:
+            return
+        top = int(ids.max())
+        if top < self.vocab_size and int(ids.min()) >= 0:
+            return
+        first = tuple(int(i) for i in np.argwhere((ids >= self.vocab_size) | (ids < 0))[0])
+        bad = int(ids[first])
+        where = ""
+        if starts is not None and ids.ndim == 2:
+            where = f" {self.shard_path(int(starts[first[0]]) + first[1])}"
+        raise LMForgeError(
+            f"split {self.split!r} of {self.data_dir}: shard{where} has token id {bad}, but {META_FILE} gives a "
+            f"vocabulary of {self.vocab_size} ids: the shard is damaged. {_REPREPARE}")
+
     def gather(self, positions: np.ndarray) -> np.ndarray:
         """Tokens at arbitrary global positions (any shape), as int64; one vectorised read per shard."""
         positions = np.asarray(positions, dtype=np.int64)
@@ -160,7 +184,9 @@ class PackedLoader:
 
     def _batch(self, windows: np.ndarray) -> dict[str, torch.Tensor]:
         starts = windows * self.seq_len
-        tokens = torch.from_numpy(self.dataset.gather(starts[:, None] + np.arange(self.seq_len + 1)))
+        ids = self.dataset.gather(starts[:, None] + np.arange(self.seq_len + 1))
+        self.dataset.check_ids(ids, starts)
+        tokens = torch.from_numpy(ids)
         # contiguous copies, so callers can .view() them (e.g. flattening labels for cross-entropy)
         return {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
 

@@ -227,6 +227,10 @@ def _check_out_dir(out: Path, overwrite: bool, sources: Sequence[str | Path], to
     remove_stale(out)  # a run killed mid-replacement may have moved the previous data aside
     if out.exists() and not out.is_dir():
         raise LMForgeError(f"--out {out} is a file, not a directory. Choose a directory path.")
+    in_the_way = next((p for p in out.parents if p.exists() or p.is_symlink()), None)
+    if in_the_way is not None and not in_the_way.is_dir():
+        raise LMForgeError(f"--out {out} cannot be made: {in_the_way} is a file, not a directory. Choose another "
+                           "--out directory, or move the file away.")
     for src in [*map(Path, sources), *([tokenizer_path] if tokenizer_path else [])]:
         src = src.resolve()
         if out.is_relative_to(src) or src.is_relative_to(out):

@@ -433,13 +433,18 @@ def check_language_model(checkpoint: str | os.PathLike) -> None:
     (reads its config only)."""
     from lmforge.checkpoint import checkpoint_family
     from lmforge.models.gpt import GPT
-    from lmforge.recipes import kind_of_family
+    from lmforge.recipes import kind_of_family, kinds, model_class
 
     family = checkpoint_family(checkpoint, strict=True)
-    if family != GPT.family:
+    # What LMForgeLM drives is GPT's interface (load_language_model loads with model_class=GPT): the test
+    # is on the family's model class, so a kind of another package that trains a GPT passes it too.
+    if not issubclass(model_class(family), GPT):
         kind = kind_of_family(family)
-        raise LMForgeError(f"`lmforge eval --tasks` runs lm-evaluation-harness on language models (the gpt "
-                           f"family: kinds lm, sft, dpo, grpo); {checkpoint} holds a {family!r} model (kind "
+        text = [spec for spec in kinds() if any(issubclass(cls, GPT) for cls in spec.families)]
+        text_families = sorted({cls.family for spec in text for cls in spec.families if issubclass(cls, GPT)})
+        raise LMForgeError(f"`lmforge eval --tasks` runs lm-evaluation-harness on language models (the "
+                           f"{', '.join(text_families)} famil{'y' if len(text_families) == 1 else 'ies'}: kinds "
+                           f"{', '.join(spec.name for spec in text)}); {checkpoint} holds a {family!r} model (kind "
                            f"{kind.name}), which does not model text. `lmforge eval {checkpoint}` without --tasks "
                            f"scores it ({kind.eval.help if kind.eval else 'no evaluation'})")
 

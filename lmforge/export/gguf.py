@@ -150,18 +150,22 @@ def _vocab(tokenizer_file: Path, tokenizer, model_vocab: int) -> tuple[list[str]
 
 
 def _check_out(out: Path, overwrite: bool) -> None:
+    in_the_way = next((p for p in out.parents if p.exists() or p.is_symlink()), None)
+    if in_the_way is not None and not in_the_way.is_dir():
+        raise LMForgeError(f"--out {out} cannot be written: {in_the_way} is a file, not a directory. Choose "
+                           "another path for the GGUF file, or move that file away.")
     remove_stale(out)  # what an export killed mid-write left beside it
     if not out.exists():
         return
-    if not overwrite:
-        raise LMForgeError(f"--out {out} exists; pass --overwrite to replace it or choose another file")
     is_gguf = False
     if out.is_file():
         with open(out, "rb") as f:
             is_gguf = f.read(4) == GGUF_MAGIC
-    if not is_gguf:
-        raise LMForgeError(f"--out {out} is not a GGUF file, so it is not replaced even with --overwrite; "
-                           "choose another path")
+    if not is_gguf:  # said first: --overwrite would not replace it either
+        raise LMForgeError(f"--out {out} exists and is not a GGUF file ({'a directory' if out.is_dir() else 'another file'}), "
+                           "so lmforge does not replace it, even with --overwrite; choose another path")
+    if not overwrite:
+        raise LMForgeError(f"--out {out} holds a GGUF file; pass --overwrite to replace it or choose another file")
 
 
 def export_gguf(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str = "f32",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 from safetensors.torch import save_file
@@ -68,18 +69,37 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, overwrite: 
 
     out = Path(out).resolve()
     remove_stale(out)  # an export killed mid-replacement may have moved the previous one aside
+    kept: list[Path] = []
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        # only an earlier export may be replaced: --overwrite is named where it would be taken
-        if not (out.is_dir() and (out / "config.json").is_file()):
-            raise LMForgeError(f"--out {out} exists and is not an earlier export (no config.json); choose another "
+        # only an earlier export of lmforge's may be replaced: --overwrite is named where it would be taken
+        if not _is_lmforge_export(out):
+            raise LMForgeError(f"--out {out} exists and is not an earlier lmforge export (a config.json with "
+                               "lmforge_source); lmforge does not replace it, even with --overwrite: choose another "
                                "directory")
         if not overwrite:
             raise LMForgeError(f"--out {out} holds an earlier export; pass --overwrite to replace it or choose "
                                "another directory")
+        kept = sorted(out.iterdir())  # what the new export does not write is carried over: a model card the user added
     with atomic_directory(out) as tmp:
         save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps({**ids, "do_sample": False}, indent=2) + "\n")
         tokenizer.save(tmp)
+        for extra in kept:  # carried into the new export, not deleted with the old one
+            if extra.name in {p.name for p in tmp.iterdir()}:
+                continue
+            if extra.is_symlink():  # a link stays a link
+                os.symlink(os.readlink(extra), tmp / extra.name)
+            elif extra.is_dir():
+                shutil.copytree(extra, tmp / extra.name, symlinks=True)
+            else:
+                shutil.copy2(extra, tmp / extra.name)
     return out
+
+
+def _is_lmforge_export(directory: Path) -> bool:
+    try:
+        return directory.is_dir() and "lmforge_source" in json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False

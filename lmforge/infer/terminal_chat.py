@@ -11,6 +11,7 @@ import sys
 import warnings
 from typing import TextIO
 
+from lmforge.chat import choice_seed
 from lmforge.errors import LMForgeError
 from lmforge.infer.engine import SamplingParams
 from lmforge.infer.generate import StreamingDecoder, check_seed, generate_tokens
@@ -58,7 +59,8 @@ def chat(checkpoint: str, system: str | None = None, max_tokens: int = 512, temp
             print(f"({e})", file=stdout, flush=True)
             continue
         history.append({"role": "user", "content": text})
-        ids = [tokenizer.eos_id, *tokenizer.encode(tokenizer.apply_chat_template(history))]
+        # the messages' spellings of special tokens are text; only the template's markers are special tokens
+        ids = [tokenizer.eos_id, *tokenizer.encode_chat(history)]
         room = n_ctx - len(ids)
         if room < 1:
             history.pop()
@@ -68,18 +70,21 @@ def chat(checkpoint: str, system: str | None = None, max_tokens: int = 512, temp
         stdout.write("model> ")
         stdout.flush()
         params = SamplingParams(min(max_tokens, room), temperature, top_p, top_k,
-                                None if seed is None else (seed + turn) % 2**64)
+                                None if seed is None else choice_seed(seed, turn))
         reply, reason = _stream_reply(model, ids, params, tokenizer, stdout)
         turn += 1
         history.append({"role": "assistant", "content": reply})
-        if reason == "length":
+        if reason == "context":
+            stdout.write(f" [cut: the {n_ctx}-token context is full; /reset to start over]")
+        elif reason == "length":
             stdout.write(" [cut at max tokens]")
         stdout.write("\n")
         stdout.flush()
 
 
 def _stream_reply(model, ids, params: SamplingParams, tokenizer, stdout) -> tuple[str, str]:
-    """Stream one reply; returns its text and why it ended (stop, length, cancelled)."""
+    """Stream one reply; returns its text and why it ended (stop, length: max tokens, context: the context is
+    full, cancelled)."""
     decoder = StreamingDecoder(tokenizer)
     pieces: list[str] = []
     count = 0
@@ -103,5 +108,6 @@ def _stream_reply(model, ids, params: SamplingParams, tokenizer, stdout) -> tupl
         stdout.write(" [stopped]")
         return "".join(pieces), "cancelled"
     emit(decoder.flush())
-    full = len(ids) + count >= model.config.n_positions
-    return "".join(pieces), "length" if count >= params.max_tokens or full else "stop"
+    if len(ids) + count >= model.config.n_positions:
+        return "".join(pieces), "context"
+    return "".join(pieces), "length" if count >= params.max_tokens else "stop"

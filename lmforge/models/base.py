@@ -286,8 +286,17 @@ def rebuild_unsaved_buffers(model: nn.Module, device: str | torch.device) -> Non
         if not module._non_persistent_buffers_set:
             continue
         if not hasattr(module, "reset_buffers"):
-            raise TypeError(f"{type(module).__name__} ({name}) has buffers it does not save; give it a "
-                            "reset_buffers(device) method that computes them, so a model can be loaded")
+            # A fresh run builds the model on its device, so a family without it trains and checkpoints, and
+            # only what loads one (eval, generate, --resume) finds out: say whose it is and what to write.
+            family = getattr(model, "family", None)
+            whose = f"model family {family!r} ({type(model).__name__})" if family else type(model).__name__
+            buffers = ", ".join(sorted(module._non_persistent_buffers_set))
+            raise LMForgeError(f"{whose} cannot be loaded: its module {type(module).__name__} "
+                               f"({name or 'the model itself'}) has buffers it does not save ({buffers}; "
+                               "persistent=False), and a loaded model is built on the meta device, where they hold "
+                               f"nothing. Give {type(module).__name__} a reset_buffers(self, device) method that "
+                               "computes them on `device` from the config, or register them persistent "
+                               "(see docs/adding-a-recipe.md)")
         module.reset_buffers(device)
 
 

@@ -8,7 +8,6 @@ written atomically (a temporary sibling renamed over it): a crash leaves the pre
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -17,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.errors import LMForgeError
-from lmforge.files import atomic_file
+from lmforge.files import FileLock, atomic_file, lock_held
 
 STATE_FORMAT = "lmforge-pipeline-state"
 STATE_VERSION = 1
@@ -176,53 +175,14 @@ def now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S")
 
 
-class RunLock:
-    """One ``pipeline run`` per out_dir at a time (an advisory lock the OS releases if the process dies)."""
-
-    def __init__(self, out_dir: Path):
-        self.path = out_dir / LOCK_FILE
-        self.fd: int | None = None
-
-    def acquire(self) -> RunLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise LMForgeError(f"another `lmforge pipeline run` (pid {holder}) is working in {self.path.parent}; "
-                               "wait for it to finish (`lmforge pipeline status` shows its progress)") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
-        self.fd = fd
-        return self
-
-    def release(self) -> None:
-        if self.fd is not None:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-            os.close(self.fd)
-            self.fd = None
-
-    def __enter__(self) -> RunLock:
-        return self.acquire()
-
-    def __exit__(self, *exc) -> None:
-        self.release()
+def RunLock(out_dir: Path) -> FileLock:  # noqa: N802 (a lock's constructor, named as one)
+    """One ``pipeline run`` per out_dir at a time (``lmforge.files.FileLock``)."""
+    directory = Path(out_dir)
+    return FileLock(directory / LOCK_FILE, lambda holder: LMForgeError(
+        f"another `lmforge pipeline run` ({holder}) is working in {directory}; wait for it to finish "
+        "(`lmforge pipeline status` shows its progress)"))
 
 
 def run_in_progress(out_dir: Path) -> bool:
     """Whether a `pipeline run` holds the lock of ``out_dir`` now."""
-    path = out_dir / LOCK_FILE
-    if not path.is_file():
-        return False
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError:
-        return True
-    else:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-    finally:
-        os.close(fd)
+    return lock_held(Path(out_dir) / LOCK_FILE)

@@ -72,22 +72,26 @@ def check_pair_rows(seq_len: int, n_positions: int) -> None:
                            "tokens; lower data.seq_len")
 
 
-def init_model_config(cfg: Any, kind: str) -> Path | None:
+def init_model_config(cfg: Any, kind: str, *, fine_tune: bool = False, example: str = "") -> Path | None:
     """Fill ``cfg.model`` from ``training.init_from`` (its family must be the run's); dropout stays the
-    run's. Returns the checkpoint's model directory, or None without ``init_from``."""
+    run's. Returns the checkpoint's model directory, or None without ``init_from``. ``fine_tune``: the
+    messages say the ``kind`` fine-tunes the checkpoint (sft) rather than starts from it; ``example``:
+    a checkpoint to name in them (e.g. ``runs/code_assistant_code``)."""
     if not cfg.training.init_from:
         return None
     from lmforge.checkpoint import resolve_model_dir
     from lmforge.models.base import read_model_config
 
     if not Path(cfg.training.init_from).exists():
+        start = "to fine-tune" if fine_tune else f"the {kind} kind starts from"
         raise LMForgeError(f"training.init_from={cfg.training.init_from} does not exist: point it at the checkpoint "
-                           f"or run directory the {kind} kind starts from")
+                           f"or run directory {start}" + (f" (e.g. {example})" if example else ""))
     source = resolve_model_dir(cfg.training.init_from)
     klass, config = read_model_config(source)
     if type(config) is not type(cfg.model):
+        trains = "fine-tunes" if fine_tune else "trains"
         raise LMForgeError(f"training.init_from={cfg.training.init_from} holds a {klass.family!r} model; the {kind} "
-                           f"kind trains the {family_of_config(cfg.model)!r} family's models")
+                           f"kind {trains} the {family_of_config(cfg.model)!r} family's models")
     for key in TUNABLE_MODEL_KEYS:
         if hasattr(config, key):
             setattr(config, key, getattr(cfg.model, key))
@@ -95,9 +99,9 @@ def init_model_config(cfg: Any, kind: str) -> Path | None:
     return source
 
 
-def init_tokenizer_path(cfg: Any, init_dir: Path | None, kind: str) -> Path:
+def init_tokenizer_path(cfg: Any, init_dir: Path | None, kind: str, *, fine_tune: bool = False) -> Path:
     """The tokenizer.json the run trains with: ``data.tokenizer`` (refused when it is not the init
-    checkpoint's), else the init checkpoint's own."""
+    checkpoint's), else the init checkpoint's own. ``fine_tune`` as for ``init_model_config``."""
     from lmforge.infer.loading import find_tokenizer
     from lmforge.tokenizer import require_same_tokenizer
 
@@ -109,8 +113,9 @@ def init_tokenizer_path(cfg: Any, init_dir: Path | None, kind: str) -> Path:
         return path
     if init_dir is not None:
         return find_tokenizer(init_dir)
+    start = "to fine-tune" if fine_tune else "to start from"
     raise LMForgeError(f"the {kind} kind needs the tokenizer the model is served with: set training.init_from to the "
-                       "checkpoint to start from (its tokenizer is used), or data.tokenizer=PATH")
+                       f"checkpoint {start} (its tokenizer is used), or data.tokenizer=PATH")
 
 
 def check_reference(path: str | Path, setting: str, policy_config: Any, tokenizer_file: Path,

@@ -80,12 +80,25 @@ def check_chat_tokenizer(tokenizer: Any, where: str) -> None:
 
 
 def _render(tokenizer: Any, messages: list[dict], tools: list | None, generation_prompt: bool) -> str:
+    # The markup: the messages' spellings of special tokens are marked, so they are encoded as text and
+    # only the template's markers are special tokens, as ``lmforge serve`` encodes the conversation.
+    if hasattr(tokenizer, "chat_markup"):
+        return tokenizer.chat_markup(messages, tools=tools, add_generation_prompt=generation_prompt)
     return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt)
+
+
+def _encode(tokenizer: Any, pieces: list[str]) -> list[list[int]]:
+    """Token ids of pieces of ``_render``'s markup, each as serving encodes it (``encode_markup_batch``: a piece
+    without marks, where no message spells a special token, exactly as ``encode`` encodes its text)."""
+    if hasattr(tokenizer, "encode_markup_batch"):
+        return tokenizer.encode_markup_batch(pieces)
+    return tokenizer.encode_batch(pieces)
 
 
 def supervised_spans(tokenizer: Any, messages: list[dict], tools: list | None,
                      assistant_turns: str = "all") -> tuple[str, list[tuple[int, int]]]:
-    """The conversation's rendered text and the character spans the loss covers (assistant bodies with
+    """The conversation's rendered text (its ``chat_markup``: encode pieces of it with ``tokenize_spans``) and
+    the character spans the loss covers (assistant bodies with
     their closing eos), for all assistant turns or the last one only."""
     if assistant_turns not in ASSISTANT_TURNS:
         raise LMForgeError(f"recipe.assistant_turns must be one of {', '.join(ASSISTANT_TURNS)}, "
@@ -136,7 +149,7 @@ def tokenize_spans(tokenizer: Any, text: str, spans: list[tuple[int, int]]) -> t
     """``[eos]`` + the text's pieces tokenized one by one (prompt, reply, prompt, ...) up to the last
     supervised span; returns ids and the 0/1 supervised flags."""
     pieces, flags = _pieces(text, spans)
-    return _join(tokenizer.eos_id, tokenizer.encode_batch(pieces), flags)
+    return _join(tokenizer.eos_id, _encode(tokenizer, pieces), flags)
 
 
 _CHUNK = 512  # conversations tokenized per call (the tokenizer batches across threads)
@@ -154,8 +167,8 @@ def render_examples(tokenizer: Any, conversations, seq_len: int, assistant_turns
 
     def flush() -> None:
         cut = [_pieces(text, spans) for text, spans, _ in chunk]
-        encoded = tokenizer.encode_batch([p for pieces, _ in cut for p in pieces])
-        wholes = (tokenizer.encode_batch([text[:spans[-1][1]] for text, spans, _ in chunk])
+        encoded = _encode(tokenizer, [p for pieces, _ in cut for p in pieces])
+        wholes = (_encode(tokenizer, [text[:spans[-1][1]] for text, spans, _ in chunk])
                   if check_boundaries else [None] * len(chunk))
         at = 0
         for (pieces, flags), (_, _, source), whole in zip(cut, chunk, wholes):

@@ -121,8 +121,7 @@ def reference_message(row: dict[str, Any]) -> dict[str, Any] | None:
 
 def encode_prompt(tokenizer: Any, row: dict[str, Any]) -> list[int]:
     """The ids ``lmforge serve`` feeds the model for the row's prompt: ``[eos] + encode(template)``."""
-    text = tokenizer.apply_chat_template(prompt_messages(row), tools=row.get("tools") or None)
-    return [tokenizer.eos_id, *tokenizer.encode(text)]
+    return [tokenizer.eos_id, *tokenizer.encode_chat(prompt_messages(row), tools=row.get("tools") or None)]
 
 
 @dataclass

@@ -703,8 +703,7 @@ def aggregate_scores(rows: list[dict[str, Any]], scores: list[dict[str, Any]]) -
 
 def prompt_ids(tokenizer: Any, row: dict[str, Any]) -> list[int]:
     """The ids ``lmforge serve`` feeds the model for this row's conversation without its last turn."""
-    prompt = tokenizer.apply_chat_template(row["messages"][:-1], tools=row.get("tools") or None)
-    return [tokenizer.eos_id, *tokenizer.encode(prompt)]
+    return [tokenizer.eos_id, *tokenizer.encode_chat(row["messages"][:-1], tools=row.get("tools") or None)]
 
 
 def generate_greedy(model: Any, prompts: list[list[int]], eos_id: int, max_new_tokens: int,

@@ -1,11 +1,12 @@
 """Training kinds as plug-ins: the ``RecipeSpec`` each kind fills in, and the registry that finds them.
 
 A *kind* is one way of training: ``lm`` (next-token pretraining of the gpt family), ``puzzles`` (HRM,
-TRM and the plain transformer on Sudoku-style grids), ``hrgc`` (the planner + generator Go coder).
-Each lives in its own package, ``lmforge/recipes/<kind>/``, whose ``__init__`` builds one
-``RecipeSpec`` and calls ``register``. The loop (``lmforge.train``), the command line (``train``,
-``eval``, ``generate``, ``bench``, ``data``) and checkpoint loading read the spec; none of them names
-a kind or a model family.
+TRM and the plain transformer on Sudoku-style grids), ``hrgc`` (the planner + generator Go coder), and
+the post-training kinds of the gpt family: ``sft`` (chat and tool-call fine-tuning), ``reward`` (a
+reward model on preference pairs), ``dpo``, ``grpo`` and ``ppo``. Each lives in its own package,
+``lmforge/recipes/<kind>/``, whose ``__init__`` builds one ``RecipeSpec`` and calls ``register``. The
+loop (``lmforge.train``), the command line (``train``, ``eval``, ``generate``, ``bench``, ``data``) and
+checkpoint loading read the spec; none of them names a kind or a model family.
 
 Adding a kind: a new folder with its spec, and one line in ``BUILTIN`` below (see
 ``docs/adding-a-recipe.md``); a kind in another package registers through the ``lmforge.recipes``
@@ -26,6 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmforge.cli_common import SHARED_OPTIONS
 from lmforge.errors import LMForgeError
 
 # The built-in kinds, one package each. A new kind adds its line here.
@@ -41,6 +43,9 @@ BUILTIN = (
 )
 DEFAULT_KIND = "lm"  # the kind of a recipe that names neither `kind` nor `model.family`
 ENTRY_POINT_GROUP = "lmforge.recipes"  # kinds of other packages: `[project.entry-points."lmforge.recipes"]`
+# The stage kinds a pipeline runs itself (lmforge.pipeline.spec.STAGE_KEYS): a pipeline stage's `kind` is
+# one of these or a training kind, so no training kind may take these names.
+RESERVED_KIND_NAMES = ("tokenizer", "data", "eval", "export", "serve")
 
 
 @dataclass(frozen=True)
@@ -67,7 +72,11 @@ class Probe:
 class TrainData:
     """What a kind's ``build_data`` hands the loop."""
 
-    train: Any  # .next_batch() -> dict of CPU tensors; .state_dict(); .load_state_dict(state)
+    # .next_batch() -> dict of CPU tensors; .state_dict(); .load_state_dict(state). state_dict() is written into
+    # each checkpoint's trainer_state.json, so it must hold JSON values only (dicts, lists, str, numbers, bool,
+    # None; no tensors or torch.Generator states: keep a seed and a count, say): the loop checks it before
+    # step 1. load_state_dict(state) of it must put the loader where it was, for an exact resume.
+    train: Any
     val: Any | None  # .iter_eval_batches(max_batches) -> iterable of batch dicts; None = no evaluation
     description: str = ""
     derive_eval_metrics: Callable[[dict[str, float]], dict[str, float]] = lambda m: m
@@ -124,9 +133,13 @@ class CLIOptions:
     """The options a kind adds to one verb (``eval`` or ``generate``) and the function that runs it.
 
     ``add(group)`` adds the kind's own options to an argparse group titled with the kind; ``uses``
-    names the shared option sets it takes too (``sampling``: temperature, top-k, top-p, seed,
-    --max-new-tokens). ``run(args)`` does the work and returns the exit code. The command line refuses
-    an option of another kind with a message naming the kind it belongs to."""
+    names the shared option sets it takes too (``lmforge.cli_common.SHARED_OPTIONS``): ``sampling``
+    (--max-new-tokens, --temperature, --top-k, --top-p, --seed; --seed defaults to None, "no seed"),
+    ``precision`` (--precision), ``baseline`` (--baseline, --no-baseline, --max-new-tokens, default None)
+    and ``batch-size`` (--batch-size, default None); ``register`` refuses other names. Kinds may add an
+    option string another kind adds only as the same option (same action, dest, type, default ...).
+    ``run(args)`` does the work and returns the exit code. The command line refuses an option of
+    another kind with a message naming the kind it belongs to."""
 
     run: Callable[[argparse.Namespace], int]
     add: Callable[[Any], None] = lambda group: None
@@ -164,9 +177,10 @@ class RecipeSpec:
     supersedes: dict[str, dict[str, list[tuple[str, Any]]]] = field(default_factory=dict)  # see config.py
     # --- the step ---------------------------------------------------------------------------------
     prepare_model: Callable[[Any, Any], None] | None = None  # (model, RunConfig): training settings onto it
-    make_optimizer: Callable[[Any, list, Any, Any], Any] | None = None  # (model, groups, RunConfig, device)
-    # (model, batch) -> (loss, metrics). The loop runs it as the forward of the module it compiles the
-    # model in and wraps in DDP, so it may call the model (or its methods) as often as it needs.
+    make_optimizer: Callable[[Any, Any, Any], Any] | None = None  # (model, RunConfig, device) -> optimizer
+    # (module, batch) -> (loss, metrics). In training ``module`` is the (torch.compile'd) model, and the loop
+    # runs this loss as the forward of one module around it, which DDP / FSDP wrap: so it may call the
+    # model (or its methods) as often as it needs. In evaluation ``module`` is the model itself.
     loss: Callable[[Any, dict[str, Any]], tuple[Any, dict[str, Any]]] = _call_model
     ddp_find_unused_parameters: bool = False  # some parameters get no gradient in some steps
     # training.parallel fsdp/hsdp (lmforge.train.fsdp) is tested with this kind: its model has repeated_blocks(),
@@ -202,8 +216,21 @@ def register(spec: RecipeSpec) -> RecipeSpec:
     fine-tunes the gpt family, which is the lm kind's). The built-in kinds are loaded first, so which
     kind owns a family never depends on which package a program happened to import first."""
     _load_builtin()
+    if spec.name in RESERVED_KIND_NAMES:
+        raise LMForgeError(f"a training kind cannot be named {spec.name!r}: pipelines run stages of the kinds "
+                           f"{', '.join(RESERVED_KIND_NAMES)} themselves, so a pipeline stage could never train it. "
+                           "Choose another name")
     if spec.name in _KINDS and _KINDS[spec.name] is not spec:
         raise LMForgeError(f"two training kinds are named {spec.name!r}")
+    for verb in ("eval", "generate"):
+        options = getattr(spec, verb)
+        unknown = [u for u in (options.uses if options is not None else ()) if u not in SHARED_OPTIONS]
+        if unknown:
+            # a tuple of one name written ("sampling") is a string: its letters are the names
+            hint = " (a tuple of one name needs a comma: uses=(\"sampling\",))" if isinstance(options.uses, str) else ""
+            raise LMForgeError(f"kind {spec.name!r}: {verb}=CLIOptions(uses=...) names unknown shared option sets "
+                               f"{', '.join(map(repr, unknown))}{hint}; the sets are "
+                               f"{', '.join(map(repr, SHARED_OPTIONS))}")
     for cls in spec.families:
         owner = _FAMILIES.get(cls.family)
         if owner is not None and owner[0] is not cls:
@@ -245,7 +272,10 @@ def get_kind(name: str) -> RecipeSpec:
     if name not in _KINDS:
         close = difflib.get_close_matches(str(name), list(_KINDS), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise LMForgeError(f"unknown training kind {name!r}; known: {', '.join(sorted(_KINDS))}.{hint}")
+        raise LMForgeError(f"unknown training kind {name!r}; known: {', '.join(sorted(_KINDS))}.{hint} A kind of "
+                           f"another package is found only through the {ENTRY_POINT_GROUP!r} entry point of an "
+                           "installed package (importable is not enough): declare it in that package's "
+                           "pyproject.toml and `pip install -e PATH` it (docs/adding-a-recipe.md)")
     return _KINDS[name]
 
 
@@ -295,6 +325,6 @@ def family_of_config(config: Any) -> str:
     raise LMForgeError(f"no model family takes a config of type {type(config).__name__}")
 
 
-__all__ = ["BUILTIN", "DEFAULT_KIND", "CLIOptions", "Counts", "ModelHost", "Probe", "RecipeSpec", "TrainData",
-           "default_kind", "families", "family_of_config", "flops_per_token", "get_kind", "kind_of_family", "kinds",
+__all__ = ["BUILTIN", "DEFAULT_KIND", "RESERVED_KIND_NAMES", "CLIOptions", "Counts", "ModelHost", "Probe",
+           "RecipeSpec", "TrainData", "default_kind", "families", "family_of_config", "flops_per_token", "get_kind", "kind_of_family", "kinds",
            "model_class", "register"]

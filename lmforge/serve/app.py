@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from lmforge.chat import TOOL_CALL_OPEN, parse_tool_calls
+from lmforge.chat import TOOL_CALL_OPEN, choice_seed, parse_tool_calls
 from lmforge.errors import LMForgeError
 from lmforge.infer.constrain import GrammarCompiler
 from lmforge.infer.engine import Engine, EngineClosed, QueueFull, SamplingParams
@@ -72,7 +72,7 @@ class Generation:
         try:
             for choice in self.choices:
                 c = self.common
-                seed = None if c.seed is None else c.seed + choice.index
+                seed = None if c.seed is None else choice_seed(c.seed, choice.index)
                 scored = choice.echo is not None and (self.top_logprobs is not None or self.max_tokens == 0)
                 params = SamplingParams(self.max_tokens, c.temperature, c.top_p, c.top_k, seed,
                                         top_logprobs=self.top_logprobs,
@@ -346,6 +346,7 @@ def create_app(engine: Engine, tokenizer: Any, model_id: str, api_key: str | Non
         req: ChatRequest = parse_chat(parse_json(await _body(request)), model_id)
         c = req.common
         try:
+            # A ChatText: encode() makes the messages' spellings of special tokens text, the template's markers special
             prompt = tokenizer.apply_chat_template(req.messages, tools=req.tools or None)
         except LMForgeError as e:
             raise bad(str(e), "messages") from None
@@ -371,7 +372,12 @@ def create_app(engine: Engine, tokenizer: Any, model_id: str, api_key: str | Non
             held = ch.text.held
             if not held:
                 return "", []
-            return parse_tool_calls(held)
+            # cut by max_tokens or the context: an unfinished last call is dropped, the complete ones are kept
+            return parse_tool_calls(held, cut=ch.finish_reason == "length")
+
+        def finish_reason(ch: Choice, calls: list) -> str | None:
+            """"tool_calls" for a reply that ended with calls; "length" for one that was cut, calls or not."""
+            return "tool_calls" if calls and ch.finish_reason != "length" else ch.finish_reason
 
         def logprobs(entries: list[Entry] | None) -> dict | None:
             return None if entries is None else chat_logprobs(tokenizer, entries)
@@ -392,7 +398,7 @@ def create_app(engine: Engine, tokenizer: Any, model_id: str, api_key: str | Non
                         yield _sse(chunk([{"index": ch.index, "delta": {"content": content} if content else {},
                                            "logprobs": logprobs(entries), "finish_reason": None}]))
                     if calls:
-                        reason = "tool_calls"
+                        reason = finish_reason(ch, calls)
                         deltas = [{"index": k, **call.to_openai()} for k, call in enumerate(calls)]
                         yield _sse(chunk([{"index": ch.index, "delta": {"tool_calls": deltas}, "logprobs": None,
                                            "finish_reason": None}]))
@@ -412,7 +418,7 @@ def create_app(engine: Engine, tokenizer: Any, model_id: str, api_key: str | Non
                 message["tool_calls"] = [call.to_openai() for call in calls]
             out.append({"index": ch.index, "message": message,
                         "logprobs": logprobs(scores[ch.index] if ch.scores is not None else None),
-                        "finish_reason": "tool_calls" if calls else ch.finish_reason})
+                        "finish_reason": finish_reason(ch, calls)})
         return {"id": rid, "object": "chat.completion", "created": now, "model": model_id,
                 "system_fingerprint": None, "choices": out, "usage": gen.usage()}
 

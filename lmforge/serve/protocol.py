@@ -424,6 +424,15 @@ def parse_chat(body: dict, model_id: str) -> ChatRequest:
             raise bad(f"tools[{i}].function.name {json.dumps(name, ensure_ascii=False)} is not a function name: it "
                       f"must match {FUNCTION_NAME} (1 to 64 ASCII letters, digits, _ or -)",
                       f"tools[{i}].function.name")
+        # as a forced call's grammar (lmforge.infer.constrain) checks them, whatever tool_choice is
+        params = tool["function"].get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise bad(f"tools[{i}] ({name}): \"parameters\" must be a JSON schema object, got "
+                      f"{type(params).__name__}", "tools")
+        kind = (params or {}).get("type", "object")
+        if kind != "object" and kind != ["object"]:
+            raise bad(f"tools[{i}] ({name}): \"parameters\" must describe an object (type \"object\"), got type "
+                      f"{kind!r}: arguments are always a JSON object", "tools")
     parallel = _bool(body, "parallel_tool_calls", True)
     constraint = _tool_choice(body.get("tool_choice"), tools, parallel)
     if body.get("tool_choice") == "none":

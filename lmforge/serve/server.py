@@ -40,6 +40,11 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def host_port(host: str, port: int) -> str:
+    """``host:port`` as a URL writes it: an IPv6 literal in brackets (``[::1]:8000``)."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
 def serve(checkpoint: str | Path, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           model_id: str | None = None, max_batch_size: int = 16, device: str = "auto", precision: str = "auto",
           log_level: str = "info", quantize: str = "none", prefill_chunk: int = 512, prefix_cache: int = 4,
@@ -97,7 +102,7 @@ def _run(engine, tokenizer, model_dir: Path, host: str, port: int, api_key: str 
         dtype = f"{engine.model.quantization} weights, {dtype} activations,"
     print(f"lmforge serve: model {model_id!r} ({model_dir}), {dtype} on {engine.device}, context {engine.n_ctx} "
           f"tokens, up to {max_batch_size} sequences per batch", file=sys.stderr)
-    print(f"lmforge serve: OpenAI API at http://{host}:{port}/v1" + (" (API key required)" if api_key else ""),
+    print(f"lmforge serve: OpenAI API at http://{host_port(host, port)}/v1" + (" (API key required)" if api_key else ""),
           file=sys.stderr, flush=True)
     # The model runs on this (main) thread, the HTTP server on another: PyTorch's CPU kernels ran
     # 10-25% slower on a secondary thread (benchmarks/RESULTS.md), the event loop does not care.
@@ -119,4 +124,4 @@ def _run(engine, tokenizer, model_dir: Path, host: str, port: int, api_key: str 
         server.should_exit = True
         http.join(timeout=10)
     if not server.started:
-        raise LMForgeError(f"could not listen on {host}:{port} (is the port in use? pick another with --port)")
+        raise LMForgeError(f"could not listen on {host_port(host, port)} (is the port in use? pick another with --port)")

@@ -19,6 +19,7 @@ from lmforge import checkpoint as ckpt
 from lmforge.config import RunConfig
 from lmforge.device import setup_device
 from lmforge.errors import LMForgeError
+from lmforge.files import FileLock
 from lmforge.models import build_empty_model, build_model
 from lmforge.recipes import TrainData
 from lmforge.tokenizer import CONFIG_FILE, SPECIAL_MAP_FILE, TOKENIZER_FILE
@@ -60,10 +61,61 @@ def _train(cfg: RunConfig, resume: bool | str, distinfo: DistInfo, clock: Callab
     devinfo = setup_device(cfg.training.device, cfg.training.precision, cfg.training.peak_flops,
                            distinfo.local_rank)
     check_one_gpu_per_process(devinfo.device, distinfo)
+    made = not cfg.run_dir.exists()
+    lock = _lock_run_dir(cfg.run_dir, devinfo.device, distinfo)
+    try:
+        return _train_locked(cfg, resume, devinfo, distinfo, clock)
+    except BaseException:
+        if lock is not None and made and [p.name for p in cfg.run_dir.iterdir()] == [ckpt.RUN_LOCK_FILE]:
+            try:  # a start refused before writing anything leaves no run directory behind
+                lock.path.unlink()
+                cfg.run_dir.rmdir()
+            except OSError:
+                pass
+        raise
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _lock_run_dir(run_dir: Path, device: torch.device, distinfo: DistInfo) -> FileLock | None:
+    """One job per run directory: the job's rank 0 takes ``RunDirLock`` (its other processes are the same
+    job, so they take none), and every process learns whether it got it, so that all stop together when
+    another job holds it (none waits at a barrier for a rank 0 that left)."""
+    lock, error = None, None
+    if distinfo.is_main:
+        try:
+            in_the_way = ckpt.file_in_the_way(run_dir)
+            if in_the_way is not None:
+                raise LMForgeError(
+                    f"the run directory {run_dir} cannot be made: {in_the_way} is a file, not a directory. "
+                    "Choose another run name (name=NEW) or out_dir, or move the file away.")
+            try:
+                run_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise LMForgeError(f"cannot create the run directory {run_dir} ({e.strerror}): choose another "
+                                   "out_dir, or make it writable") from e
+            lock = ckpt.RunDirLock(run_dir).acquire()
+        except LMForgeError as e:
+            error = e
+    if distinfo.enabled:
+        import torch.distributed as dist
+
+        failed = torch.tensor([float(error is not None)], device=device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if error is None and failed.item() > 0:
+            raise LMForgeError(f"rank 0 could not lock the run directory {run_dir} (its message says why); stopping")
+    if error is not None:
+        raise error
+    return lock
+
+
+def _train_locked(cfg: RunConfig, resume: bool | str, devinfo, distinfo: DistInfo,
+                  clock: Callable[[], float]) -> TrainResult:
     run_dir = cfg.run_dir
     if not resume and cfg.resume_from_checkpoint:
         resume = cfg.resume_from_checkpoint  # the RLM-mHC guide's +resume_from_checkpoint=PATH
-    resume_from = _resume_point(run_dir, resume)
+    resume_from = _resume_point(run_dir, resume, distinfo.is_main)
     # A run started from other weights (training.init_from) and interrupted resumes from its own
     # checkpoint: the weights come from there; init_from still names the model it was fine-tuned from.
     load_init = bool(cfg.training.init_from) and resume_from is None
@@ -160,7 +212,7 @@ def _resolve_epochs(cfg: RunConfig, data: TrainData, distinfo: DistInfo) -> None
               f"{steps_per_epoch:.2f} steps; max_steps={t.max_steps}, eval_interval={t.eval_interval}")
 
 
-def _resume_point(run_dir: Path, resume: bool | str) -> Path | None:
+def _resume_point(run_dir: Path, resume: bool | str, is_main: bool = True) -> Path | None:
     ckpt_root = run_dir / "checkpoints"
     existing = ckpt.latest_checkpoint(ckpt_root)
     if isinstance(resume, str) and resume not in ("", "latest"):
@@ -169,11 +221,31 @@ def _resume_point(run_dir: Path, resume: bool | str) -> Path | None:
             raise LMForgeError(f"--resume {path}: not a training checkpoint (no {ckpt.STATE_FILE}); "
                                f"pass a runs/NAME/checkpoints/step-NNNNNN directory or plain --resume")
         step = int(ckpt.read_trainer_state(path)["step"])
-        newer = [p.name for s, p in ckpt.list_checkpoints(ckpt_root) if s > step]
+        newer = [p for s, p in ckpt.list_checkpoints(ckpt_root) if s > step]
+        damage = {p: ckpt.checkpoint_damage(p) for p in newer}
+        if newer and all(damage.values()):
+            # Every newer checkpoint is damaged (nothing could resume from it): set them aside, never delete.
+            for p in newer:
+                aside, n = p.with_name(ckpt.DAMAGED_PREFIX + p.name), 1
+                while aside.exists():  # the same step damaged again: keep both
+                    n += 1
+                    aside = p.with_name(f"{ckpt.DAMAGED_PREFIX}{p.name}.{n}")
+                if is_main:
+                    try:
+                        os.rename(p, aside)
+                    except OSError as e:
+                        raise LMForgeError(f"cannot set the damaged {p} aside as {aside} ({e.strerror}): move it "
+                                           f"away yourself, then resume from {path.name} again") from e
+                    print(f"note: {p.name} is damaged ({damage[p]}); set aside as {aside} (delete it when done) "
+                          f"and resuming from {path.name}")
+            newer = []
         if newer:
-            raise LMForgeError(f"{ckpt_root} has checkpoints newer than {path.name} ({', '.join(newer)}); "
-                               "resuming would mix two histories in one run. Resume into a new run "
-                               "(name=NEW --resume PATH) or move the newer checkpoints away.")
+            good = [p for p in newer if not damage[p]]
+            move = "; ".join(f"mv {p} {p.with_name(ckpt.DAMAGED_PREFIX + p.name)}" for p in good)
+            raise LMForgeError(f"{ckpt_root} has checkpoints newer than {path.name} whose files read "
+                               f"({', '.join(p.name for p in good)}); resuming would mix two histories in one run. "
+                               "Resume from the latest (plain --resume), or into a new run (name=NEW --resume "
+                               f"PATH); if they are damaged all the same, set them aside first (`{move}`).")
         return path
     # What a run from scratch would replace: a model in best/ (kept even where the step checkpoints were
     # deleted to save space) and step directories, complete or not.
@@ -230,11 +302,18 @@ def _check_same_tokenizer(tokenizer_path: Path | None, checkpoint: Path) -> None
     if tokenizer_path is None or not mine.is_file():
         return
     theirs = tokenizer_path.parent / TOKENIZER_FILE
-    try:  # as JSON: the same tokenizer written with other spacing is the same
-        same = json.loads(theirs.read_bytes()) == json.loads(mine.read_bytes())
-    except (OSError, ValueError):
-        same = False
-    if not same:
+    parsed = []
+    for path in (theirs, mine):
+        try:  # as JSON: the same tokenizer written with other spacing is the same
+            parsed.append(json.loads(path.read_bytes()))
+        except (OSError, ValueError) as e:
+            run_copy = checkpoint.parent.parent / "tokenizer" / TOKENIZER_FILE
+            sources = [str(p) for p in (run_copy, theirs, mine) if p != path]
+            raise LMForgeError(
+                f"{path} is damaged (it cannot be read as JSON: {e}). Copy the same tokenizer over it from "
+                f"{' or '.join(sources)} (or another checkpoint of the run), then resume again; a newly trained "
+                "tokenizer would not match the weights or the data.") from e
+    if parsed[0] != parsed[1]:
         raise LMForgeError(f"the data of this resume is tokenized with {tokenizer_path.parent}, not with the "
                            f"tokenizer {checkpoint} was trained with: resume with the run's data settings (see "
                            f"{checkpoint / 'run_config.yaml'}), or start a new run from its weights with "

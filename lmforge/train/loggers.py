@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.errors import LMForgeError
+from lmforge.files import atomic_file
 
 
 class MetricsLogger:
@@ -64,15 +65,28 @@ def _truncate_after(path: Path, step: int) -> None:
     if not path.is_file():
         return
     kept = []
-    for line in path.read_text().splitlines():
+    lines = path.read_text(errors="replace").splitlines()
+    for i, line in enumerate(lines, 1):
+        if step <= 0:
+            break  # a fresh run: nothing is kept
+        if not line.strip():
+            continue
         try:
-            if json.loads(line).get("step", 0) <= step and step > 0:
-                kept.append(line)
+            row = json.loads(line)
+            row_step = row.get("step", 0) if isinstance(row, dict) else None
         except json.JSONDecodeError:
-            continue  # a partial last line from a killed run
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    tmp.replace(path)
+            row_step = None
+        if not isinstance(row_step, (int, float)):
+            if i == len(lines):
+                continue  # a partial last line: a write cut off by a crash
+            raise LMForgeError(
+                f"{path}:{i} is damaged (not a JSON record with a step; line {i} of {len(lines)}), so resuming "
+                f"cannot tell which metrics to keep. Fix or delete that line (or move {path} away to start its "
+                "metrics afresh), then resume again.")
+        if row_step <= step:
+            kept.append(line)
+    with atomic_file(path) as tmp:
+        tmp.write_text("".join(line + "\n" for line in kept))
 
 
 def _wandb_id(run_dir: Path) -> str:

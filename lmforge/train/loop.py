@@ -10,6 +10,7 @@ checkpoints, resume, signals, NaN detection, logging, DDP — lives here once.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import random
 import signal
@@ -26,7 +27,7 @@ from tqdm.auto import tqdm
 
 from lmforge import checkpoint as ckpt
 from lmforge.config import GRAPH_MODES, RunConfig
-from lmforge.device import DeviceInfo, adamw_kernels, model_flops_utilization, peak_memory_mb
+from lmforge.device import DeviceInfo, model_flops_utilization, peak_memory_mb
 from lmforge.errors import LMForgeError
 from lmforge.models.base import LMForgeModel
 from lmforge.recipes import ModelHost, TrainData
@@ -34,15 +35,8 @@ from lmforge.safe_state import save_state
 from lmforge.train import fsdp
 from lmforge.train.distributed import DistInfo
 from lmforge.train.loggers import MetricsLogger
+from lmforge.train.optim import AdamW8bit, default_optimizer
 from lmforge.train.schedule import lr_multiplier, lr_multiplier_at
-
-
-def default_optimizer(model: LMForgeModel, cfg: RunConfig, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW over the model's parameter groups (the fused kernel where the device has one): the
-    optimizer of every kind that does not name its own (``RecipeSpec.make_optimizer``)."""
-    t = cfg.training
-    return torch.optim.AdamW(model.param_groups(t.weight_decay, t.lr), lr=t.lr, betas=(t.beta1, t.beta2),
-                             eps=t.eps, **adamw_kernels(device))
 
 
 @dataclass
@@ -62,7 +56,7 @@ class _NonFinite:
     """Catches a non-finite loss or gradient norm before its update lands on the weights.
 
     On the device, where the optimizer takes ``found_inf`` (fused AdamW, lmforge's default, on CUDA and
-    the CPU: MPS's fused kernel ignores it; not with FSDP's CPU offload, whose gradients and optimizer
+    the CPU: MPS's fused kernel ignores it; ``AdamW8bit`` everywhere; not with FSDP's CPU offload, whose gradients and optimizer
     live on the CPU while the loss is on the GPU): each step folds its finiteness (any process's, under
     torchrun) into a sticky flag that the optimizer kernel reads, so the bad update and every one after
     it are skipped on the device; the host reads the flag only at the loop's check steps (log lines,
@@ -74,9 +68,9 @@ class _NonFinite:
 
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, scaled: bool, offload: bool = False,
                  distributed: bool = False):
-        self.on_device = (not scaled and not offload and device.type in ("cuda", "cpu")
-                          and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
-                          and all(g.get("fused") for g in optimizer.param_groups))
+        fused = (device.type in ("cuda", "cpu") and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+                 and all(g.get("fused") for g in optimizer.param_groups))
+        self.on_device = not scaled and not offload and (fused or getattr(optimizer, "takes_found_inf", False))
         self.grad_checked = not scaled  # with fp16 loss scaling Inf gradients are expected: the scaler skips them
         self.device = device
         self.distributed = distributed
@@ -243,11 +237,18 @@ class Trainer:
             self._gatherer.add(self.sharded)
         # After sharding: FSDP's parameters are this process's shards, and the optimizer keeps state for those.
         self.optimizer = (self.spec.make_optimizer or default_optimizer)(model, cfg, devinfo.device)
+        if self.t.optimizer_states == "8bit" and not isinstance(self.optimizer, AdamW8bit):
+            raise LMForgeError(f"training.optimizer_states=8bit is AdamW's, and this kind trains with its own optimizer "
+                               f"({type(self.optimizer).__name__}), whose states stay fp32: drop "
+                               "training.optimizer_states")
         for g in self.optimizer.param_groups:
             g["base_lr"] = g["lr"]  # the schedule scales each group's own lr
         self.scaler = torch.amp.GradScaler(devinfo.device.type, enabled=devinfo.precision == "fp16")
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self._window = _Window()
+        # What a run stopped by a signal at this step had still to do there (its evaluation, its probe): kept in
+        # the checkpoint and done first on resume, so a stop never loses an evaluation (or best/'s candidate).
+        self._pending: set[str] = set()
         self._state_mb: float | None = None  # this process's weights + optimizer state, logged once
         self._frozen_mb: float | None = None  # this process's share of the frozen models' weights
 
@@ -309,7 +310,7 @@ class Trainer:
         # The files parse; what they hold is still checked before use: a damaged or crafted state stops
         # here with a message instead of failing later inside the optimizer or the RNG.
         try:
-            self._restore_training_state(opt_state, rng, state)
+            self._restore_training_state(opt_state, rng, state, path)
         except LMForgeError:
             raise
         except (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError) as e:
@@ -318,15 +319,38 @@ class Trainer:
                                f"or from an earlier checkpoint in {path.parent}") from e
         self.last_checkpoint = path
 
-    def _restore_training_state(self, opt_state: dict[str, Any], rng: dict[str, Any], state: dict[str, Any]) -> None:
-        self.model.load_training_state(opt_state.get("model_state") or {})
+    def _kind_restores(self, path: Path, owner: Any, method: str, saved: Any) -> None:
+        """``owner.method(saved)``, a resume hook the kind wrote (its loader's ``load_state_dict``, its model's
+        ``load_training_state``): what it raises is reported as the kind's, with its cause, not as a checkpoint
+        that does not fit the run (the message for lmforge's own steps)."""
+        try:
+            getattr(owner, method)(saved)
+        except LMForgeError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any bug of the kind's code; re-raised with its cause
+            keys = f" (keys {', '.join(map(str, saved))})" if isinstance(saved, dict) else ""
+            raise LMForgeError(f"resuming from {path}: kind {self.spec.name!r}'s {type(owner).__name__}.{method} "
+                               f"raised {type(e).__name__}: {e}, given the state{keys} it saved in the checkpoint. "
+                               "This is the kind's own resume code: what its state_dict / training_state writes, "
+                               f"its {method} must read back (a checkpoint written by another version of the "
+                               "kind or another config may differ: resume with those)") from e
+
+    def _restore_training_state(self, opt_state: dict[str, Any], rng: dict[str, Any], state: dict[str, Any],
+                                path: Path) -> None:
+        self._kind_restores(path, self.model, "load_training_state", opt_state.get("model_state") or {})
         saved = opt_state["optimizer"]
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        shapes = getattr(self.optimizer, "state_shapes", None)  # moments of another shape than the parameter's
         for idx, entries in saved["state"].items():  # load_state_dict would take moments of any shape
+            expected = shapes(params[idx]) if shapes is not None else {}
+            if shapes is not None and set(entries) - {"step"} != set(expected):
+                raise ValueError(f"the optimizer state of parameter {idx} holds {sorted(entries)}, this run's "
+                                 f"optimizer keeps {sorted(['step', *expected])}: was it written with another "
+                                 "training.optimizer_states?")
             for name, value in entries.items():
-                if torch.is_tensor(value) and value.dim() > 0 and value.shape != params[idx].shape:
-                    raise ValueError(f"{name} of parameter {idx} has shape {tuple(value.shape)}, the parameter "
-                                     f"{tuple(params[idx].shape)}")
+                want = expected.get(name, tuple(params[idx].shape))
+                if torch.is_tensor(value) and value.dim() > 0 and tuple(value.shape) != want:
+                    raise ValueError(f"{name} of parameter {idx} has shape {tuple(value.shape)}, not {want}")
         # The learning rates come from this run's config, so that `training.lr=...` on a resume takes effect.
         base_lrs = [g["base_lr"] for g in self.optimizer.param_groups]
         if self.sharded:
@@ -339,7 +363,7 @@ class Trainer:
             self.scaler.load_state_dict(opt_state["scaler"])
         per_rank = state.get("data_per_rank")  # each process's own loader (e.g. HRGC's pool of its failures)
         own = per_rank[self.dist.rank] if per_rank and len(per_rank) == self.dist.world_size else state["data"]
-        self.data.train.load_state_dict(own)
+        self._kind_restores(path, self.data.train, "load_state_dict", own)
         saved_world = len(rng["per_rank"])
         if saved_world == self.dist.world_size:
             restore_rng(rng["per_rank"][self.dist.rank])
@@ -351,6 +375,12 @@ class Trainer:
         self.train_seconds = float(state.get("train_seconds", 0.0))
         best = state.get("best_score", state.get("best_eval_loss"))
         self.best_score = math.inf if best is None else float(best)
+        windows = state.get("log_window_per_rank")  # the steps since the last log line, to log them as if unbroken
+        if isinstance(windows, list) and len(windows) == self.dist.world_size:
+            w = windows[self.dist.rank]
+            self._window = _Window(seconds=float(w["seconds"]), tokens=int(w["tokens"]), examples=int(w["examples"]),
+                                   flops=float(w["flops"]), steps=int(w["steps"]), loss_sum=float(w["loss_sum"]))
+        self._pending = {k for k in state.get("pending", ()) if k in ("eval", "probe")}
 
     # ---- saving ---------------------------------------------------------------------------
     def _write_model_dir(self, directory: Path, state: dict[str, torch.Tensor] | None = None) -> None:
@@ -374,14 +404,20 @@ class Trainer:
     def save_checkpoint(self) -> Path | None:
         self._count_window()  # tokens_seen is complete in the state written (the log window is kept)
         rng = capture_rng()
+        w = self._window
+        window = {"steps": w.steps, "loss_sum": float(w.loss_sum), "seconds": w.seconds, "tokens": w.tokens,
+                  "examples": w.examples, "flops": w.flops}  # a checkpoint is a check step: the loss may be read
         if self.dist.enabled:
             gathered: list[Any] = [None] * self.dist.world_size
             dist.all_gather_object(gathered, rng)
             data_states: list[Any] = [None] * self.dist.world_size
             dist.all_gather_object(data_states, self.data.train.state_dict())
+            windows: list[Any] = [None] * self.dist.world_size
+            dist.all_gather_object(windows, window)
         else:
             gathered = [rng]
             data_states = [self.data.train.state_dict()]
+            windows = [window]
 
         # Sharded: every process writes its own shards; nothing is gathered.
         sharded = self.sharded is not None and self.t.fsdp_checkpoint == "sharded"
@@ -398,7 +434,8 @@ class Trainer:
                 "step": self.step, "tokens_seen": self.tokens_seen, "train_seconds": self.train_seconds,
                 "best_score": self.best_score if math.isfinite(self.best_score) else None,
                 "best_metric": self.spec.best_metric,
-                "data": data_states[0], "world_size": self.dist.world_size,
+                "data": data_states[0], "world_size": self.dist.world_size, "log_window_per_rank": windows,
+                "pending": sorted(self._pending),
                 **({"data_per_rank": data_states} if self.dist.enabled else {}),
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
             })
@@ -550,7 +587,25 @@ class Trainer:
         self.step += 1
         return loss
 
+    def _check_loader_state(self) -> None:
+        """The train loader's ``state_dict()`` goes into every checkpoint's trainer_state.json: one that JSON
+        cannot hold (a tensor, a torch.Generator's state) is refused before step 1, not at the first checkpoint
+        after the steps before it ran."""
+        loader = self.data.train
+        state = loader.state_dict()
+        try:
+            json.dumps(state)
+        except (TypeError, ValueError) as e:
+            where = _first_non_json(state, "state_dict()") or "state_dict()"
+            raise LMForgeError(f"kind {self.spec.name!r}: its train loader's state ({type(loader).__name__}."
+                               f"{where}) cannot be written to a checkpoint's {ckpt.STATE_FILE} ({e}). The state "
+                               "must hold JSON values only (dicts with string keys, lists, strings, numbers, "
+                               "booleans, None): keep what puts the loader back where it was, such as a seed and "
+                               "a count of batches drawn, not tensors or a torch.Generator's state (see "
+                               "docs/adding-a-recipe.md)") from e
+
     def fit(self) -> TrainResult:
+        self._check_loader_state()
         t, is_main = self.t, self.dist.is_main
         logger = None
         if is_main:
@@ -569,7 +624,7 @@ class Trainer:
         start = self.clock()
         # Tokens/s and MFU count the time of training steps only: evaluation, probes, checkpoints and
         # logging happen between steps and are left out.
-        self._window = window = _Window()
+        window = self._window  # a resume's: the steps since the last log line before the stop
         stopped, eval_metrics, train_loss, tok_s = "completed", {}, float("nan"), 0.0
         mfu_trusted = True  # False once the peak proved wrong (MFU above 100%)
         finished = self.train_seconds >= budget if by_time else self.step >= t.max_steps
@@ -581,6 +636,8 @@ class Trainer:
         agree_every_step = self.dist.enabled and (by_time or not nonfinite.on_device)
         try:
             with _StopFlag() as stop:
+                if self._pending:
+                    eval_metrics = self._do_pending(logger, bar) or eval_metrics
                 while not finished:
                     step_start = self.clock()
                     step = self.step + 1  # the step this iteration makes
@@ -664,13 +721,18 @@ class Trainer:
                                         mfu="?" if mfu is None else f"{100 * mfu:.1f}%", refresh=False)
                         window.seconds, window.steps, window.loss_sum = 0.0, 0, 0.0
 
+                    eval_due = bool(t.eval_interval and self.step % t.eval_interval == 0) or finished
+                    probe = self.data.probe
+                    probe_due = probe is not None and bool(probe.interval) and (self.step % probe.interval == 0
+                                                                                or finished)
                     if signalled or out_of_time:
                         stopped = "signal" if signalled else "time"
+                        if signalled:  # left to the resume: a stop should be quick (a scheduler's grace period)
+                            self._pending = {name for name, due in (("eval", eval_due), ("probe", probe_due)) if due}
                         break
-                    if (t.eval_interval and self.step % t.eval_interval == 0) or finished:
+                    if eval_due:
                         eval_metrics = self._eval_and_keep_best(logger, bar)
-                    probe = self.data.probe
-                    if probe is not None and probe.interval and (self.step % probe.interval == 0 or finished):
+                    if probe_due:
                         self._probe(logger)
                     if (t.save_interval and self.step % t.save_interval == 0) or finished:
                         self.save_checkpoint()
@@ -690,6 +752,27 @@ class Trainer:
                            last_checkpoint=self.last_checkpoint, best_checkpoint=best if best.is_dir() else None,
                            eval_metrics=eval_metrics, train_loss=train_loss, tokens_per_s=tok_s,
                            is_main=self.dist.is_main)
+
+    def _do_pending(self, logger: MetricsLogger | None, bar) -> dict[str, float]:
+        """The evaluation and probe due at the step the resumed checkpoint was written at (by a signal's stop),
+        on its weights; then the checkpoint no longer asks for them (a second resume does not repeat them)."""
+        metrics = self._eval_and_keep_best(logger, bar) if "eval" in self._pending else {}
+        if "probe" in self._pending and self.data.probe is not None:
+            self._probe(logger)
+        self._pending = set()
+        path = self.last_checkpoint
+        # Only a checkpoint of this run is brought up to date (one of another run, resumed with name=NEW, is
+        # left as it is): it no longer asks for this work, and holds the best score the work may have raised.
+        own = path is not None and path.resolve().parent == self.ckpt_root.resolve()
+
+        def done() -> None:
+            if self.dist.is_main and own:
+                best = self.best_score if math.isfinite(self.best_score) else None
+                ckpt.save_json(path / ckpt.STATE_FILE, {**ckpt.read_trainer_state(path), "pending": [],
+                                                        "best_score": best})
+
+        self._main_writes(done)
+        return metrics
 
     def _eval_and_keep_best(self, logger: MetricsLogger | None, bar) -> dict[str, float]:
         metrics = self.evaluate()
@@ -813,6 +896,23 @@ class _Objective(torch.nn.Module):
         return self._loss(self.model, batch)
 
 
+def _first_non_json(value: Any, where: str) -> str | None:
+    """Where in ``value`` the first thing JSON cannot hold is (``state_dict()['gen']``), or None."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, (str, int, float, bool)) and key is not None:
+                return f"{where} key {key!r}"
+            found = _first_non_json(item, f"{where}[{key!r}]")
+            if found:
+                return found
+        return None
+    if isinstance(value, (list, tuple)):
+        return next((f for i, item in enumerate(value) if (f := _first_non_json(item, f"{where}[{i}]"))), None)
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return None
+    return f"{where} (a {type(value).__name__})"
+
+
 def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """The batch's tensors on ``device``. To a GPU they go from pinned memory without the host waiting:
     with no host read between check steps the loop runs ahead of the GPU, so the next batch is read
@@ -856,4 +956,4 @@ def _mean_across_ranks(value: float, info: DistInfo, device: torch.device) -> fl
     return float(t.item() / info.world_size)
 
 
-__all__ = ["Trainer", "TrainResult", "default_optimizer"]
+__all__ = ["Trainer", "TrainResult"]

@@ -10,7 +10,6 @@ from typing import Any
 import torch
 
 from lmforge.config import RunConfig
-from lmforge.device import adamw_kernels
 from lmforge.errors import LMForgeError
 from lmforge.go_syntax import go_parser
 from lmforge.recipes import Counts, Probe, TrainData, flops_per_token
@@ -20,6 +19,7 @@ from lmforge.recipes.hrgc.probe import WritingProbe
 from lmforge.recipes.hrgc.sequences import EncodedFunctions, HRGCEvalLoader, HRGCTrainLoader, SequenceFormat
 from lmforge.tokenizer import DEFAULT_TRAINED_VOCAB, Tokenizer, train_tokenizer
 from lmforge.train.distributed import DistInfo, barrier
+from lmforge.train.optim import make_adamw
 
 
 @dataclass
@@ -74,7 +74,7 @@ def make_optimizer(model, cfg: RunConfig, device: torch.device) -> torch.optim.O
             if params:
                 groups.append({"params": params, "weight_decay": wd, "lr": module_lr or t.lr,
                                "name": f"{name}/{suffix}"})
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **adamw_kernels(device))
+    return make_adamw(groups, cfg, device)
 
 
 def count(model, batch: dict[str, Any]) -> Counts:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-from lmforge.config import DROP, set_dotted
+from lmforge.config import DROP, TRAINER_8BIT_OPTIMS, set_dotted
 from lmforge.errors import LMForgeError
 from lmforge.typed import short_repr
 
@@ -44,8 +44,11 @@ def seed_aliases(values: dict[str, Any]) -> dict[str, Any]:
     optimizer = training.get("optimizer") or {}
     if "type" in optimizer:
         kind = str(optimizer.pop("type")).lower()
-        if kind not in OPTIMIZER_TYPES:
-            raise LMForgeError(f"training.optimizer.type={short_repr(kind)} is not available; use adamw")
+        if kind in TRAINER_8BIT_OPTIMS or kind == "adamw8bit":
+            set_dotted(out, "training.optimizer_states", "8bit", f"training.optimizer.type={kind}")
+        elif kind not in OPTIMIZER_TYPES:
+            raise LMForgeError(f"training.optimizer.type={short_repr(kind)} is not available; use adamw "
+                               "(or adamw_8bit: training.optimizer_states=8bit)")
     if "betas" in optimizer:
         betas = optimizer.pop("betas")
         if not isinstance(betas, (list, tuple)) or len(betas) != 2:

@@ -310,11 +310,6 @@ class PuzzleModel(LMForgeModel, abc.ABC):
         right = ((logits.argmax(-1) == labels) & mask).sum(-1).float()
         return right / mask.sum(-1).clamp_min(1)
 
-    def reset_carry(self) -> None:
-        """Forget the training carry: every row starts a fresh example at the next step."""
-        self._carry = None
-        self._train_window.clear()
-
     # ---- evaluation and inference -------------------------------------------------------------
     @torch.no_grad()
     def rollout(self, inputs: torch.Tensor, puzzle_ids: torch.Tensor, max_steps: int | None = None) -> dict[str, torch.Tensor]:

@@ -3,7 +3,6 @@ will be served with, packed into rows (``lmforge.posttrain.packing``)."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,18 +11,21 @@ import numpy as np
 
 from lmforge.errors import LMForgeError
 from lmforge.posttrain.formats import FORMATS, ReadStats, read_conversations, split_files
-from lmforge.posttrain.init import chat_tokenizer, fit_model_to_tokenizer, rows_path
+from lmforge.posttrain.init import (
+    chat_tokenizer,
+    fit_model_to_tokenizer,
+    init_model_config,
+    init_tokenizer_path,
+    rows_path,
+)
 from lmforge.posttrain.packing import ExampleStore, PackedConversations
 from lmforge.posttrain.render import (
     ASSISTANT_TURNS,
     RenderStats,
     render_examples,
 )
-from lmforge.recipes import TrainData, family_of_config
+from lmforge.recipes import TrainData
 from lmforge.train.distributed import DistInfo
-
-# What fine-tuning may change of the model it starts from: regularisation, not shape.
-TUNABLE_MODEL_KEYS = ("embd_pdrop", "resid_pdrop", "attn_pdrop")
 
 
 @dataclass
@@ -67,52 +69,14 @@ def read_splits(path: Path, settings: SFTSettings, val_fraction: float, seed: in
     return [r for r, h in zip(rows, held) if not h], [r for r, h in zip(rows, held) if h]
 
 
-def init_model_config(cfg) -> Path | None:
-    """With ``training.init_from``, the model is the checkpoint's (its shape; dropout from this run):
-    fill ``cfg.model`` from it. Returns the checkpoint's directory."""
-    if not cfg.training.init_from:
-        return None
-    from lmforge.checkpoint import resolve_model_dir
-    from lmforge.models.base import read_model_config
-
-    if not Path(cfg.training.init_from).exists():
-        raise LMForgeError(f"training.init_from={cfg.training.init_from} does not exist: point it at the checkpoint "
-                           "or run directory to fine-tune (e.g. runs/code_assistant_code)")
-    source = resolve_model_dir(cfg.training.init_from)
-    klass, config = read_model_config(source)
-    if type(config) is not type(cfg.model):
-        raise LMForgeError(f"training.init_from={cfg.training.init_from} holds a {klass.family!r} model; the sft kind "
-                           f"fine-tunes the {family_of_config(cfg.model)!r} family's models")
-    for key in TUNABLE_MODEL_KEYS:
-        setattr(config, key, getattr(cfg.model, key))
-    cfg.model = dataclasses.replace(config)
-    return source
-
-
-def sft_tokenizer_path(cfg, init_dir: Path | None) -> Path:
-    from lmforge.infer.loading import find_tokenizer
-    from lmforge.tokenizer import require_same_tokenizer
-
-    if cfg.data.tokenizer:
-        path = Path(cfg.data.tokenizer)
-        path = path / "tokenizer.json" if path.is_dir() else path
-        if init_dir is not None:
-            require_same_tokenizer(path, find_tokenizer(init_dir), cfg.training.init_from)
-        return path
-    if init_dir is not None:
-        return find_tokenizer(init_dir)
-    raise LMForgeError("the sft kind needs the tokenizer the model is served with: set training.init_from to the "
-                       "checkpoint to fine-tune (its tokenizer is used), or data.tokenizer=PATH")
-
-
 def build_sft_data(cfg, distinfo: DistInfo) -> TrainData:
     """``RecipeSpec.build_data`` of the sft kind."""
 
     settings: SFTSettings = cfg.recipe
     path = rows_path(cfg, "sft", "conversations", "a JSONL / JSON / parquet file, a `datasets` directory, or a "
                      "directory with train.jsonl (and val.jsonl), e.g. one written by `lmforge data tool-calls --out DIR`")
-    init_dir = init_model_config(cfg)
-    tokenizer_file = sft_tokenizer_path(cfg, init_dir)
+    init_dir = init_model_config(cfg, "sft", fine_tune=True, example="runs/code_assistant_code")
+    tokenizer_file = init_tokenizer_path(cfg, init_dir, "sft", fine_tune=True)
     tokenizer = chat_tokenizer(tokenizer_file)
     model = cfg.model
     fit_model_to_tokenizer(model, tokenizer, tokenizer_file)

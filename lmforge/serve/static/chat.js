@@ -3,7 +3,7 @@
 // loaded from elsewhere. Model and server text is only ever put in the page as text, never as HTML.
 //
 // What tests (and curious people) can read: each assistant turn is an <article class="msg assistant">
-// with data-state (streaming, done, stopped, error), data-finish (the finish_reason) and data-chunks (the
+// with data-state (streaming, done, stopped, error: then also class "failed", not part of the conversation), data-finish (the finish_reason) and data-chunks (the
 // stream events that carried text or tool calls); window.lmforgeChat.lastRequest is the last request
 // body sent (the API key is never in it).
 "use strict";
@@ -301,11 +301,13 @@
     const view = call ? addMessage("tool", text, `Tool result · ${call.name}`) : addMessage("user", text);
     state.pending = call ? state.pending.slice(1) : []; // a user message leaves the calls unanswered
     state.history.push(message);
-    const undo = () => { // the request failed before any reply: as if it was never sent
+    // The request failed (before any reply, or during one: a server error, a dropped connection): as if it was
+    // never sent, so that sending it again retries it.
+    const undo = (note = "not sent: see the error below") => {
       state.history.splice(state.history.indexOf(message), 1);
       if (call) state.pending.unshift(call);
       view.classList.add("failed");
-      view.querySelector(".meta").textContent = "not sent: see the error below";
+      view.querySelector(".meta").textContent = note;
       if (!$("input").value) $("input").value = text;
       updateButtons();
     };
@@ -351,7 +353,7 @@
     const tokens = out.usage ? `${out.usage.completion_tokens} tokens` : null;
     const why = {
       stopped: "stopped by you",
-      error: "interrupted by the error below",
+      error: "failed: interrupted by the error below; not part of the conversation",
     }[status] || { length: "cut at the max tokens limit", tool_calls: "tool call" }[out.finish];
     view.querySelector(".meta").textContent = [why, tokens].filter(Boolean).join(" · ");
   }
@@ -373,6 +375,7 @@
     view.setAttribute("aria-busy", "true");
     const out = { text: "", calls: [], finish: null, usage: null, chunks: 0 };
     let started = false;
+    let failed = false;
     try {
       let response;
       try {
@@ -424,8 +427,14 @@
         finish(view, "stopped", out);
       } else {
         const error = e instanceof ServerError ? e : new ServerError(null, { message: String(e.message || e) });
-        if (started || epoch !== state.epoch) finish(view, "error", out);
-        else {
+        failed = true;
+        if (started || epoch !== state.epoch) {
+          // What the reply wrote before it failed stays in sight, but is not sent back as if the model had
+          // said it; nor is the message it answered, which goes back to the input box to be sent again.
+          finish(view, "error", out);
+          view.classList.add("failed");
+          if (epoch === state.epoch) undo("sent, but its reply failed (see the error below): not part of the conversation");
+        } else {
           view.remove();
           undo();
         }
@@ -435,7 +444,7 @@
       if (state.controller === controller) state.controller = null;
       updateButtons();
     }
-    if (epoch !== state.epoch || (!out.text && !out.calls.length)) return;
+    if (failed || epoch !== state.epoch || (!out.text && !out.calls.length)) return;
     const message = { role: "assistant", content: out.text || null };
     if (out.calls.length) message.tool_calls = out.calls;
     state.history.push(message);

@@ -1,0 +1,257 @@
+"""Run-directory safety: one `lmforge train` per run directory, damaged files named as damaged, output paths that
+are files, out-of-range token ids, an interrupted replacement of best/ and damaged metrics lines."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lmforge import checkpoint as ck
+from lmforge.config import load_config
+from lmforge.errors import LMForgeError
+from lmforge.train import _check_same_tokenizer, train
+from lmforge.train.loggers import _truncate_after
+from tests.train_helpers import REPO, lmforge_cmd, run, write_recipe
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def _copy_run(trained_run, tmp_path: Path) -> tuple[Path, Path]:
+    """A writable copy of the session's trained run as tmp_path/runs/t, and a recipe that resumes it."""
+    run_dir = tmp_path / "runs" / "t"
+    shutil.copytree(trained_run.run_dir, run_dir)
+    data = Path(load_config(str(run_dir / "config.yaml")).data.path)
+    recipe = write_recipe(tmp_path / "r.yaml", data, tmp_path / "runs", training={"max_steps": 30, "eval_interval": 15})
+    return run_dir, recipe
+
+
+# ---- 1. one run per run directory -------------------------------------------------------------------------
+def test_a_run_directory_held_by_another_run_is_refused_and_left_untouched(tmp_path, go_data):
+    recipe = write_recipe(tmp_path / "r.yaml", go_data, tmp_path / "runs", training={"max_steps": 2})
+    run_dir = tmp_path / "runs" / "t"
+    run_dir.mkdir(parents=True)
+    with ck.RunDirLock(run_dir):  # the other run: the lock is per open file, so this process counts as another
+        with pytest.raises(LMForgeError) as e:
+            train(load_config(str(recipe)))
+        assert f"pid {os.getpid()}" in str(e.value) and "name=NEW" in str(e.value)
+        assert sorted(p.name for p in run_dir.iterdir()) == [ck.RUN_LOCK_FILE]  # no metrics, config or checkpoint
+    result = train(load_config(str(recipe)))  # released: the run goes ahead, and releases it in turn
+    assert result.step == 2
+    ck.RunDirLock(run_dir).acquire().release()
+
+
+def test_a_second_lmforge_train_process_is_refused_while_the_first_runs(tmp_path, go_data):
+    """Two real processes: the holder is a Python process that locks the run directory as `lmforge train` does."""
+    recipe = write_recipe(tmp_path / "r.yaml", go_data, tmp_path / "runs", training={"max_steps": 2})
+    run_dir = tmp_path / "runs" / "t"
+    run_dir.mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from pathlib import Path; from lmforge import "
+                               f"checkpoint as ck; ck.RunDirLock(Path({str(run_dir)!r})).acquire(); print('held', "
+                               "flush=True); sys.stdin.read()"], cwd=REPO, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        result = run(lmforge_cmd("train", str(recipe)), cwd=REPO)
+        assert result.returncode != 0
+        assert f"another `lmforge train` (pid {holder.pid} on" in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr and not (run_dir / "metrics.jsonl").exists()
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    assert ck.run_in_progress(run_dir) is False  # the OS released the lock when the holder exited
+
+
+def test_clean_partial_under_the_lock_removes_every_temporary_checkpoint(tmp_path):
+    """Under the run's lock no other run writes there: a temporary directory whose PID is alive again (a
+    container restarted, PIDs reused) is a dead writer's all the same."""
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    (root / f".tmp-step-000004-{os.getpid()}").mkdir()  # a live PID
+    (root / f".tmp-step-000006-{_dead_pid()}").mkdir()
+    (root / ".tmp-step-000008-shards").mkdir()
+    ck.clean_partial(root)
+    assert list(root.iterdir()) == []
+
+
+def test_a_filesystem_without_file_locks_falls_back_to_the_pid_in_the_lock_file(tmp_path, monkeypatch, capsys):
+    import errno
+    import fcntl
+    import socket
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    lock = ck.RunDirLock(tmp_path).acquire()  # nobody holds it: taken, with a note
+    assert "does not take file locks" in capsys.readouterr().err
+    lock.release()
+    (tmp_path / ck.RUN_LOCK_FILE).write_text(f"pid {os.getppid()} on {socket.gethostname()}")  # a live holder
+    with pytest.raises(LMForgeError, match=f"another `lmforge train` .pid {os.getppid()}"):
+        ck.RunDirLock(tmp_path).acquire()
+    assert ck.run_in_progress(tmp_path)
+    (tmp_path / ck.RUN_LOCK_FILE).write_text(f"pid {_dead_pid()} on {socket.gethostname()}")
+    assert not ck.run_in_progress(tmp_path)
+
+
+# ---- 2. a damaged tokenizer.json ------------------------------------------------------------------------
+def test_a_truncated_checkpoint_tokenizer_is_named_damaged_not_a_different_tokenizer(tmp_path, trained_run):
+    run_dir, _ = _copy_run(trained_run, tmp_path)
+    step = run_dir / "checkpoints" / "step-000030"
+    data_tok = Path(load_config(str(run_dir / "config.yaml")).data.path) / "tokenizer.json"
+    text = (step / "tokenizer.json").read_bytes()
+    (step / "tokenizer.json").write_bytes(text[: len(text) // 2])
+    with pytest.raises(LMForgeError) as e:
+        _check_same_tokenizer(data_tok, step)
+    msg = str(e.value)
+    assert f"{step / 'tokenizer.json'} is damaged" in msg and str(run_dir / "tokenizer" / "tokenizer.json") in msg
+    assert "tokenized with" not in msg
+
+
+def test_loading_a_truncated_checkpoint_tokenizer_says_copy_it_not_retrain(tmp_path, trained_run):
+    from lmforge.tokenizer import Tokenizer
+
+    run_dir, _ = _copy_run(trained_run, tmp_path)
+    best = run_dir / "checkpoints" / "best"
+    text = (best / "tokenizer.json").read_bytes()
+    (best / "tokenizer.json").write_bytes(text[: len(text) // 2])
+    with pytest.raises(LMForgeError) as e:
+        Tokenizer.load(best)
+    msg = str(e.value)
+    assert "is damaged" in msg and str(run_dir / "tokenizer" / "tokenizer.json") in msg
+    assert "lmforge tokenizer train" not in msg
+
+
+# ---- 3. output paths that are files ---------------------------------------------------------------------
+@pytest.mark.parametrize("case", ["out_dir_is_a_file", "run_dir_is_a_file"])
+def test_a_run_directory_that_is_a_file_is_refused_before_the_data_is_read(tmp_path, case):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    out_dir = afile if case == "out_dir_is_a_file" else tmp_path / "runs"
+    if case == "run_dir_is_a_file":
+        out_dir.mkdir()
+        (out_dir / "t").write_text("")
+    # data that does not exist: had the data been read first, that would be the error
+    recipe = write_recipe(tmp_path / "r.yaml", tmp_path / "no-data", out_dir, training={"max_steps": 2})
+    with pytest.raises(LMForgeError, match="is a file, not a directory") as e:
+        train(load_config(str(recipe)))
+    assert str(afile if case == "out_dir_is_a_file" else out_dir / "t") in str(e.value)
+
+
+def test_a_gguf_out_inside_a_file_is_refused(tmp_path, trained_run):
+    from lmforge.export.gguf import export_gguf
+
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(LMForgeError, match="afile is a file, not a directory"):
+        export_gguf(trained_run.run_dir, tmp_path / "afile" / "x.gguf")
+
+
+def test_a_data_prepare_out_inside_a_file_is_refused(tmp_path, go_data):
+    from lmforge.data.prepare import prepare_data
+
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(LMForgeError, match="afile is a file, not a directory"):
+        prepare_data([go_data.parent / "corpus"], tmp_path / "afile" / "sub", go_data / "tokenizer.json")
+
+
+# ---- 4. an out-of-range token id in a shard -------------------------------------------------------------
+def test_an_out_of_range_token_id_in_a_shard_is_named_before_the_batch_is_used(tmp_path, go_data):
+    from lmforge.data.loader import PackedLoader, TokenDataset, read_meta
+
+    data = tmp_path / "data"
+    shutil.copytree(go_data, data)
+    meta = read_meta(data)
+    shard = data / meta["splits"]["train"]["shards"][0]["file"]
+    ids = np.fromfile(shard, dtype=meta["dtype"])
+    ids[:] = 65000  # every window of this shard holds it
+    ids.tofile(shard)
+    loader = PackedLoader(TokenDataset(data, "train"), seq_len=32, micro_batch_size=4)
+    with pytest.raises(LMForgeError) as e:
+        loader.next_batch()
+    assert f"shard {shard} has token id 65000" in str(e.value) and "lmforge data prepare" in str(e.value)
+    ok = PackedLoader(TokenDataset(go_data, "train"), seq_len=32, micro_batch_size=4)
+    assert int(ok.next_batch()["input_ids"].max()) < meta["vocab_size"]
+
+
+# ---- 5. RunConfig.save on a full disk -------------------------------------------------------------------
+def test_a_full_disk_while_saving_the_run_config_names_it_and_leaves_nothing(tmp_path, go_data, monkeypatch):
+    recipe = write_recipe(tmp_path / "r.yaml", go_data, tmp_path / "runs")
+    cfg = load_config(str(recipe))
+    out = tmp_path / "run" / "config.yaml"
+    real = Path.write_text
+
+    def full(self, *a, **k):
+        real(self, "")  # the file is created, then the disk is full
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(LMForgeError, match=f"no space left on device while writing {out}"):
+        cfg.save(out)
+    monkeypatch.undo()
+    assert list(out.parent.iterdir()) == []
+
+
+# ---- 6. best/ after a kill between its two renames --------------------------------------------------------
+def test_an_interrupted_replacement_of_best_is_put_back_not_replaced_by_the_latest_step(tmp_path, trained_run):
+    run_dir, _ = _copy_run(trained_run, tmp_path)
+    root = run_dir / "checkpoints"
+    os.rename(root / "best", root / ".old-best")
+    with ck.RunDirLock(run_dir):  # a run is replacing it right now: said so, nothing moved
+        with pytest.raises(LMForgeError, match="is being replaced"):
+            ck.resolve_model_dir(run_dir)
+    assert ck.resolve_model_dir(run_dir) == root / "best"
+    assert (root / "best" / ck.WEIGHTS_FILE).is_file() and not (root / ".old-best").exists()
+    os.rename(root / "best", root / ".old-best")
+    assert ck.resolve_model_dir(root / "best") == root / "best"  # best named directly
+
+
+# ---- 7. a damaged latest checkpoint ---------------------------------------------------------------------
+def test_a_damaged_latest_checkpoint_names_the_resume_that_works_and_that_resume_works(tmp_path, trained_run):
+    run_dir, recipe = _copy_run(trained_run, tmp_path)
+    root = run_dir / "checkpoints"
+    (root / "step-000030" / ck.STATE_FILE).write_text("{not json")
+    with pytest.raises(LMForgeError) as e:
+        train(load_config(str(recipe)), resume=True)
+    assert f"--resume {root / 'step-000020'}`" in str(e.value)
+    result = train(load_config(str(recipe)), resume=str(root / "step-000020"))
+    assert result.step == 30 and ck.read_trainer_state(root / "step-000030")["step"] == 30
+    assert (root / "damaged-step-000030" / ck.STATE_FILE).read_text() == "{not json"  # kept, not deleted
+    # damaged again at the same step: both kept
+    (root / "step-000030" / ck.STATE_FILE).write_text("{again")
+    assert train(load_config(str(recipe)), resume=str(root / "step-000020")).step == 30
+    assert (root / "damaged-step-000030.2" / ck.STATE_FILE).read_text() == "{again"
+    assert (root / "damaged-step-000030" / ck.STATE_FILE).read_text() == "{not json"
+
+
+def test_resume_from_an_earlier_checkpoint_is_still_refused_when_the_newer_one_reads(tmp_path, trained_run):
+    run_dir, recipe = _copy_run(trained_run, tmp_path)
+    root = run_dir / "checkpoints"
+    with pytest.raises(LMForgeError, match="newer than step-000020 whose files read"):
+        train(load_config(str(recipe)), resume=str(root / "step-000020"))
+    assert (root / "step-000030").is_dir() and not (root / "damaged-step-000030").exists()
+
+
+# ---- 8. a damaged line in metrics.jsonl -----------------------------------------------------------------
+def test_a_damaged_metrics_line_in_the_middle_is_an_error_a_partial_last_line_is_dropped(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    rows = [json.dumps({"step": s, "train/loss": 1.0}) for s in range(1, 6)]
+    path.write_text("\n".join(rows[:3]) + "\n" + rows[3][:10] + "\n" + rows[4] + "\n")
+    before = path.read_text()
+    with pytest.raises(LMForgeError, match=f"{path}:4 is damaged"):
+        _truncate_after(path, 5)
+    assert path.read_text() == before  # nothing lost
+    path.write_text("\n".join(rows[:4]) + "\n" + rows[4][:10])  # a write cut off by a crash
+    _truncate_after(path, 3)
+    assert path.read_text() == "\n".join(rows[:3]) + "\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]
