@@ -190,6 +190,10 @@ def test_a_pair_too_long_for_seq_len_is_left_out_without_tokenizing_it(tokenizer
             seen.extend(map(len, texts))
             return tokenizer.encode_batch(texts)
 
+        def encode_markup_batch(self, texts):  # what rendering encodes with (chat text as text)
+            seen.extend(map(len, texts))
+            return tokenizer.encode_markup_batch(texts)
+
     stats = PairStats()
     store = render_pairs(Counting(), [pair(0), huge, pair(2)], seq_len=1024, stats=stats)
     assert [p.source for p in store.pairs] == ["pairs.jsonl:1", "pairs.jsonl:3"] and seen

@@ -61,15 +61,19 @@ def _train(cfg: RunConfig, resume: bool | str, distinfo: DistInfo, clock: Callab
     devinfo = setup_device(cfg.training.device, cfg.training.precision, cfg.training.peak_flops,
                            distinfo.local_rank)
     check_one_gpu_per_process(devinfo.device, distinfo)
-    made = not cfg.run_dir.exists()
+    # the directories this run makes (the run's, and out_dir's where it is new): a start refused before
+    # writing anything leaves none of them behind
+    made = [d for d in (cfg.run_dir, *cfg.run_dir.parents) if not d.exists()]
     lock = _lock_run_dir(cfg.run_dir, devinfo.device, distinfo)
     try:
         return _train_locked(cfg, resume, devinfo, distinfo, clock)
     except BaseException:
         if lock is not None and made and [p.name for p in cfg.run_dir.iterdir()] == [ckpt.RUN_LOCK_FILE]:
-            try:  # a start refused before writing anything leaves no run directory behind
+            try:
+                lock.release()
                 lock.path.unlink()
-                cfg.run_dir.rmdir()
+                for d in made:  # innermost first; each empty once its child is gone
+                    d.rmdir()
             except OSError:
                 pass
         raise
