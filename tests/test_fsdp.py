@@ -18,7 +18,7 @@ from lmforge.config import load_config
 from lmforge.errors import LMForgeError
 from lmforge.train import train
 
-from .train_helpers import REPO, lmforge_cmd, run, torchrun, write_recipe
+from .train_helpers import REPO, lmforge_cmd, losses, rows, run, torchrun, write_recipe
 
 
 NO_DROPOUT = {"embd_pdrop": 0.0, "resid_pdrop": 0.0, "attn_pdrop": 0.0}
@@ -27,14 +27,6 @@ NO_DROPOUT = {"embd_pdrop": 0.0, "resid_pdrop": 0.0, "attn_pdrop": 0.0}
 @pytest.fixture(scope="module")
 def data_dir(go_data):
     return go_data
-
-
-def rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["train/loss"] for r in rows(run_dir) if "train/loss" in r}
 
 
 def weights(ckpt: Path) -> dict[str, torch.Tensor]:

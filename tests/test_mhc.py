@@ -16,7 +16,7 @@ from lmforge.errors import LMForgeError
 from lmforge.models.gpt import GPT, GPTConfig, RLMModel
 from lmforge.models.mhc import MHCLayer, amax_gains, gain_tensors, sinkhorn_log
 from lmforge.train import train
-from tests.train_helpers import (PEAK_FLOPS, REPO, check_under_triton_interpreter, lmforge_cmd, run, torchrun,
+from tests.train_helpers import (rows, PEAK_FLOPS, REPO, check_under_triton_interpreter, lmforge_cmd, run, torchrun,
                                  write_go_corpus)
 
 SIZES = dict(flavor="llama", vocab_size=97, n_positions=32, n_embd=32, n_layer=3, n_head=4)
@@ -335,10 +335,6 @@ TINY = ["model.hidden_dim=32", "model.num_layers=2", "model.num_heads=2", "model
         "training.logging_steps=1",
         "training.eval_interval=3", "training.eval_batches=2", "training.scheduler.warmup_steps=2",
         "data.val_fraction=0.2", "logging.tensorboard=false", "logging.progress_bar=false"]
-
-
-def rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_train_on_jsonl_with_a_trained_tokenizer_then_resume_as_the_guide_does(tmp_path, jsonl):

@@ -3,8 +3,6 @@ AdamW, and a run that saves, resumes and stops on a non-finite step with it."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,20 +12,12 @@ from lmforge.config import load_config
 from lmforge.errors import LMForgeError
 from lmforge.train import train
 from lmforge.train.optim import AdamW8bit, block_size, dequantize, moment_bytes, quantize, state_bytes
-from tests.train_helpers import write_recipe
+from tests.train_helpers import losses, rows, write_recipe
 
 
 @pytest.fixture
 def data_dir(go_data):
     return go_data
-
-
-def rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["train/loss"] for r in rows(run_dir) if "train/loss" in r}
 
 
 def test_block_sizes_follow_rows():

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,17 +24,12 @@ from lmforge.train import train
 from lmforge.data.loader import TokenDataset
 from lmforge.tokenizer import Tokenizer
 from lmforge.safe_state import load_state
-from tests.train_helpers import REPO, FakeClock, lmforge_cmd, run, subprocess_env, write_recipe
+from tests.train_helpers import REPO, FakeClock, lmforge_cmd, losses, run, subprocess_env, write_recipe
 
 
 @pytest.fixture
 def data_dir(go_data):
     return go_data  # the session's shared shards (read-only)
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
 
 def test_train_writes_run_dir_and_tensorboard(tmp_path, data_dir):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -217,3 +218,13 @@ def weight_mb(directory: Path, blocks: bool | None = None) -> float:
             count *= n
         total += 4 * count
     return total / 2**20
+
+
+def rows(run_dir: Path) -> list[dict]:
+    """A run's metrics.jsonl, row by row."""
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """A run's logged training loss by step."""
+    return {r["step"]: r["train/loss"] for r in rows(run_dir) if "train/loss" in r}
