@@ -39,6 +39,13 @@ def train_chat_model(out: Path, flavor: str = "llama", max_steps: int = 400, n_p
                      tokenizer.apply_chat_template(GREETING + [{"role": "assistant", "content": HELLO}],
                                                    add_generation_prompt=False)]
     rows = [[tokenizer.eos_id, *tokenizer.encode(text)] for text in conversations]
+    return learn_by_heart(tokenizer, rows, out, flavor, max_steps, n_positions)
+
+
+def learn_by_heart(tokenizer: Tokenizer, rows: list[list[int]], out: Path, flavor: str = "llama", max_steps: int = 400,
+                   n_positions: int = 256) -> Path:
+    """A tiny GPT trained on ``rows`` (token ids) until its loss is below 0.02; saved with ``tokenizer`` in
+    OUT/ckpt, whose path it returns."""
     width = max(len(r) for r in rows)
     ids = torch.tensor([r + [tokenizer.pad_id] * (width - len(r)) for r in rows])
     labels = torch.tensor([r[1:] + [-100] * (width - len(r)) for r in rows])

@@ -110,17 +110,23 @@ TOY_KIND = textwrap.dedent('''
 @pytest.fixture
 def toy_kind(tmp_path, monkeypatch):
     """The toy kind registered as a plug-in for one test (the registry is restored afterwards)."""
-    package = tmp_path / "plugins" / "toy_recipe"
+    return plugin(tmp_path, monkeypatch, "toy_recipe", TOY_KIND)
+
+
+def plugin(tmp_path, monkeypatch, name: str, source: str):
+    """Package ``name`` holding ``source``, imported as a plug-in for one test (the registry is restored
+    afterwards)."""
+    import importlib
+
+    package = tmp_path / "plugins" / name
     package.mkdir(parents=True)
-    (package / "__init__.py").write_text(TOY_KIND)
+    (package / "__init__.py").write_text(source)
     recipes.kinds()  # the built-in kinds first, so the copies below hold them
     monkeypatch.setattr(recipes, "_KINDS", dict(recipes._KINDS))
     monkeypatch.setattr(recipes, "_FAMILIES", dict(recipes._FAMILIES))
     monkeypatch.syspath_prepend(str(tmp_path / "plugins"))
-    monkeypatch.delitem(sys.modules, "toy_recipe", raising=False)
-    import toy_recipe  # the one registry line of a built-in kind does this import
-
-    return toy_recipe
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    return importlib.import_module(name)  # the one registry line of a built-in kind does this import
 
 
 def toy_recipe_file(tmp_path, **training):
@@ -451,17 +457,7 @@ def guide_blocks(lang: str) -> list[str]:
 def guide_kind(tmp_path, monkeypatch):
     """The guide's example kind (every ```python block of docs/adding-a-recipe.md, as written), registered as
     a plug-in for one test (the registry is restored afterwards)."""
-    package = tmp_path / "plugins" / "guide_adder"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text("\n\n".join(guide_blocks("python")))
-    recipes.kinds()  # the built-in kinds first, so the copies below hold them
-    monkeypatch.setattr(recipes, "_KINDS", dict(recipes._KINDS))
-    monkeypatch.setattr(recipes, "_FAMILIES", dict(recipes._FAMILIES))
-    monkeypatch.syspath_prepend(str(tmp_path / "plugins"))
-    monkeypatch.delitem(sys.modules, "guide_adder", raising=False)
-    import guide_adder
-
-    return guide_adder
+    return plugin(tmp_path, monkeypatch, "guide_adder", "\n\n".join(guide_blocks("python")))
 
 
 def test_the_guide_s_example_kind_trains_and_resumes_exactly(guide_kind, tmp_path, capsys):
