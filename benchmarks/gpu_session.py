@@ -6,7 +6,7 @@ deadline (``--budget`` seconds): a step that would not fit the time left is skip
 warm). Each step's output goes to ``<out>/log.txt``; the JSON figures of every step that prints them
 go to ``<out>/results.json``; a short table is printed last. Usage (on the GPU machine, repo root):
 
-    python3 benchmarks/gpu_session.py --out $OUT --budget 520 [--from NAME] [--only NAME,NAME (in this order)]
+    python3 benchmarks/gpu_session.py --out $OUT --budget 515 [--from NAME] [--only NAME,NAME (in this order)]
     python3 benchmarks/gpu_session.py --list
 
 The machine's image has PyTorch, transformers and the training dependencies, but not the server's
@@ -16,15 +16,16 @@ them here into ``.whl``; the device call then carries ``.whl`` and begins with `
 "import fastapi, uvicorn, openai"`` shows at once whether the set is whole).
 
 The steps are in the order of what is still open (``benchmarks/RESULTS.md``, "What issue 19 still needs"):
-mHC's step with its default kernels, profiled; the 124M settings not yet tried together; bf16 generation
-after the cuDNN change; then the figures already measured, to rerun after changes. Seconds each took on an
-H200 (third lease, 2026-11-26): env 6, bench_124m 37, micro 45, mhc_on_125m 112, mhc_off_125m 49,
-mhc_on_125m_triton 62, profile_124m 23, bench_124m_chunked 37, bench_1b 101, vs_transformers 60, profile_1b 37,
+AdamW's 8-bit step against the plain one, where FSDP's step over one process goes, offload at 1.3B, the
+1.3B rows, mHC's remaining profiles; then the figures already measured, to rerun after changes. Seconds each
+took on an H200 (fourth lease, 2026-11-27): env 8, profile_mhc_125m 99, mhc_on_125m 30, mhc_off_125m 39,
+bench_124m 36, bench_124m_8bit 23, bench_1b_8bit 79, bench_124m_mb32 38, bench_124m_mb32_cdt 150,
+bench_124m_graphs 40, bench_1b 42, fsdp_one_124m 35, fsdp_train_check 70. Third lease: micro 45,
+mhc_on_125m_triton 62, profile_124m 23, bench_124m_chunked 37, vs_transformers 60, profile_1b 37,
 profile_mhc_125m_off 22; mhc_on_1b had not printed its first step after 200 s (compiling), hence its 420 s.
-From the second lease: bench_124m_cdt 127, bench_124m_mb32 40, generation 130, serve_load 31,
-bench_124m_dropout 36, profile_mhc_125m 28. The machine's start took about 30 s. A 15-minute lease fits about
-500 s of steps in a first call (``--budget 505``) and ~250 s in a second (``--from NAME`` or ``--only
-NAME,NAME``, which runs the steps in the order given).
+Second lease: bench_124m_cdt 127, generation 130, serve_load 31, bench_124m_dropout 36. The machine's start
+took under a minute. A 15-minute lease fits about 515 s of steps in a first call (``--budget 515``, timeout_s
+570) and ~280 s in a second (``--from NAME`` or ``--only NAME,NAME``, which runs the steps in the order given).
 """
 
 from __future__ import annotations
@@ -55,19 +56,41 @@ STEPS: list[tuple[str, list[str], int, int]] = [
     ("env", ["bash", "-c", "nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version "
              "--format=csv; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, "
              "torch.cuda.get_device_name())'; nproc"], 30, 5),
-    ("profile_mhc_125m", [PY, "benchmarks/profile_step.py", *MHC_125M, "model.mhc_enabled=true"], 150, 60),
-    ("mhc_on_125m", [PY, "-m", "lmforge", "bench", *MHC_125M, "model.mhc_enabled=true", "--steps", "10", "--json"],
-     200, 100),
-    ("mhc_off_125m", [PY, "-m", "lmforge", "bench", *MHC_125M, "model.mhc_enabled=false", "--steps", "10",
-                      "--json"], 150, 60),
     ("bench_124m", [PY, "-m", "lmforge", "bench", *GPT2_124M, *NO_DROPOUT, *GPT2_VOCAB, "--steps", "20", "--json"],
      180, 90),
     # AdamW's moments in 8 bits (training.optimizer_states=8bit; eager step): its speed against bench_124m's,
     # and at 1.3B the peak memory against bench_1b's
     ("bench_124m_8bit", [PY, "-m", "lmforge", "bench", *GPT2_124M, *NO_DROPOUT, *GPT2_VOCAB,
                          "training.optimizer_states=8bit", "--steps", "20", "--json"], 150, 60),
+    # where FSDP's step over one process goes (fsdp_one_124m ran at 42% of bench_124m's tokens/s on the fourth
+    # lease; each block compiled alone, the loss eager, the hooks on the host): groups, kernels and a trace
+    ("profile_fsdp_one_124m", [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+                               "benchmarks/profile_step.py", *GPT2_124M, *NO_DROPOUT, "training.parallel=fsdp",
+                               *GPT2_VOCAB, "--steps", "3", "--trace", "{out}/fsdp_one_124m.trace.json.gz"], 150, 60),
+    # FSDP over one process (torchrun --nproc_per_node=1): its overhead against bench_124m, and the sharding
+    # that moves the CPU-built model block by block (first GPU run of that path)
+    ("fsdp_one_124m", [*TORCHRUN_ONE, "bench", *GPT2_124M, *NO_DROPOUT, "training.parallel=fsdp", *GPT2_VOCAB,
+                       "--steps", "20", "--json"], 180, 90),
+    # FSDP over one process at 1.3B, where a block's GPU work (~12 ms) can hide the hooks' host time that
+    # fsdp_one_124m's 2.5-ms blocks cannot: against bench_1b
+    ("fsdp_one_1b", [*TORCHRUN_ONE, "bench", *LLAMA_1B, "training.parallel=fsdp", "--steps", "10", "--json"],
+     200, 100),
+    # training.fsdp_offload on one GPU: the 1.3B preset's peak GPU memory against bench_1b's 50.0 GB, and its speed
+    ("offload_1b", [*TORCHRUN_ONE, "bench", *LLAMA_1B, "training.parallel=fsdp", "training.fsdp_offload=true",
+                    "--steps", "5", "--json"], 240, 120),
+    ("bench_1b", [PY, "-m", "lmforge", "bench", *LLAMA_1B, "--steps", "10", "--json"], 200, 100),
     ("bench_1b_8bit", [PY, "-m", "lmforge", "bench", *LLAMA_1B, "training.optimizer_states=8bit", "--steps", "10",
                        "--json"], 200, 100),
+    ("profile_mhc_125m_off", [PY, "benchmarks/profile_step.py", *MHC_125M, "model.mhc_enabled=false"], 120, 60),
+    # mHC's cost where the model is wider: its bytes grow with the width, the matmuls' work with its square
+    ("mhc_on_1b", [PY, "-m", "lmforge", "bench", *MHC_1B, "--steps", "10", "--json"], 420, 300),
+    ("micro", [PY, "benchmarks/gpu_micro.py", "--json", "{out}/micro.json"], 240, 40),
+    ("profile_1b", [PY, "benchmarks/profile_step.py", *LLAMA_1B, "--steps", "3", "--warmup", "2"], 200, 100),
+    ("profile_mhc_125m", [PY, "benchmarks/profile_step.py", *MHC_125M, "model.mhc_enabled=true"], 150, 60),
+    ("mhc_on_125m", [PY, "-m", "lmforge", "bench", *MHC_125M, "model.mhc_enabled=true", "--steps", "10", "--json"],
+     200, 100),
+    ("mhc_off_125m", [PY, "-m", "lmforge", "bench", *MHC_125M, "model.mhc_enabled=false", "--steps", "10",
+                      "--json"], 150, 60),
     ("bench_124m_mb32", [PY, "-m", "lmforge", "bench", *GPT2_124M, *NO_DROPOUT, "training.micro_batch_size=32",
                          *GPT2_VOCAB, "--steps", "20", "--json"], 120, 60),
     # both together (each alone: +3.8% and +2% on the second lease)
@@ -80,33 +103,20 @@ STEPS: list[tuple[str, list[str], int, int]] = [
     # the same on a rotary (Llama-flavor) model, whose cos/sin table must not be a graph output
     ("mhc_off_125m_graphs", [PY, "-m", "lmforge", "bench", *MHC_125M, "model.mhc_enabled=false",
                              "training.compile_mode=reduce-overhead", "--steps", "10", "--json"], 150, 60),
-    # FSDP over one process (torchrun --nproc_per_node=1): its overhead against bench_124m, and the sharding
-    # that moves the CPU-built model block by block (first GPU run of that path)
-    ("fsdp_one_124m", [*TORCHRUN_ONE, "bench", *GPT2_124M, *NO_DROPOUT, "training.parallel=fsdp", *GPT2_VOCAB,
-                       "--steps", "20", "--json"], 180, 90),
-    # training.fsdp_offload on one GPU: the 1.3B preset's peak GPU memory against bench_1b's 49.5 GB, and its speed
-    ("offload_1b", [*TORCHRUN_ONE, "bench", *LLAMA_1B, "training.parallel=fsdp", "training.fsdp_offload=true",
-                    "--steps", "5", "--json"], 240, 120),
     # a real run, plain / FSDP over one process / offloaded, with evaluation (the sharded model block by block)
     # on a GPU: the held-out losses side by side and the memory each held
-    ("fsdp_train_check", [PY, "benchmarks/fsdp_train_check.py", "--out", "{out}/fsdp_train", "--offload"], 240, 120),
+    ("fsdp_train_check", [PY, "benchmarks/fsdp_train_check.py", "--out", "/tmp/fsdp_train", "--offload"], 240, 120),
     # Inductor's coordinate-descent tuning of its kernels' launch settings (longer compile)
     ("bench_124m_cdt", ["env", "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1", PY, "-m", "lmforge", "bench", *GPT2_124M,
                         *NO_DROPOUT, *GPT2_VOCAB, "--steps", "20", "--json"], 240, 120),
     ("generation", [PY, "benchmarks/generation_speed.py", "--device", "cuda", "--no-quality", "--sizes", "small",
                     "--flavors", "gpt2", "--precisions", "fp32,bf16", "--rounds", "2"], 150, 60),
-    ("profile_mhc_125m_off", [PY, "benchmarks/profile_step.py", *MHC_125M, "model.mhc_enabled=false"], 120, 60),
-    # mHC's cost where the model is wider: its bytes grow with the width, the matmuls' work with its square
-    ("mhc_on_1b", [PY, "-m", "lmforge", "bench", *MHC_1B, "--steps", "10", "--json"], 420, 300),
-    ("micro", [PY, "benchmarks/gpu_micro.py", "--json", "{out}/micro.json"], 240, 40),
     # the mixing as the Triton operators (mhc_on_125m runs auto: PyTorch ops fused by Inductor): the side-by-side
     ("mhc_on_125m_triton", [PY, "-m", "lmforge", "bench", *MHC_125M, "model.mhc_enabled=true",
                             "model.mhc_kernels=triton", "--steps", "10", "--json"], 200, 100),
     ("profile_124m", [PY, "benchmarks/profile_step.py", *GPT2_124M, *NO_DROPOUT, *GPT2_VOCAB], 120, 60),
     ("bench_124m_chunked", [PY, "-m", "lmforge", "bench", *GPT2_124M, *NO_DROPOUT, "model.lm_loss=chunked",
                             *GPT2_VOCAB, "--steps", "20", "--json"], 150, 60),
-    ("bench_1b", [PY, "-m", "lmforge", "bench", *LLAMA_1B, "--steps", "10", "--json"], 200, 100),
-    ("profile_1b", [PY, "benchmarks/profile_step.py", *LLAMA_1B, "--steps", "3", "--warmup", "2"], 200, 100),
     ("vs_transformers", [PY, "-m", "lmforge", "bench", *GPT2_124M, *NO_DROPOUT, *GPT2_VOCAB, "--steps", "20",
                          "--compare-transformers", "--json"], 200, 120),
     ("serve_load", [PY, "benchmarks/serve_load.py", "--device", "cuda", "--precision", "bf16"], 120, 50),

@@ -4,6 +4,7 @@ optimizer / idle (issue 19, item 2). Usage:
 
     python benchmarks/profile_step.py go_coder_125m --vocab-size 50257 [training.compile=true] [--steps 5]
         [--trace step.json]
+    torchrun --standalone --nproc_per_node=1 benchmarks/profile_step.py ... training.parallel=fsdp
 
 On a GPU the kernels' time is grouped and idle is the wall time with no kernel running on it; on a
 CPU the operators' own (self) time is grouped and idle is the wall time no operator accounts for
@@ -15,14 +16,16 @@ kernels attention, everything else elementwise (norms, activations, adds, copies
 fuse: the logits path's cross-entropy (``log_softmax``, ``nll_loss``) still counts as loss, but the chunked
 path's softmax (amax, exp, sum) counts as elementwise and its matmuls as GEMM.
 ``--top N`` (default 15) lists the N kernels (operators on a CPU) with the most time, with their group and
-calls per step: what to fuse next. ``--trace`` writes the Chrome trace (open it in ``chrome://tracing`` or
-Perfetto).
+calls per step: what to fuse next. ``--trace`` writes the Chrome trace (gzip-compressed when the name
+ends in .gz; open it in ``chrome://tracing`` or Perfetto).
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -80,6 +83,18 @@ def breakdown(prof, wall_us: float, on_gpu: bool) -> tuple[dict[str, float], lis
     return {g: times.get(g, 0.0) for g in GROUPS}, ranked
 
 
+def export_trace(prof, path: str) -> None:
+    """The Chrome trace at ``path``, gzip-compressed where it ends in .gz (Perfetto opens both)."""
+    if not path.endswith(".gz"):
+        prof.export_chrome_trace(path)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        plain = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(plain))
+        with plain.open("rb") as src, gzip.open(path, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("recipe", help="a preset name or recipe file, as lmforge bench takes")
@@ -92,19 +107,33 @@ def main() -> None:
     args = parser.parse_intermixed_args()
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from common import cpu_name
-
-    from lmforge.bench import _lmforge_stepper
+    from lmforge.bench import _join_for_fsdp
     from lmforge.config import load_config
-    from lmforge.device import _sync, setup_device
+    from lmforge.train.distributed import shutdown
 
     cfg = load_config(args.recipe, args.overrides)
     if getattr(cfg.model, "vocab_size", 1) == 0:
         cfg.model.vocab_size = args.vocab_size
+    # training.parallel=fsdp: FSDP over one process, launched as `torchrun --standalone --nproc_per_node=1
+    # benchmarks/profile_step.py ...` (as lmforge bench times it)
+    distinfo = _join_for_fsdp(cfg, compare_transformers=False)
+    try:
+        profile_steps(args, cfg)
+    finally:
+        shutdown(distinfo)
+
+
+def profile_steps(args: argparse.Namespace, cfg) -> None:
+    from common import cpu_name
+
+    from lmforge.bench import _lmforge_stepper
+    from lmforge.device import _sync, setup_device
+
     devinfo = setup_device(cfg.training.device, cfg.training.precision, cfg.training.peak_flops)
     on_gpu = devinfo.device.type == "cuda"
     where = torch.cuda.get_device_name(devinfo.device) if on_gpu else cpu_name()
-    print(f"{cfg.name} on {where}, {devinfo.precision}, compile={cfg.training.compile}, micro-batch "
+    sharded = f", {cfg.training.parallel} over one process" if cfg.training.parallel != "ddp" else ""
+    print(f"{cfg.name} on {where}, {devinfo.precision}, compile={cfg.training.compile}{sharded}, micro-batch "
           f"{cfg.training.micro_batch_size} x {cfg.data.seq_len}; {args.steps} profiled steps after {args.warmup}")
     with tempfile.TemporaryDirectory() as tmp:
         step, _ = _lmforge_stepper(cfg, devinfo, Path(tmp))
@@ -119,7 +148,7 @@ def main() -> None:
             _sync(devinfo.device)
             wall_us = (time.perf_counter() - start) * 1e6
     if args.trace:
-        prof.export_chrome_trace(args.trace)
+        export_trace(prof, args.trace)
     times, ranked = breakdown(prof, wall_us, on_gpu)
     print(f"\n{'per step' if args.steps == 1 else f'per step (mean of {args.steps})'}: "
           f"{wall_us / args.steps / 1e3:.1f} ms wall ({'GPU kernels' if on_gpu else 'CPU operators, self time'})")
