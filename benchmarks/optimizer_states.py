@@ -7,8 +7,9 @@ Data: the corpus `lmforge quickstart` finds, a 4096-token BPE and token shards, 
 benchmarks/mhc_ablation.py does). Every run uses go_coder_tiny's model, batch and schedule; only the seed and
 training.optimizer_states differ. Each final checkpoint is scored on the same held-out tokens. Also printed:
 the bytes of optimizer state each checkpoint holds, the moments' memory computed for the 124M and 1.3B
-presets, and one optimizer step's time on this machine for each setting (a CPU figure: on a GPU the
-8-bit step's elementwise work is memory-bound and much cheaper relative to the model's step).
+presets, and one optimizer step's time on this machine for each setting, and for 8bit compiled too
+(training.compile=true; a CPU figure: on a GPU the 8-bit step's elementwise work is memory-bound and much
+cheaper relative to the model's step).
 """
 
 from __future__ import annotations
@@ -52,14 +53,15 @@ def preset_moment_bytes(preset: str) -> dict[str, int]:
     return {"params": sum(p.numel() for p in params), **{states: moment_bytes(params, states) for states in SETTINGS}}
 
 
-def step_seconds(states: str, data: Path, repeats: int) -> float:
-    """Median seconds of one optimizer step over go_coder_tiny's parameters, with gradients in place."""
+def step_seconds(states: str, data: Path, repeats: int, compile: bool = False) -> float:
+    """Median seconds of one optimizer step over go_coder_tiny's parameters, with gradients in place
+    (``compile``: as with training.compile=true, which compiles the 8-bit step; its first steps are not timed)."""
     from lmforge.config import load_config
     from lmforge.train import build_model
     from lmforge.train.optim import default_optimizer
 
     cfg = load_config("go_coder_tiny", [f"data.path={data}", f"training.optimizer_states={states}",
-                                        "model.vocab_size=4096"])
+                                        "model.vocab_size=4096", f"training.compile={str(compile).lower()}"])
     torch.manual_seed(0)
     model = build_model(cfg.model)
     for p in model.parameters():
@@ -124,10 +126,13 @@ def main() -> int:
                            "val_losses": losses, "state_mb": mine[0]["state_bytes"] / 2**20,
                            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in mine),
                            "optimizer_step_ms": 1000 * step_seconds(states, data, 10)}
+        if states == "8bit":
+            summary[states]["optimizer_step_ms_compiled"] = 1000 * step_seconds(states, data, 10, compile=True)
         s = summary[states]
         print(f"{states:<8}{s['val_loss_mean']:>14.4f}{s['val_loss_sd']:>8.4f}"
               f"{', '.join(f'{v:.4f}' for v in losses):>28}{s['state_mb']:>10.2f}{s['tokens_per_s']:>8,.0f}"
-              f"{s['optimizer_step_ms']:>9.1f}")
+              f"{s['optimizer_step_ms']:>9.1f}"
+              + (f" (compiled: {s['optimizer_step_ms_compiled']:.1f})" if "optimizer_step_ms_compiled" in s else ""))
     diff = summary["8bit"]["val_loss_mean"] - summary["fp32"]["val_loss_mean"]
     print(f"8bit - fp32: {diff:+.4f} nats/token (seed sd {summary['fp32']['val_loss_sd']:.4f})")
     presets = {p: preset_moment_bytes(p) for p in ("go_coder_125m", "rlm_mhc_1b")}

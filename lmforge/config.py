@@ -66,7 +66,9 @@ class TrainingConfig:
     # stochastically rounded; the Trainer's optim="adamw_8bit"; see lmforge.train.optim)
     optimizer_states: str = "fp32"
     precision: str = "auto"  # auto | fp32 | bf16 | fp16 (fp16 uses a grad scaler)
-    compile: bool = False  # torch.compile the model (slow start; helps on GPUs); per block under fsdp
+    # torch.compile the model (slow start; helps on GPUs; per block under fsdp), and with optimizer_states=8bit
+    # AdamW8bit's step too
+    compile: bool = False
     # torch.compile's mode with compile=true: default | reduce-overhead (CUDA graphs: the step's kernels
     # replayed without a launch each; CUDA only, other devices compile as default) | max-autotune |
     # max-autotune-no-cudagraphs (Inductor tries kernel configurations: a much longer compile)

@@ -4,26 +4,47 @@
 
 - ``fp32`` (default): PyTorch's AdamW, fused where the device has a kernel; 8 bytes a weight.
 - ``8bit``: ``AdamW8bit`` below, 2 bytes a weight and 8 bytes of scales per block (of up to 256 weights: at
-  most 2.03 bytes a weight for rows of 256 or more): what seeds 000 and 001 ask for with the Trainer's ``optim="adamw_8bit"`` when a model does not fit. At 1.3B parameters
-  the moments drop from 10.4 GB to 2.6 GB.
+  most 2.03 bytes a weight for rows of 256 or more): what seeds 000 and 001 ask for with the Trainer's
+  ``optim="adamw_8bit"`` when a model does not fit. At 1.3B parameters the moments drop from 10.4 GB to 2.6 GB.
 
 How ``AdamW8bit`` keeps a moment: each row of a weight matrix is cut into blocks of up to 256 values; a
 block keeps its largest magnitude over 448 as a scale (fp32) and each value as an 8-bit float (e4m3: 3 bits
-of mantissa, magnitudes from 448 down to 2^-9, so down to ~2^-18 of the block's largest) times the scale. The second moment is kept as its
-square root, whose range is half as wide in exponent. Every step reads the moments back to fp32,
-updates them and the weight exactly as AdamW does, and writes them back rounded *stochastically* (up
-or down with the odds that make the rounding exact on average; below 2^-6 of the scale, e4m3's subnormals,
-to nearest): with round-to-nearest, an average that
-moves by less than half a step of the 8-bit grid (the second moment moves 0.1-5% a step) would never
-move at all. The rounding's random bits come from (seed, step, parameter), so a resumed run and every
-DDP process draw the same ones. Vectors (norms, biases) and matrices under 4,096 values keep fp32
-moments: they are a sliver of the memory. Blocks follow rows, so a weight's row is never split across
-blocks; a matrix whose row length has no divisor between 64 and 256 keeps fp32 moments too.
+of mantissa, magnitudes from 448 down to 2^-9, so down to ~2^-18 of the block's largest) times the scale. The
+second moment is kept as its square root, whose range is half as wide in exponent. Every step reads the
+moments back to fp32, updates them and the weight exactly as AdamW does, and writes them back rounded
+*stochastically* (up or down with the odds that make the rounding exact on average; below 2^-6 of the scale,
+e4m3's subnormals, to nearest): with round-to-nearest, an average that moves by less than half a step of the
+8-bit grid (the second moment moves 0.1-5% a step) would never move at all. Vectors (norms, biases) and
+matrices under 4,096 values keep fp32 moments: they are a sliver of the memory. Blocks follow rows, so a
+weight's row is never split across blocks; a matrix whose row length has no divisor between 64 and 256 keeps
+fp32 moments too.
+
+The rounding's random bits are a hash of each value's place, not draws from a ``torch.Generator``
+(``random_bits``: murmur3's 32-bit finalizer of the value's flat index in its parameter plus a key that the
+host mixes from the seed, the step and the parameter's index; its low 20 bits round the first moment, its high
+20 the second): a resumed run and every DDP process get the same bits, whatever rows are stepped together,
+for a dozen integer operations per value and no generator per parameter.
+
+How a step runs (launch-bound on a GPU, a string of passes over memory on a CPU):
+
+- the 8-bit parameters: with ``compile=True`` (``training.compile``), one ``torch.compile``'d function over
+  all of them, in which Inductor fuses each parameter's dequantize, AdamW and quantize into a kernel or a few.
+  What changes from step to step (lr, bias corrections, hash keys) goes in as data, one small tensor copied
+  to the device per step, so a learning-rate schedule never recompiles it. Without compile, or where
+  compiling fails (a warning, then eager), the same code runs eagerly over whole rows, ~4M values at a time
+  on a GPU (bounded temporaries), 128K on a CPU (temporaries that stay in its cache).
+- the fp32-moment parameters: PyTorch's fused AdamW kernel, one call per parameter group.
+
+``found_inf`` (set by the training loop: a device scalar, 1 after a non-finite step) makes both leave weights
+and moments as they were, masking their writes on the device without the host reading it (the eager step on
+a CPU reads it: there that waits for nothing).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -36,9 +57,14 @@ from lmforge.errors import LMForgeError
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value
 MIN_8BIT_SIZE = 4096  # smaller tensors keep fp32 moments
-_CHUNK_VALUES = 1 << 22  # rows of a parameter stepped together: bounds the fp32 temporaries (~7 x 16 MB)
+# Values of a parameter stepped together eagerly (whole rows): bounds the fp32 temporaries (~10 of 16 MB); on the
+# CPU, whose eager step is ~40 passes over them, small enough that they stay in its cache (~1.4x faster)
+_CHUNK_VALUES = 1 << 22
+_CPU_CHUNK_VALUES = 1 << 17
 _DROPPED_BITS = 20  # fp32 has 23 bits of mantissa, e4m3 keeps 3
 _KEPT_AS_SAVED = ("exp_avg", "exp_avg_scale", "exp_avg_sq_sqrt", "exp_avg_sq_sqrt_scale", "exp_avg_sq")
+_HYPER = 5  # numbers per 8-bit parameter and step (``_hyper``)
+_MASK64 = (1 << 64) - 1
 
 
 def block_size(row: int) -> int | None:
@@ -52,23 +78,177 @@ def block_size(row: int) -> int | None:
     return next((b for b in range(256, 63, -1) if row % b == 0), None)
 
 
-def quantize(x: torch.Tensor, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _int32(x: int) -> int:
+    """The int32 whose bits are ``x``'s low 32."""
+    x &= 0xFFFFFFFF
+    return x - (1 << 32) if x >= 1 << 31 else x
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def rounding_key(seed: int, step: int, index: int) -> int:
+    """The key (an int32) of ``random_bits`` for parameter ``index`` at ``step``: a 64-bit mix of the three on
+    the host, in Python ints (the same in every process)."""
+    return _int32(_splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ step) ^ index))
+
+
+_M1, _M2 = _int32(0x85EBCA6B), _int32(0xC2B2AE35)  # murmur3's finalizer constants
+_LOW = (1 << _DROPPED_BITS) - 1
+
+
+def random_bits(index: torch.Tensor, key: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_DROPPED_BITS`` random bits (int32 in [0, 2^20)) per value of ``index`` (int32: flat indices in a
+    parameter) for each moment: the low and the high 20 bits of one 32-bit hash of index + key (murmur3's
+    finalizer, a bijection whose every output bit flips with odds ~1/2 when any input bit does, so neighbouring
+    indices get unrelated bits). The two share 8 bits, the low ones of the second moment's: their correlation
+    is 2^-12, and either alone is uniform. int32 arithmetic wraps on every device, eager or compiled; ``>>`` is
+    arithmetic on int32, so each shift is masked to be logical."""
+    x = index + key
+    x ^= (x >> 16) & 0xFFFF
+    x *= _M1
+    x ^= (x >> 13) & 0x7FFFF
+    x *= _M2
+    x ^= (x >> 16) & 0xFFFF
+    return x & _LOW, (x >> (32 - _DROPPED_BITS)) & _LOW
+
+
+def _round(x: torch.Tensor, bits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (rows, blocks, block) over its blocks' scales (rows, blocks), rounded to e4m3's grid but for its
+    subnormals (cast to nearest later); and the scales."""
+    # (a floor under the largest magnitude: 448 / a moment decayed to float's subnormals would be inf)
+    amax = x.abs().amax(dim=-1).clamp_(min=2.0 ** -100)
+    # x times 448 / amax rounded down (by 8 float steps: more than a division's error anywhere): no value ends
+    # over 448, where e4m3 has no finite code, without a clamp (a relative bias of 2^-20, 8-bit steps are 2^-3)
+    y = x * ((FP8_MAX * (1 - 2.0 ** -20)) / amax).unsqueeze(-1)
+    if bits is not None:
+        # Add random bits below the 3 kept ones and cut them off: rounds the magnitude up with the odds of its
+        # distance to the grid point below (the sign bit is never reached by the carry, 448 is on the grid).
+        y = (y.view(torch.int32) + bits).bitwise_and_(-(1 << _DROPPED_BITS)).view(torch.float32)
+    return y, amax / FP8_MAX
+
+
+def quantize(x: torch.Tensor, bits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` of shape (rows, blocks, block) as (e4m3 codes stored as uint8 of the same shape, fp32 scales of
-    shape (rows, blocks)): value = code x scale. ``generator``: round stochastically with its bits; None:
-    to nearest."""
-    scale = x.abs().amax(dim=-1) / FP8_MAX
-    y = x / torch.where(scale > 0, scale, 1.0).unsqueeze(-1)
-    if generator is not None:
-        # Add random bits below the 3 kept ones and cut them off: rounds the magnitude up with the odds of
-        # its distance to the grid point below (the sign bit is never reached by the carry).
-        noise = torch.randint(0, 1 << _DROPPED_BITS, y.shape, dtype=torch.int32, device=y.device,
-                              generator=generator)
-        y = ((y.view(torch.int32) + noise) & -(1 << _DROPPED_BITS)).view(torch.float32)
-    return y.clamp_(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8), scale
+    shape (rows, blocks)): value = code x scale. ``bits`` (one of ``random_bits``, of x's shape): round
+    stochastically with them; None: to nearest."""
+    y, scale = _round(x, bits)
+    return y.to(FP8).view(torch.uint8), scale
+
+
+def _code(y: torch.Tensor) -> torch.Tensor:
+    """The e4m3 codes of ``y`` (magnitudes up to 448, with at most 3 bits of mantissa from 2^-6 up; below,
+    e4m3's subnormals, rounded to nearest even) as PyTorch's cast gives them, but as fp32 values (0., ..., 255.)
+    and from integer operations: compiled, Inductor's CPU cast to e4m3 is a scalar loop, and its casts to uint8
+    from int32 or of a select are slow, from fp32 fast."""
+    bits = y.view(torch.int32)
+    magnitude = bits & 0x7FFFFFFF
+    code = torch.where(magnitude >= 121 << 23,  # from 2^-6 up: fp32's exponent and top 3 bits, re-biased
+                       ((magnitude >> 20) - ((127 - 7) << 3)).float(), torch.round(y.abs() * 2.0 ** 9))
+    return code + torch.where(bits < 0, 128.0, 0.0)
+
+
+def _store(codes: torch.Tensor, y: torch.Tensor, skip: torch.Tensor | None) -> None:
+    """Writes the e4m3 codes of ``y`` (``_round``'s) into ``codes`` (uint8), unless ``skip`` (a bool)."""
+    if torch.compiler.is_compiling():
+        codes.copy_((_code(y) if skip is None else torch.where(skip, codes.float(), _code(y))).to(torch.uint8))
+    elif skip is None:
+        codes.view(FP8).copy_(y)  # cast and written in one pass
+    else:
+        codes.copy_(torch.where(skip, codes, y.to(FP8).view(torch.uint8)))
+
+
+_FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(FP8).float()  # each code's value
+
+
+def _decode(codes: torch.Tensor) -> torch.Tensor:
+    """The fp32 values of e4m3 ``codes`` (uint8), as PyTorch's cast gives them (but 480 for NaN's codes, which
+    ``_code`` never gives)."""
+    if torch.compiler.is_compiling():  # from the code's bits again: Inductor's CPU cast from e4m3 is slow too
+        c = codes.int()
+        magnitude = c & 0x7F
+        normal = ((magnitude + ((127 - 7) << 3)) << 20).view(torch.float32)
+        value = torch.where(magnitude >= 8, normal, magnitude.float() * 2.0 ** -9)
+        return torch.where(c >= 128, -value, value)
+    if codes.device.type == "cpu":  # PyTorch's eager CPU cast from e4m3 is ~3x slower than looking values up
+        return _FP8_VALUES.index_select(0, codes.reshape(-1).int()).view(codes.shape)
+    return codes.view(FP8).float()
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return codes.view(FP8).float() * scale.unsqueeze(-1)
+    return _decode(codes).mul_(scale.unsqueeze(-1))
+
+
+def _set(target: torch.Tensor, value: torch.Tensor, skip: torch.Tensor | None) -> None:
+    target.copy_(value if skip is None else torch.where(skip, target, value))
+
+
+def _hyper(group: dict[str, Any], step: int) -> list[float]:
+    """The numbers of an 8-bit parameter's ``step`` in ``group``, for ``_adamw_rows``: 1 - lr x weight decay,
+    -lr x sqrt(1 - beta2^t) / (1 - beta1^t), eps x sqrt(1 - beta2^t), 1 - beta1, 1 - beta2. AdamW's
+    lr / (1 - beta1^t) x m / (sqrt(v / (1 - beta2^t)) + eps) with the bias corrections moved out of the
+    per-value work."""
+    beta1, beta2 = group["betas"]
+    lr = float(group["lr"])
+    bias2_sqrt = math.sqrt(1 - beta2 ** step)
+    return [1 - lr * group["weight_decay"], -lr * bias2_sqrt / (1 - beta1 ** step), group["eps"] * bias2_sqrt,
+            1 - beta1, 1 - beta2]
+
+
+def _adamw_rows(p: torch.Tensor, grad: torch.Tensor, m_codes: torch.Tensor, m_scale: torch.Tensor,
+                r_codes: torch.Tensor, r_scale: torch.Tensor, hyper: torch.Tensor, key: torch.Tensor,
+                skip: torch.Tensor | None, first: int) -> None:
+    """One AdamW step of rows of an 8-bit parameter, in place: ``p``, ``grad`` and the codes of shape (rows,
+    blocks, block), the scales (rows, blocks), ``hyper`` (``_HYPER`` values) and ``key`` (``rounding_key``) on
+    the device. ``first``: the flat index of the rows' first value in the parameter (the random bits follow
+    it, not the rows stepped together). With ``skip`` (a bool on the device) true, everything is left as it was."""
+    decay, minus_step, eps, one_minus_beta1, one_minus_beta2 = hyper.unbind()
+    grad = grad.float()
+    m = dequantize(m_codes, m_scale).lerp_(grad, one_minus_beta1)
+    r = dequantize(r_codes, r_scale)  # the second moment's square root
+    r = r.mul_(r).lerp_(grad * grad, one_minus_beta2).sqrt_()
+    update = m / (r + eps)  # times -minus_step; r and eps unscaled by the bias correction (see ``_hyper``)
+    if skip is None and p.dtype == torch.float32:
+        p.mul_(decay).addcmul_(update, minus_step)  # what the line below computes, in place
+    else:
+        _set(p, torch.addcmul(p.float() * decay, update, minus_step).to(p.dtype), skip)
+    index = torch.arange(first, first + p.numel(), dtype=torch.int32, device=p.device).view(p.shape)
+    for codes, scale, value, bits in zip((m_codes, r_codes), (m_scale, r_scale), (m, r), random_bits(index, key)):
+        y, new_scale = _round(value, bits)
+        _store(codes, y, skip)
+        _set(scale, new_scale, skip)
+
+
+def _step_8bit(params: list[torch.Tensor], grads: list[torch.Tensor], m_codes: list[torch.Tensor],
+               m_scales: list[torch.Tensor], r_codes: list[torch.Tensor], r_scales: list[torch.Tensor],
+               hyper: torch.Tensor, keys: torch.Tensor, skip: torch.Tensor | None, chunk: int | None) -> None:
+    """AdamW8bit's step of its 8-bit parameters: an entry of each list and of ``hyper``, ``keys`` per parameter,
+    the parameters, gradients and codes viewed as (rows, blocks, block) (by the caller: compiled, views made
+    here would be written back to their bases in extra passes); whole rows about ``chunk`` values at a time
+    (None: each parameter at once, as compiled)."""
+    for i, p in enumerate(params):
+        rows = p.shape[0]
+        step = rows if chunk is None else max(1, chunk // (p.numel() // rows))
+        for start in range(0, rows, step):
+            rows_of = (t[start:start + step] for t in (p, grads[i], m_codes[i], m_scales[i], r_codes[i], r_scales[i]))
+            _adamw_rows(*rows_of, hyper[i], keys[i], skip, start * (p.numel() // rows))
+
+
+def _compile(fn: Any) -> Any:
+    """``fn`` compiled whole (no graph break, no dynamic shapes: one graph per set of parameter shapes), its
+    recompilations counted apart from other optimizers' where torch can; None where torch.compile cannot be
+    set up here."""
+    isolated = {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters \
+        else {}
+    try:
+        return torch.compile(fn, fullgraph=True, dynamic=False, **isolated)
+    except Exception as e:  # noqa: BLE001 (e.g. a Python that Dynamo does not support)
+        warnings.warn(f"AdamW8bit steps eagerly: torch.compile is unavailable ({type(e).__name__}: {e})", stacklevel=3)
+        return None
 
 
 class AdamW8bit(torch.optim.Optimizer):
@@ -78,18 +258,21 @@ class AdamW8bit(torch.optim.Optimizer):
     ``exp_avg_scale`` and ``exp_avg_sq_sqrt_scale`` (fp32, one per block), ``step`` (a CPU tensor, read
     without waiting for the device). Others: ``exp_avg``, ``exp_avg_sq`` in fp32, as torch's AdamW.
     ``found_inf``, when the training loop sets it (a device scalar, 1 after a non-finite step), makes
-    each step leave weights and moments as they were, without the host reading it; the step count still
-    advances (the loop stops at its next check step, from the checkpoint before, so it is never used)."""
+    each step leave weights and moments as they were, without the host reading it (but for the eager step of
+    parameters on the CPU, where reading it waits for nothing); the step count still advances (the loop stops
+    at its next check step, from the checkpoint before, so it is never used). ``compile``: step the 8-bit
+    parameters with one compiled function (see the module's text)."""
 
     takes_found_inf = True
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, seed: int = 0):
+                 eps: float = 1e-8, weight_decay: float = 1e-2, seed: int = 0, compile: bool = False):
         if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
             raise LMForgeError(f"AdamW's betas must be in [0, 1), got {betas}")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self.seed = int(seed)
         self.found_inf: torch.Tensor | None = None
+        self._compiled = _compile(_step_8bit) if compile else None
 
     def state_shapes(self, p: torch.Tensor) -> dict[str, tuple[int, ...]]:
         """The shape of each tensor of ``p``'s state (checked when a checkpoint's state is loaded)."""
@@ -142,6 +325,7 @@ class AdamW8bit(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        todo = []  # (group, parameter index, parameter, state)
         index = -1
         for group in self.param_groups:
             for p in group["params"]:
@@ -150,62 +334,84 @@ class AdamW8bit(torch.optim.Optimizer):
                     continue
                 if p.grad.is_sparse:
                     raise LMForgeError("training.optimizer_states=8bit does not take sparse gradients")
-                state = self.state[p] if self.state[p] else self._init_state(p)
-                state["step"] += 1
-                step = int(state["step"])
-                layout = self._layout(p)
-                if layout is None:
-                    m, v = state["exp_avg"], state["exp_avg_sq"]
-                    new_m, new_v = self._update(group, step, p, p.grad, m, v)
-                    self._set(m, new_m, self.found_inf)
-                    self._set(v, new_v, self.found_inf)
-                    continue
-                rows, blocks, block = layout
-                chunk = max(1, _CHUNK_VALUES // (blocks * block))  # whole rows, a few million values at a time
-                grad = p.grad.reshape(rows, blocks, block)
-                weight = p.view(rows, blocks, block)
-                names = ("exp_avg", "exp_avg_scale", "exp_avg_sq_sqrt", "exp_avg_sq_sqrt_scale")
-                views = [state[n].view(rows, blocks, block) if "scale" not in n else state[n] for n in names]
-                for start in range(0, rows, chunk):
-                    part = slice(start, start + chunk)
-                    m_codes, m_scale, r_codes, r_scale = (v[part] for v in views)
-                    m = dequantize(m_codes, m_scale)
-                    r = dequantize(r_codes, r_scale)
-                    m, v = self._update(group, step, weight[part], grad[part], m, r.mul_(r))
-                    generator = self._generator(p.device, step, index, start)
-                    for codes, scale, value in ((m_codes, m_scale, m), (r_codes, r_scale, v.sqrt_())):
-                        new_codes, new_scale = quantize(value, generator)
-                        self._set(codes, new_codes, self.found_inf)
-                        self._set(scale, new_scale, self.found_inf)
+                todo.append((group, index, p, self.state[p] or self._init_state(p)))
+        if todo:
+            steps = [state["step"] for *_, state in todo]
+            torch._foreach_add_(steps, 1)
+            counts = torch.stack(steps).tolist()  # one read of the CPU counters, not one per parameter
+            for device in dict.fromkeys(p.device for _, _, p, _ in todo):
+                here = [(*t, int(n)) for t, n in zip(todo, counts, strict=True) if t[2].device == device]
+                self._step_on(device, here)
         return loss
 
-    def _update(self, group: dict[str, Any], step: int, p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor,
-                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One AdamW step of ``p`` (a parameter or rows of one) from moments ``m``, ``v`` (fp32): returns the
-        new moments for the caller to keep. With ``found_inf`` set, ``p`` is left as it was (and the caller
-        keeps the old moments)."""
-        beta1, beta2 = group["betas"]
-        lr, wd = float(group["lr"]), float(group["weight_decay"])
-        grad = grad.float()
-        skip = self.found_inf
-        new_m = torch.lerp(m, grad, 1 - beta1)
-        new_v = (v * beta2).addcmul_(grad, grad, value=1 - beta2)
-        denom = (new_v.sqrt() / math.sqrt(1 - beta2 ** step)).add_(group["eps"])
-        update = (new_m / denom).mul_(lr / (1 - beta1 ** step))
-        if skip is None and p.dtype == torch.float32:
-            p.mul_(1 - lr * wd).sub_(update)
-        else:
-            self._set(p, (p.float() * (1 - lr * wd) - update).to(p.dtype), skip)
-        return new_m, new_v
+    def _step_on(self, device: torch.device, todo: list[tuple[dict[str, Any], int, torch.Tensor, dict[str, Any], int]]
+                 ) -> None:
+        """The step of ``todo``'s parameters (group, index, parameter, state, step count), all on ``device``."""
+        eight = [t for t in todo if "exp_avg_scale" in t[3]]
+        small = [t for t in todo if "exp_avg_scale" not in t[3]]
+        # Every number the step needs on the device, in one host-to-device copy: the 8-bit parameters'
+        # hyper-parameters, the fp32 ones' step counts (read there by the fused kernel), the hash keys.
+        floats, keys = [], []
+        for group, index, _, _, step in eight:
+            floats += _hyper(group, step)
+            keys.append(rounding_key(self.seed, step, index))
+        floats += [float(step) for *_, step in small]
+        host = torch.cat([torch.tensor(floats, dtype=torch.float32),
+                          torch.tensor(keys, dtype=torch.int32).view(torch.float32)])
+        if device.type == "cuda":  # pinned: copied without the host waiting (torch keeps the block until then)
+            host = host.pin_memory()
+        packed = host.to(device, non_blocking=True)
+        hyper = packed[:_HYPER * len(eight)].view(len(eight), _HYPER)
+        small_steps = packed[_HYPER * len(eight):len(floats)].unbind()
+        keys_on_device = packed[len(floats):].view(torch.int32)
+        if eight:
+            shapes = [(*t[3]["exp_avg_scale"].shape, -1) for t in eight]  # (rows, blocks, block)
+            states = [t[3] for t in eight]
+            self._step_8bit([t[2].view(s) for t, s in zip(eight, shapes)],
+                            [t[2].grad.reshape(s) for t, s in zip(eight, shapes)],
+                            [s["exp_avg"].view(shape) for s, shape in zip(states, shapes)],
+                            [s["exp_avg_scale"] for s in states],
+                            [s["exp_avg_sq_sqrt"].view(shape) for s, shape in zip(states, shapes)],
+                            [s["exp_avg_sq_sqrt_scale"] for s in states], hyper, keys_on_device, self.found_inf)
+        groups: dict[int, list[int]] = {}
+        for k, t in enumerate(small):
+            groups.setdefault(id(t[0]), []).append(k)
+        for ks in groups.values():
+            group = small[ks[0]][0]
+            params = [small[k][2] for k in ks]
+            # The fused kernel takes one dtype: other weights (bf16, ...) are stepped in an fp32 copy
+            params32 = [p if p.dtype == torch.float32 else p.float() for p in params]
+            torch._fused_adamw_(params32, [p.grad.float() for p in params], [small[k][3]["exp_avg"] for k in ks],
+                                [small[k][3]["exp_avg_sq"] for k in ks], [], [small_steps[k] for k in ks],
+                                lr=float(group["lr"]), beta1=group["betas"][0], beta2=group["betas"][1],
+                                weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False,
+                                grad_scale=None, found_inf=self.found_inf)
+            for p, p32 in zip(params, params32, strict=True):
+                if p32 is not p:
+                    p.copy_(p32)
 
-    @staticmethod
-    def _set(target: torch.Tensor, value: torch.Tensor, skip: torch.Tensor | None) -> None:
-        target.copy_(value if skip is None else torch.where(skip > 0, target, value))
+    def _step_8bit(self, *args: Any) -> None:
+        """``_step_8bit`` of ``args`` (its arguments but ``chunk``, and ``found_inf`` for ``skip``): compiled, or
+        eagerly."""
+        if self._compiled is not None:
+            from torch._dynamo.exc import FailOnRecompileLimitHit, TorchDynamoException
 
-    def _generator(self, device: torch.device, step: int, index: int, row: int) -> torch.Generator:
-        generator = torch.Generator(device=device)
-        generator.manual_seed(hash((self.seed, step, index, row)) & (2**63 - 1))  # ints hash alike in every process
-        return generator
+            *tensors, found_inf = args
+            try:
+                self._compiled(*tensors, None if found_inf is None else found_inf > 0, None)
+                return
+            except (TorchDynamoException, FailOnRecompileLimitHit) as e:  # raised before any kernel ran
+                warnings.warn(f"AdamW8bit steps eagerly from now on: compiling its step failed ({type(e).__name__}: "
+                              f"{str(e)[:500]})", stacklevel=3)
+                self._compiled = None
+        *args, found_inf = args
+        on_cpu = args[0][0].device.type == "cpu"
+        if found_inf is not None and on_cpu:
+            # Read on the host, where that waits for nothing: a skipped step is not run, others need no masks
+            if found_inf.item() > 0:
+                return
+            found_inf = None
+        _step_8bit(*args, None if found_inf is None else found_inf > 0, _CPU_CHUNK_VALUES if on_cpu else _CHUNK_VALUES)
 
 
 def make_adamw(groups: list[dict[str, Any]], cfg: Any, device: torch.device) -> torch.optim.Optimizer:
@@ -216,7 +422,7 @@ def make_adamw(groups: list[dict[str, Any]], cfg: Any, device: torch.device) -> 
         if device.type == "mps":
             raise LMForgeError("training.optimizer_states=8bit keeps its moments as 8-bit floats, which PyTorch has "
                                "no kernels for on MPS: drop it on this Mac (or train with training.device=cpu)")
-        return AdamW8bit(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, seed=cfg.seed)
+        return AdamW8bit(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, seed=cfg.seed, compile=t.compile)
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **adamw_kernels(device))
 
 
@@ -243,4 +449,4 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 __all__ = ["AdamW8bit", "OPTIMIZER_STATES", "block_size", "default_optimizer", "dequantize", "make_adamw",
-           "moment_bytes", "quantize", "state_bytes"]
+           "moment_bytes", "quantize", "random_bits", "rounding_key", "state_bytes"]
