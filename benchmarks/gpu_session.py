@@ -58,8 +58,9 @@ STEPS: list[tuple[str, list[str], int, int]] = [
              "torch.cuda.get_device_name())'; nproc"], 30, 5),
     ("bench_124m", [PY, "-m", "lmforge", "bench", *GPT2_124M, *NO_DROPOUT, *GPT2_VOCAB, "--steps", "20", "--json"],
      180, 90),
-    # AdamW's moments in 8 bits (training.optimizer_states=8bit; eager step): its speed against bench_124m's,
-    # and at 1.3B the peak memory against bench_1b's
+    # AdamW's moments in 8 bits (training.optimizer_states=8bit; its step compiled with the model since the
+    # fourth lease, which measured the eager one): its speed against bench_124m's, and at 1.3B the peak memory
+    # against bench_1b's
     ("bench_124m_8bit", [PY, "-m", "lmforge", "bench", *GPT2_124M, *NO_DROPOUT, *GPT2_VOCAB,
                          "training.optimizer_states=8bit", "--steps", "20", "--json"], 150, 60),
     # where FSDP's step over one process goes (fsdp_one_124m ran at 42% of bench_124m's tokens/s on the fourth
@@ -104,7 +105,8 @@ STEPS: list[tuple[str, list[str], int, int]] = [
     ("mhc_off_125m_graphs", [PY, "-m", "lmforge", "bench", *MHC_125M, "model.mhc_enabled=false",
                              "training.compile_mode=reduce-overhead", "--steps", "10", "--json"], 150, 60),
     # a real run, plain / FSDP over one process / offloaded, with evaluation (the sharded model block by block)
-    # on a GPU: the held-out losses side by side and the memory each held
+    # on a GPU: the held-out losses side by side and the memory each held (printed to the log; its working
+    # files stay in /tmp, leaving $OUT's few returned files to the others)
     ("fsdp_train_check", [PY, "benchmarks/fsdp_train_check.py", "--out", "/tmp/fsdp_train", "--offload"], 240, 120),
     # Inductor's coordinate-descent tuning of its kernels' launch settings (longer compile)
     ("bench_124m_cdt", ["env", "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1", PY, "-m", "lmforge", "bench", *GPT2_124M,

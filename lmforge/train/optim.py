@@ -106,8 +106,9 @@ def random_bits(index: torch.Tensor, key: torch.Tensor | int) -> tuple[torch.Ten
     parameter) for each moment: the low and the high 20 bits of one 32-bit hash of index + key (murmur3's
     finalizer, a bijection whose every output bit flips with odds ~1/2 when any input bit does, so neighbouring
     indices get unrelated bits). The two share 8 bits, the low ones of the second moment's: their correlation
-    is 2^-12, and either alone is uniform. int32 arithmetic wraps on every device, eager or compiled; ``>>`` is
-    arithmetic on int32, so each shift is masked to be logical."""
+    is 2^-12, and either alone is uniform. The int32 products wrap (eager, Triton; Inductor's C++ on a CPU in
+    practice, where signed overflow is formally undefined: the compiled-against-eager test would see it); ``>>``
+    is arithmetic on int32, so each shift is masked to be logical."""
     x = index + key
     x ^= (x >> 16) & 0xFFFF
     x *= _M1
@@ -144,7 +145,8 @@ def _code(y: torch.Tensor) -> torch.Tensor:
     """The e4m3 codes of ``y`` (magnitudes up to 448, with at most 3 bits of mantissa from 2^-6 up; below,
     e4m3's subnormals, rounded to nearest even) as PyTorch's cast gives them, but as fp32 values (0., ..., 255.)
     and from integer operations: compiled, Inductor's CPU cast to e4m3 is a scalar loop, and its casts to uint8
-    from int32 or of a select are slow, from fp32 fast."""
+    from int32 or of a select are slow, from fp32 fast. (A NaN or inf gives no valid code: the training loop's
+    ``found_inf`` keeps such a step from being written.)"""
     bits = y.view(torch.int32)
     magnitude = bits & 0x7FFFFFFF
     code = torch.where(magnitude >= 121 << 23,  # from 2^-6 up: fp32's exponent and top 3 bits, re-biased
@@ -238,6 +240,15 @@ def _step_8bit(params: list[torch.Tensor], grads: list[torch.Tensor], m_codes: l
             _adamw_rows(*rows_of, hyper[i], keys[i], skip, start * (p.numel() // rows))
 
 
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    """What a failed compile raises: Dynamo's errors (Inductor's are wrapped in them), and hitting the recompile
+    limit under fullgraph (not a TorchDynamoException in torch 2.13; named FailOnCacheLimitHit before 2.6)."""
+    import torch._dynamo.exc as exc
+
+    return (exc.TorchDynamoException, *(getattr(exc, name) for name in ("FailOnRecompileLimitHit",
+                                                                        "FailOnCacheLimitHit") if hasattr(exc, name)))
+
+
 def _compile(fn: Any) -> Any:
     """``fn`` compiled whole (no graph break, no dynamic shapes: one graph per set of parameter shapes), its
     recompilations counted apart from other optimizers' where torch can; None where torch.compile cannot be
@@ -261,7 +272,9 @@ class AdamW8bit(torch.optim.Optimizer):
     each step leave weights and moments as they were, without the host reading it (but for the eager step of
     parameters on the CPU, where reading it waits for nothing); the step count still advances (the loop stops
     at its next check step, from the checkpoint before, so it is never used). ``compile``: step the 8-bit
-    parameters with one compiled function (see the module's text)."""
+    parameters with one compiled function (see the module's text); its graph follows which parameters have
+    gradients, so a model whose set changes from step to step recompiles, and after torch's recompile limit
+    (8) steps eagerly, with a warning."""
 
     takes_found_inf = True
 
@@ -300,8 +313,8 @@ class AdamW8bit(torch.optim.Optimizer):
     @staticmethod
     def _layout(p: torch.Tensor) -> tuple[int, int, int] | None:
         """(rows, blocks per row, block) of an 8-bit parameter; None for fp32 moments."""
-        if p.dim() < 2 or p.numel() < MIN_8BIT_SIZE or not p.is_contiguous():
-            return None
+        if p.dim() < 2 or not MIN_8BIT_SIZE <= p.numel() < 2**31 or not p.is_contiguous():
+            return None  # (2^31 values and up: the random bits' int32 index would overflow)
         rows = p.shape[0]
         block = block_size(p.numel() // rows)
         return None if block is None else (rows, p.numel() // rows // block, block)
@@ -356,14 +369,18 @@ class AdamW8bit(torch.optim.Optimizer):
             floats += _hyper(group, step)
             keys.append(rounding_key(self.seed, step, index))
         floats += [float(step) for *_, step in small]
-        host = torch.cat([torch.tensor(floats, dtype=torch.float32),
-                          torch.tensor(keys, dtype=torch.int32).view(torch.float32)])
+        # (as int32: the keys' bits never pass through a float copy, where some would read as NaN)
+        host = torch.cat([torch.tensor(floats, dtype=torch.float32).view(torch.int32),
+                          torch.tensor(keys, dtype=torch.int32)])
         if device.type == "cuda":  # pinned: copied without the host waiting (torch keeps the block until then)
             host = host.pin_memory()
         packed = host.to(device, non_blocking=True)
-        hyper = packed[:_HYPER * len(eight)].view(len(eight), _HYPER)
-        small_steps = packed[_HYPER * len(eight):len(floats)].unbind()
-        keys_on_device = packed[len(floats):].view(torch.int32)
+        numbers = packed[:len(floats)].view(torch.float32)
+        hyper = numbers[:_HYPER * len(eight)].view(len(eight), _HYPER)
+        small_steps = numbers[_HYPER * len(eight):].unbind()
+        keys_on_device = packed[len(floats):]
+        # the loop's flag, on this device (a no-op where it is already there)
+        skip = None if self.found_inf is None else self.found_inf.to(device, non_blocking=True)
         if eight:
             shapes = [(*t[3]["exp_avg_scale"].shape, -1) for t in eight]  # (rows, blocks, block)
             states = [t[3] for t in eight]
@@ -372,7 +389,7 @@ class AdamW8bit(torch.optim.Optimizer):
                             [s["exp_avg"].view(shape) for s, shape in zip(states, shapes)],
                             [s["exp_avg_scale"] for s in states],
                             [s["exp_avg_sq_sqrt"].view(shape) for s, shape in zip(states, shapes)],
-                            [s["exp_avg_sq_sqrt_scale"] for s in states], hyper, keys_on_device, self.found_inf)
+                            [s["exp_avg_sq_sqrt_scale"] for s in states], hyper, keys_on_device, skip)
         groups: dict[int, list[int]] = {}
         for k, t in enumerate(small):
             groups.setdefault(id(t[0]), []).append(k)
@@ -385,7 +402,7 @@ class AdamW8bit(torch.optim.Optimizer):
                                 [small[k][3]["exp_avg_sq"] for k in ks], [], [small_steps[k] for k in ks],
                                 lr=float(group["lr"]), beta1=group["betas"][0], beta2=group["betas"][1],
                                 weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False,
-                                grad_scale=None, found_inf=self.found_inf)
+                                grad_scale=None, found_inf=skip)
             for p, p32 in zip(params, params32, strict=True):
                 if p32 is not p:
                     p.copy_(p32)
@@ -394,13 +411,11 @@ class AdamW8bit(torch.optim.Optimizer):
         """``_step_8bit`` of ``args`` (its arguments but ``chunk``, and ``found_inf`` for ``skip``): compiled, or
         eagerly."""
         if self._compiled is not None:
-            from torch._dynamo.exc import FailOnRecompileLimitHit, TorchDynamoException
-
             *tensors, found_inf = args
             try:
                 self._compiled(*tensors, None if found_inf is None else found_inf > 0, None)
                 return
-            except (TorchDynamoException, FailOnRecompileLimitHit) as e:  # raised before any kernel ran
+            except _compile_errors() as e:  # Dynamo's and Inductor's, raised before any kernel ran
                 warnings.warn(f"AdamW8bit steps eagerly from now on: compiling its step failed ({type(e).__name__}: "
                               f"{str(e)[:500]})", stacklevel=3)
                 self._compiled = None
