@@ -16,16 +16,17 @@ them here into ``.whl``; the device call then carries ``.whl`` and begins with `
 "import fastapi, uvicorn, openai"`` shows at once whether the set is whole).
 
 The steps are in the order of what is still open (``benchmarks/RESULTS.md``, "What issue 19 still needs"):
-AdamW's 8-bit step against the plain one, where FSDP's step over one process goes, offload at 1.3B, the
-1.3B rows, mHC's remaining profiles; then the figures already measured, to rerun after changes. Seconds each
-took on an H200 (fourth lease, 2026-11-27): env 8, profile_mhc_125m 99, mhc_on_125m 30, mhc_off_125m 39,
-bench_124m 36, bench_124m_8bit 23, bench_1b_8bit 79, bench_124m_mb32 38, bench_124m_mb32_cdt 150,
-bench_124m_graphs 40, bench_1b 42, fsdp_one_124m 35, fsdp_train_check 70. Third lease: micro 45,
-mhc_on_125m_triton 62, profile_124m 23, bench_124m_chunked 37, vs_transformers 60, profile_1b 37,
-profile_mhc_125m_off 22; mhc_on_1b had not printed its first step after 200 s (compiling), hence its 420 s.
-Second lease: bench_124m_cdt 127, generation 130, serve_load 31, bench_124m_dropout 36. The machine's start
-took under a minute. A 15-minute lease fits about 515 s of steps in a first call (``--budget 515``, timeout_s
-570) and ~280 s in a second (``--from NAME`` or ``--only NAME,NAME``, which runs the steps in the order given).
+TRM at the paper's size (never run on a GPU), the 124M baseline and its best setting, the 1.3B profile with a
+trace, the real sharded run, mHC at 1.3B (never finished: it needs a first call of its own); then the figures
+already measured, to rerun after changes. Seconds each took on an H200 (fifth lease, 2026-11-27): env 7,
+bench_124m 43, bench_124m_8bit 99, profile_fsdp_one_124m 31, fsdp_one_124m 37, fsdp_one_1b 57, offload_1b 69,
+bench_1b 92, bench_1b_8bit 198, profile_mhc_125m_off 49, bench_124m_mb32 37. Fourth lease: profile_mhc_125m 99,
+mhc_on_125m 30, mhc_off_125m 39, bench_124m_mb32_cdt 150, bench_124m_graphs 40, fsdp_train_check 70. Third
+lease: micro 45, mhc_on_125m_triton 62, profile_124m 23, bench_124m_chunked 37, vs_transformers 60, profile_1b
+37; mhc_on_1b had not printed its first step after 200 s (compiling), hence its 420 s. Second lease:
+bench_124m_cdt 127, generation 130, serve_load 31, bench_124m_dropout 36. The machine's start took under a
+minute. A 15-minute lease fits about 515 s of steps in a first call (``--budget 515``, timeout_s 570) and ~280 s
+in a second (``--from NAME`` or ``--only NAME,NAME``, which runs the steps in the order given).
 """
 
 from __future__ import annotations
@@ -56,13 +57,46 @@ STEPS: list[tuple[str, list[str], int, int]] = [
     ("env", ["bash", "-c", "nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version "
              "--format=csv; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, "
              "torch.cuda.get_device_name())'; nproc"], 30, 5),
+    # Item 4 at the paper's scale, for what a lease can show: TRM-MLP (trm_sudoku: hidden 512, batch 768,
+    # 1,000 puzzles x 1,000 augmentations) for 3 minutes of training, compiled: examples/s, peak memory and
+    # the step count (the paper's 50,000 epochs' wall time follows from them). The dataset (~160 MB) and the
+    # run are in /tmp on the machine, not in the results folder; the run is removed first (a rerun is fresh).
+    ("trm_paper_speed", ["bash", "-c", f"{PY} -m lmforge data sudoku --out /tmp/sudoku-1k-aug-1000 --generate 1000 "
+                         "--num-aug 1000 --test-generate 1000 --no-progress --overwrite && "
+                         f"rm -rf /tmp/trm/paper && {PY} -m lmforge train trm_sudoku "
+                         "data.path=/tmp/sudoku-1k-aug-1000 out_dir=/tmp/trm "
+                         "name=paper training.compile=true training.max_time_minutes=3 training.log_interval=20 && "
+                         "tail -n 3 /tmp/trm/paper/metrics.jsonl"], 330, 240),
     ("bench_124m", [PY, "-m", "lmforge", "bench", *GPT2_124M, *NO_DROPOUT, *GPT2_VOCAB, "--steps", "20", "--json"],
      180, 90),
+    # both together (each alone: +3.8% and +2% on the second lease)
+    ("bench_124m_mb32_cdt", ["env", "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1", PY, "-m", "lmforge", "bench",
+                             *GPT2_124M, *NO_DROPOUT, "training.micro_batch_size=32", *GPT2_VOCAB, "--steps", "20",
+                             "--json"], 240, 120),
+    # the 1.3B profile's groups added up to 294% of its wall time on the third lease: the trace, read here, says why
+    ("profile_1b", [PY, "benchmarks/profile_step.py", *LLAMA_1B, "--steps", "3", "--warmup", "2",
+                    "--trace", "{out}/profile_1b.trace.json.gz"], 200, 100),
+    # a real run, plain / FSDP over one process / offloaded, with evaluation (the sharded model block by block)
+    # on a GPU: the held-out losses side by side and the memory each held (printed to the log; its working
+    # files stay in /tmp, leaving $OUT's few returned files to the others)
+    ("fsdp_train_check", [PY, "benchmarks/fsdp_train_check.py", "--out", "/tmp/fsdp_train", "--offload"], 240, 120),
+    ("bench_1b", [PY, "-m", "lmforge", "bench", *LLAMA_1B, "--steps", "10", "--json"], 200, 100),
+    # mHC's cost where the model is wider: its bytes grow with the width, the matmuls' work with its square
+    ("mhc_on_1b", [PY, "-m", "lmforge", "bench", *MHC_1B, "--steps", "10", "--json"], 420, 300),
+    ("micro", [PY, "benchmarks/gpu_micro.py", "--json", "{out}/micro.json"], 240, 40),
+    ("profile_mhc_125m", [PY, "benchmarks/profile_step.py", *MHC_125M, "model.mhc_enabled=true"], 150, 60),
+    ("mhc_on_125m", [PY, "-m", "lmforge", "bench", *MHC_125M, "model.mhc_enabled=true", "--steps", "10", "--json"],
+     200, 100),
+    ("mhc_off_125m", [PY, "-m", "lmforge", "bench", *MHC_125M, "model.mhc_enabled=false", "--steps", "10",
+                      "--json"], 150, 60),
+    ("profile_mhc_125m_off", [PY, "benchmarks/profile_step.py", *MHC_125M, "model.mhc_enabled=false"], 120, 60),
     # AdamW's moments in 8 bits (training.optimizer_states=8bit; its step compiled with the model since the
     # fourth lease, which measured the eager one): its speed against bench_124m's, and at 1.3B the peak memory
     # against bench_1b's
     ("bench_124m_8bit", [PY, "-m", "lmforge", "bench", *GPT2_124M, *NO_DROPOUT, *GPT2_VOCAB,
                          "training.optimizer_states=8bit", "--steps", "20", "--json"], 150, 60),
+    ("bench_1b_8bit", [PY, "-m", "lmforge", "bench", *LLAMA_1B, "training.optimizer_states=8bit", "--steps", "10",
+                       "--json"], 200, 100),
     # where FSDP's step over one process goes (fsdp_one_124m ran at 42% of bench_124m's tokens/s on the fourth
     # lease; each block compiled alone, the loss eager, the hooks on the host): groups, kernels and a trace
     ("profile_fsdp_one_124m", [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
@@ -79,35 +113,14 @@ STEPS: list[tuple[str, list[str], int, int]] = [
     # training.fsdp_offload on one GPU: the 1.3B preset's peak GPU memory against bench_1b's 50.0 GB, and its speed
     ("offload_1b", [*TORCHRUN_ONE, "bench", *LLAMA_1B, "training.parallel=fsdp", "training.fsdp_offload=true",
                     "--steps", "5", "--json"], 240, 120),
-    ("bench_1b", [PY, "-m", "lmforge", "bench", *LLAMA_1B, "--steps", "10", "--json"], 200, 100),
-    ("bench_1b_8bit", [PY, "-m", "lmforge", "bench", *LLAMA_1B, "training.optimizer_states=8bit", "--steps", "10",
-                       "--json"], 200, 100),
-    ("profile_mhc_125m_off", [PY, "benchmarks/profile_step.py", *MHC_125M, "model.mhc_enabled=false"], 120, 60),
-    # mHC's cost where the model is wider: its bytes grow with the width, the matmuls' work with its square
-    ("mhc_on_1b", [PY, "-m", "lmforge", "bench", *MHC_1B, "--steps", "10", "--json"], 420, 300),
-    ("micro", [PY, "benchmarks/gpu_micro.py", "--json", "{out}/micro.json"], 240, 40),
-    ("profile_1b", [PY, "benchmarks/profile_step.py", *LLAMA_1B, "--steps", "3", "--warmup", "2"], 200, 100),
-    ("profile_mhc_125m", [PY, "benchmarks/profile_step.py", *MHC_125M, "model.mhc_enabled=true"], 150, 60),
-    ("mhc_on_125m", [PY, "-m", "lmforge", "bench", *MHC_125M, "model.mhc_enabled=true", "--steps", "10", "--json"],
-     200, 100),
-    ("mhc_off_125m", [PY, "-m", "lmforge", "bench", *MHC_125M, "model.mhc_enabled=false", "--steps", "10",
-                      "--json"], 150, 60),
     ("bench_124m_mb32", [PY, "-m", "lmforge", "bench", *GPT2_124M, *NO_DROPOUT, "training.micro_batch_size=32",
                          *GPT2_VOCAB, "--steps", "20", "--json"], 120, 60),
-    # both together (each alone: +3.8% and +2% on the second lease)
-    ("bench_124m_mb32_cdt", ["env", "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1", PY, "-m", "lmforge", "bench",
-                             *GPT2_124M, *NO_DROPOUT, "training.micro_batch_size=32", *GPT2_VOCAB, "--steps", "20",
-                             "--json"], 240, 120),
     # CUDA graphs for the idle time between kernels (training.compile_mode=reduce-overhead; micro-batch 16)
     ("bench_124m_graphs", [PY, "-m", "lmforge", "bench", *GPT2_124M, *NO_DROPOUT,
                            "training.compile_mode=reduce-overhead", *GPT2_VOCAB, "--steps", "20", "--json"], 180, 90),
     # the same on a rotary (Llama-flavor) model, whose cos/sin table must not be a graph output
     ("mhc_off_125m_graphs", [PY, "-m", "lmforge", "bench", *MHC_125M, "model.mhc_enabled=false",
                              "training.compile_mode=reduce-overhead", "--steps", "10", "--json"], 150, 60),
-    # a real run, plain / FSDP over one process / offloaded, with evaluation (the sharded model block by block)
-    # on a GPU: the held-out losses side by side and the memory each held (printed to the log; its working
-    # files stay in /tmp, leaving $OUT's few returned files to the others)
-    ("fsdp_train_check", [PY, "benchmarks/fsdp_train_check.py", "--out", "/tmp/fsdp_train", "--offload"], 240, 120),
     # Inductor's coordinate-descent tuning of its kernels' launch settings (longer compile)
     ("bench_124m_cdt", ["env", "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1", PY, "-m", "lmforge", "bench", *GPT2_124M,
                         *NO_DROPOUT, *GPT2_VOCAB, "--steps", "20", "--json"], 240, 120),
@@ -123,16 +136,6 @@ STEPS: list[tuple[str, list[str], int, int]] = [
                          "--compare-transformers", "--json"], 200, 120),
     ("serve_load", [PY, "benchmarks/serve_load.py", "--device", "cuda", "--precision", "bf16"], 120, 50),
     ("bench_124m_dropout", [PY, "-m", "lmforge", "bench", *GPT2_124M, *GPT2_VOCAB, "--steps", "20", "--json"], 120, 60),
-    # Item 4 at the paper's scale, for what a lease can show: TRM-MLP (trm_sudoku: hidden 512, batch 768,
-    # 1,000 puzzles x 1,000 augmentations) for 3 minutes of training, compiled: examples/s, peak memory and
-    # the step count (the paper's 50,000 epochs' wall time follows from them). The dataset (~160 MB) and the
-    # run are in /tmp on the machine, not in the results folder; the run is removed first (a rerun is fresh).
-    ("trm_paper_speed", ["bash", "-c", f"{PY} -m lmforge data sudoku --out /tmp/sudoku-1k-aug-1000 --generate 1000 "
-                         "--num-aug 1000 --test-generate 1000 --no-progress --overwrite && "
-                         f"rm -rf /tmp/trm/paper && {PY} -m lmforge train trm_sudoku "
-                         "data.path=/tmp/sudoku-1k-aug-1000 out_dir=/tmp/trm "
-                         "name=paper training.compile=true training.max_time_minutes=3 training.log_interval=20 && "
-                         "tail -n 3 /tmp/trm/paper/metrics.jsonl"], 330, 240),
 ]
 
 
