@@ -16,9 +16,9 @@ them here into ``.whl``; the device call then carries ``.whl`` and begins with `
 "import fastapi, uvicorn, openai"`` shows at once whether the set is whole).
 
 The steps are in the order of what is still open (``benchmarks/RESULTS.md``, "What issue 19 still needs"):
-TRM at the paper's size (never run on a GPU), the 124M baseline and its best setting, the 1.3B profile with a
-trace, the real sharded run, mHC at 1.3B (never finished: it needs a first call of its own); then the figures
-already measured, to rerun after changes. Seconds each took on an H200 (fifth lease, 2026-11-27): env 7,
+TRM at the paper's size (never run on a GPU), the 124M baseline, its best setting and max-autotune, the 1.3B
+profile with a trace, the real sharded run, mHC at 1.3B (never finished: it needs a first call of its own);
+then the figures already measured, to rerun after changes. Seconds each took on an H200 (fifth lease, 2026-11-27): env 7,
 bench_124m 43, bench_124m_8bit 99, profile_fsdp_one_124m 31, fsdp_one_124m 37, fsdp_one_1b 57, offload_1b 69,
 bench_1b 92, bench_1b_8bit 198, profile_mhc_125m_off 49, bench_124m_mb32 37. Fourth lease: profile_mhc_125m 99,
 mhc_on_125m 30, mhc_off_125m 39, bench_124m_mb32_cdt 150, bench_124m_graphs 40, fsdp_train_check 70. Third
@@ -73,6 +73,11 @@ STEPS: list[tuple[str, list[str], int, int]] = [
     ("bench_124m_mb32_cdt", ["env", "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1", PY, "-m", "lmforge", "bench",
                              *GPT2_124M, *NO_DROPOUT, "training.micro_batch_size=32", *GPT2_VOCAB, "--steps", "20",
                              "--json"], 240, 120),
+    # Inductor's autotuning of the matmuls (Triton templates against cuBLAS) and its kernels' launch settings,
+    # without CUDA graphs (which gave nothing): the last lever on 124M's MFU not yet measured (long compile)
+    ("bench_124m_mb32_autotune", [PY, "-m", "lmforge", "bench", *GPT2_124M, *NO_DROPOUT, "training.micro_batch_size=32",
+                                  "training.compile_mode=max-autotune-no-cudagraphs", *GPT2_VOCAB, "--steps", "20",
+                                  "--json"], 300, 150),
     # the 1.3B profile's groups added up to 294% of its wall time on the third lease: the trace, read here, says why
     ("profile_1b", [PY, "benchmarks/profile_step.py", *LLAMA_1B, "--steps", "3", "--warmup", "2",
                     "--trace", "{out}/profile_1b.trace.json.gz"], 200, 100),
