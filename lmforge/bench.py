@@ -43,7 +43,7 @@ def _lmforge_stepper(cfg, devinfo: DeviceInfo, tmp: Path):
         model.to(devinfo.device)  # under FSDP sharding moves it, as in training
     if cfg.training.activation_checkpointing:
         model.set_activation_checkpointing(True)
-    seq = cfg.data.seq_len
+    seq = cfg.spec.seq_len(cfg)  # the kind's rows: data.seq_len for lm, not for every kind
     data = TrainData(train=cfg.spec.bench_data(cfg), val=None)
     trainer = Trainer(cfg, model, data, devinfo, DistInfo(), tmp)
     model.step_metrics = False  # as training's steps between log lines run
@@ -129,7 +129,7 @@ def bench_lmforge(cfg, steps: int, warmup: int, devinfo: DeviceInfo) -> dict[str
 
 
 def _summary(info: dict[str, Any], cfg, steps: int, seconds: float, devinfo: DeviceInfo) -> dict[str, Any]:
-    tokens = steps * cfg.training.micro_batch_size * cfg.data.seq_len * cfg.training.grad_accum_steps
+    tokens = steps * cfg.training.micro_batch_size * cfg.spec.seq_len(cfg) * cfg.training.grad_accum_steps
     out = {"system": info["system"], "params": info["params"], "tokens_per_s": tokens / seconds,
            **{k: info[k] for k in ("flops_per_token", "flops_per_token_llmc", "sharded") if k in info},
            "step_ms": 1000 * seconds / steps, "peak_memory_mb": peak_memory_mb(devinfo.device, reset=True)}
@@ -267,14 +267,15 @@ def _run_bench(cfg, steps: int, warmup: int, compare_transformers: bool, same_al
     if lm_loss is not None:  # the path ``auto`` resolves to here, so a figure says which loss it timed
         lm_loss = lm_loss_path(lm_loss, devinfo.device.type, devinfo.autocast_dtype or torch.float32)
     header = (f"bench {cfg.name}: {devinfo.device} {devinfo.precision}, micro-batch {cfg.training.micro_batch_size}"
-              f" x accum {cfg.training.grad_accum_steps} x seq {cfg.data.seq_len}, {steps} timed steps after "
+              f" x accum {cfg.training.grad_accum_steps} x seq {cfg.spec.seq_len(cfg)}, {steps} timed steps after "
               f"{warmup} warm-up; compile={cfg.training.compile}"
               f"{f' ({cfg.training.compile_mode})' if cfg.training.compile else ''}; lm_loss={lm_loss or '-'}"
               f"{_sharding(cfg)}; MFU vs "
               f"{devinfo.peak_flops / 1e12:.2f} TFLOP/s ({devinfo.peak_source})")
     if show:
         print(header, flush=True)
-    results = {"config": cfg.to_dict(), "device": str(devinfo.device), "precision": devinfo.precision,
+    results = {"config": cfg.to_dict(), "seq_len": cfg.spec.seq_len(cfg), "device": str(devinfo.device),
+               "precision": devinfo.precision,
                "torch": torch.__version__, "threads": torch.get_num_threads(), "lm_loss": lm_loss, "runs": []}
     if compare_transformers:
         runs = compare_with_transformers(cfg, steps, warmup, devinfo, tuned_allocator=same_allocator)

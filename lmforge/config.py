@@ -624,6 +624,9 @@ def validate_run_config(cfg: RunConfig) -> None:
          f"training.optimizer_states=8bit keeps its moments in blocks of each process's whole tensors, which "
          f"training.parallel={t.parallel} shards: use one of them (FSDP already divides the optimizer's memory by the "
          "processes; training.fsdp_offload moves it to CPU memory)"),
+        (t.optimizer_states != "8bit" or not cfg.spec.own_optimizer,
+         f"training.optimizer_states=8bit is AdamW's, and the {cfg.kind} kind trains with its own optimizer "
+         f"({cfg.spec.own_optimizer}), whose states stay fp32: drop training.optimizer_states"),
         (t.fsdp_checkpoint in ("sharded", "gathered"),
          f"training.fsdp_checkpoint must be sharded or gathered, got {short_repr(t.fsdp_checkpoint)}"),
         (not t.fsdp_offload or t.parallel != "ddp",

@@ -113,6 +113,47 @@ def test_bench_prints_throughput_and_mfu(capsys):
     assert lm["mfu_llmc"] / lm["mfu"] == pytest.approx(lm["flops_per_token_llmc"] / lm["flops_per_token"])
 
 
+def test_bench_times_the_rows_the_kind_trains_on_not_data_seq_len(monkeypatch, capsys):
+    """A kind whose rows are not data.seq_len long (here: the model's whole context, as HRGC's are up to the
+    generator's) is timed, printed and counted at the length its spec says (RecipeSpec.seq_len)."""
+    from lmforge import recipes
+    from lmforge.models.gpt import GPT
+    from lmforge.recipes.lm import RandomTokens, count
+
+    recipes.kinds()  # the built-in kinds first; the registry is restored after the test
+    monkeypatch.setattr(recipes, "_KINDS", dict(recipes._KINDS))
+    monkeypatch.setattr(recipes, "_FAMILIES", dict(recipes._FAMILIES))
+    recipes.register(recipes.RecipeSpec(
+        name="context_rows", summary="gpt on rows of its whole context", families=(GPT,), build_data=None, count=count,
+        bench_data=lambda cfg: RandomTokens(cfg.model.vocab_size, cfg.training.micro_batch_size,
+                                            cfg.model.n_positions, cfg.seed),
+        seq_len=lambda cfg: cfg.model.n_positions))
+    assert main(["bench", "go_coder_tiny", "kind=context_rows", "model.n_layer=1", "model.n_embd=32", "model.n_head=2",
+                 "model.n_positions=24", "data.seq_len=16", "training.micro_batch_size=2",
+                 "training.grad_accum_steps=2", "--steps", "2", "--warmup", "0", "--vocab-size", "300", "--json",
+                 "training.peak_flops=1e12"]) == 0
+    out = capsys.readouterr().out
+    results = json.loads(out[out.index("{"):])
+    assert "micro-batch 2 x accum 2 x seq 24," in out and results["seq_len"] == 24
+    (run,) = results["runs"]
+    assert run["flops_per_token_llmc"] == 6 * run["params"] + 6 * 1 * 32 * 24  # attention over 24 positions
+    # tokens per step: 2 rows x 24 tokens x 2 micro-batches (tokens/s x seconds per step, not a timing)
+    assert run["tokens_per_s"] * run["step_ms"] / 1000 == pytest.approx(2 * 24 * 2)
+
+
+@pytest.mark.parametrize("recipe, overrides, expected", [
+    ("go_coder_tiny", ["data.seq_len=48"], 48),  # lm: packed windows of data.seq_len
+    ("code_assistant_tools", ["data.seq_len=48"], 48),  # sft: packed conversations in rows of data.seq_len
+    ("hrm_sudoku_tiny", ["model.seq_len=81", "data.seq_len=48"], 81),  # puzzles: the grid's cells
+    ("hrgc_go_tiny", ["model.generator_config.n_positions=96", "data.seq_len=48"], 96),  # hrgc: up to the generator's
+])
+def test_each_kind_says_how_long_the_rows_it_trains_on_are(recipe, overrides, expected):
+    from lmforge.config import load_config
+
+    cfg = load_config(recipe, overrides)
+    assert cfg.spec.seq_len(cfg) == expected
+
+
 def test_quickstart_on_a_given_tree_beats_the_unigram_baseline(tmp_path, capsys):
     corpus = write_go_corpus(tmp_path / "src", n_files=60)
     # A step count, not a time budget, so a busy machine trains the same model (--minutes is then a guard)

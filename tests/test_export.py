@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -90,6 +92,20 @@ def test_export_refuses_what_transformers_cannot_express_and_keeps_existing_outp
     with pytest.raises(LMForgeError, match="not an earlier lmforge export.*even with --overwrite"):
         export_hf(ckpt, theirs, overwrite=True)
     assert sorted(p.name for p in theirs.iterdir()) == ["config.json"]
+
+
+def test_export_records_the_source_as_an_absolute_path_with_links_resolved(tmp_path, tokenizer_dir, monkeypatch):
+    """``lmforge_source`` names the weights from any directory: not the relative path (or link) as typed."""
+    import json
+
+    _, ckpt = checkpoint(tmp_path, tokenizer_dir, flavor="gpt2")
+    (tmp_path / "current").symlink_to(ckpt.name)  # a relative link, as `ln -s ckpt current` makes
+    monkeypatch.chdir(tmp_path)
+    assert main(["export", "current", "--format", "hf", "--out", "hf"]) == 0
+    source = json.loads((tmp_path / "hf" / "config.json").read_text())["lmforge_source"]
+    assert source == str(ckpt.resolve()) and Path(source).is_absolute()
+    monkeypatch.chdir(tmp_path.parent)  # read from elsewhere, it still names the checkpoint
+    assert (Path(source) / "model.safetensors").is_file()
 
 
 def test_cli_export_names_the_formats_a_puzzle_model_does_have(tmp_path, capsys):

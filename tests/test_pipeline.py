@@ -4,6 +4,7 @@ tokenizer stage and two lm stages (pretraining, then fine-tuning from it) on a s
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -246,6 +247,126 @@ def test_an_interrupted_stage_resumes_from_its_last_checkpoint(corpus, tmp_path,
     assert sorted({r["step"] for r in rows_after if "train/loss" in r}) == list(range(1, 7))
     assert record(out, "base")["attempts"] == 2 and record(out, "base")["step"] == 6
     assert states(file, out) == {"tok": "done", "base": "done", "ft": "done"}
+
+
+def test_a_stage_stopped_before_its_first_checkpoint_reruns_on_the_data_it_prepared(corpus, tmp_path, monkeypatch,
+                                                                                     capsys):
+    """A training stage that failed (or was interrupted, or killed) before its first checkpoint trains again
+    from step 0, on the data.train_path it had tokenized: that directory is whole (renamed into place once
+    complete), the rest of the attempt is moved aside. After a change of inputs or settings the attempt is
+    moved aside whole, its data too."""
+    data = pipeline_dict(corpus)
+    data["stages"] = data["stages"][:2]  # tok, base
+    file, out = write(tmp_path / "p.yaml", data), tmp_path / "out"
+    interrupt_base_at(monkeypatch, 1, "crash")  # in step 1: before the first checkpoint
+    with pytest.raises(RuntimeError, match="went away"):
+        run_pipeline(file, out_dir=out)
+    assert record(out, "base")["status"] == "failed" and (out / "base" / "data" / "meta.json").is_file()
+    assert not (out / "base" / "checkpoints").exists() or not any((out / "base" / "checkpoints").iterdir())
+    row = {r.stage: r for r in pipeline_status(file, out_dir=out)}["base"]
+    assert (row.state, row.detail) == ("failed", "RuntimeError: the machine went away; reruns from step 0 on its "
+                                                 "tokenized data")
+
+    # other settings: the data is not trusted (the same pipeline_dict with 5 steps), and it fails again
+    data = pipeline_dict(corpus, base_steps=5)
+    data["stages"] = data["stages"][:2]
+    write(file, data)
+    monkeypatch.undo()
+    interrupt_base_at(monkeypatch, 1, "crash")
+    capsys.readouterr()
+    with pytest.raises(RuntimeError, match="went away"):
+        run_pipeline(file, out_dir=out)
+    printed = capsys.readouterr().out
+    assert f"inputs or settings changed: moved the earlier output aside to {out / 'base.old-1'}" in printed
+    assert (out / "base.old-1" / "data" / "meta.json").is_file() and "data: tokenizing" in printed
+    prepared = (out / "base" / "data" / "meta.json").stat()
+
+    monkeypatch.undo()  # the machine is back
+    summary = run_pipeline(file, out_dir=out)
+    printed = capsys.readouterr().out
+    assert [r.result for r in summary.stages] == ["skipped", "ran"]
+    assert (f"the failed attempt stopped before its first checkpoint: moved the earlier output aside to "
+            f"{out / 'base.old-2'}") in printed
+    assert (f"reusing its tokenized data from the failed attempt ({out / 'base' / 'data'}); training starts again "
+            "from step 0") in printed
+    assert "data: tokenizing" not in printed and "data: reusing" in printed  # the recipe took it as it was
+    again = (out / "base" / "data" / "meta.json").stat()
+    assert (again.st_ino, again.st_mtime_ns) == (prepared.st_ino, prepared.st_mtime_ns)
+    # the rest of the failed attempt is aside (its run config, its empty metrics), not in the new run
+    assert (out / "base.old-2" / "config.yaml").is_file() and not (out / "base.old-2" / "data").exists()
+    assert sorted(r["step"] for r in metric_rows(out, "base") if "train/loss" in r) == [1, 2, 3, 4, 5]
+    rec = record(out, "base")
+    assert (rec["status"], rec["step"], rec["attempts"]) == ("done", 5, 2)
+    moved = json.loads((out / "pipeline_state.json").read_text())["moved_aside"]
+    assert [(m["path"], m.get("kept")) for m in moved] == [(str(out / "base.old-1"), None),
+                                                          (str(out / "base.old-2"), ["data"])]
+    assert states(file, out) == {"tok": "done", "base": "done"}
+
+
+def sigterm_after(monkeypatch, name: str) -> None:
+    """``lmforge.data.NAME`` does its work, then the process gets a SIGTERM (as from `kill`)."""
+    import lmforge.data
+
+    real = getattr(lmforge.data, name)
+
+    @functools.wraps(real)  # its signature: the pipeline file's keys are checked against it
+    def then_terminated(*args, **kwargs):
+        result = real(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return result
+
+    monkeypatch.setattr(lmforge.data, name, then_terminated)
+
+
+def test_a_sigterm_outside_training_stops_the_run_as_ctrl_c_does(corpus, tmp_path, monkeypatch, capsys):
+    """SIGTERM (a scheduler's, `kill`) while the pipeline is not in a training loop (which stops at a
+    checkpoint of its own): in a tokenizer stage, or in a training stage tokenizing its data. The stage is
+    recorded as interrupted, what it was writing is dropped whole or kept whole, `pipeline run` exits with
+    143, the SIGTERM handler the program had is back, and the next run goes on from there."""
+    from lmforge.cli import main
+
+    data = pipeline_dict(corpus)
+    data["stages"] = data["stages"][:2]  # tok, base
+    file, out = write(tmp_path / "p.yaml", data), tmp_path / "out"
+    run = ["pipeline", "run", str(file), "--out-dir", str(out)]
+    # the program's own handler, there before the run: it must get no signal the pipeline handled (and, were
+    # SIGTERM not handled, it keeps this test process alive: the run then goes on to the end)
+    got: list[int] = []
+
+    def mine(signum, _frame):
+        got.append(signum)
+
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        with monkeypatch.context() as m:
+            sigterm_after(m, "train_tokenizer_from_sources")  # in the tokenizer stage, its files written
+            assert main(run) == 143
+        assert "lmforge: terminated (SIGTERM)" in capsys.readouterr().err
+        assert record(out, "tok")["status"] == "interrupted" and "base" not in json.loads(
+            (out / "pipeline_state.json").read_text())["stages"]
+        assert not (out / "tok").exists() and not list(out.glob(".tok*"))  # its unfinished output is gone
+        assert states(file, out) == {"tok": "pending", "base": "pending"}
+        assert signal.getsignal(signal.SIGTERM) is mine
+
+        with monkeypatch.context() as m:
+            sigterm_after(m, "prepare_data")  # in stage base, its data.train_path just tokenized
+            assert main(run) == 143
+        rec = record(out, "base")
+        assert (rec["status"], rec["step"]) == ("interrupted", None)
+        assert record(out, "tok")["status"] == "done"
+        assert (out / "base" / "data" / "meta.json").is_file()
+        row = {r.stage: r for r in pipeline_status(file, out_dir=out)}["base"]
+        assert (row.state, row.detail) == ("pending", "reruns from step 0 on its tokenized data")
+        assert signal.getsignal(signal.SIGTERM) is mine
+        capsys.readouterr()
+
+        assert main(run) == 0
+        printed = capsys.readouterr().out
+        assert "reusing its tokenized data from the interrupted attempt" in printed and "data: reusing" in printed
+        assert states(file, out) == {"tok": "done", "base": "done"}
+        assert got == [] and signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 # ---- status ---------------------------------------------------------------------------------------------

@@ -246,6 +246,24 @@ def test_make_optimizer_is_annotated_as_the_loop_calls_it(registry, tmp_path):
     assert len(calls) == 1 and len(calls[0]) == 3
 
 
+def test_8bit_moments_with_a_kinds_own_optimizer_are_refused_when_declared_at_config_else_at_the_trainer(
+        registry, tmp_path):
+    """A kind naming its own optimizer (RecipeSpec.own_optimizer) has training.optimizer_states=8bit refused by
+    load_config; one that does not is still refused, when the trainer builds its optimizer."""
+    from lmforge.train import train
+
+    sgd = dict(make_optimizer=lambda model, cfg, device: torch.optim.SGD(model.parameters(), lr=0.01))
+    registry.register(trap_kind(own_optimizer="SGD", **sgd))
+    with pytest.raises(LMForgeError, match=r"optimizer_states=8bit is AdamW's, and the trap kind trains with its own "
+                                           r"optimizer \(SGD\).*drop training.optimizer_states"):
+        trap_config(tmp_path, optimizer_states="8bit")
+    registry.register(trap_kind(name="trap2", **sgd))
+    cfg = load_config(str(tmp_path / "trap.yaml"), ["kind=trap2"])  # the recipe trap_config wrote, of the other kind
+    assert cfg.training.optimizer_states == "8bit"
+    with pytest.raises(LMForgeError, match=r"optimizer_states=8bit is AdamW's.*own optimizer \(SGD\)"):
+        train(cfg)
+
+
 def test_the_loss_is_handed_the_model_itself_not_a_wrapper(registry, tmp_path):
     """What the guide says of `loss`: without compile, `module` is the model (the loop's wrapper, which DDP
     wraps, is around the loss, not handed to it)."""

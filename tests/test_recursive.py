@@ -487,9 +487,18 @@ def test_ddp_two_processes_match_one(sudoku_dir, tmp_path):
         assert a[step] == pytest.approx(b[step], rel=1e-5)
 
 
-def test_8bit_moments_are_refused_for_the_puzzle_optimizer(sudoku_dir, tmp_path):
-    from lmforge.train import train
-
-    cfg = load_config("hrm_sudoku", _overfit_recipe(tmp_path, sudoku_dir, "hrm", 2) + ["training.optimizer_states=8bit"])
-    with pytest.raises(LMForgeError, match=r"optimizer_states=8bit is AdamW's.*own optimizer \(AdamATan2SignSGD\)"):
-        train(cfg)
+@pytest.mark.parametrize("recipe", ["hrm_sudoku_tiny", "trm_sudoku_tiny", "sudoku_baseline_tiny"])
+def test_8bit_moments_are_refused_for_the_puzzle_optimizer_when_the_config_is_validated(recipe, tmp_path, capsys):
+    """The puzzle kind's AdamATan2SignSGD keeps fp32 states: training.optimizer_states=8bit (or the Trainer's
+    optim=adamw_8bit) is refused by load_config, before any data is read or model built (data.path is missing)."""
+    refusal = (r"training.optimizer_states=8bit is AdamW's, and the puzzles kind trains with its own optimizer "
+               r"\(AdamATan2SignSGD\), whose states stay fp32: drop training.optimizer_states")
+    missing = [f"data.path={tmp_path / 'no-data'}", f"out_dir={tmp_path / 'runs'}"]
+    for setting in ("training.optimizer_states=8bit", "training.optim=adamw_8bit"):
+        with pytest.raises(LMForgeError, match=refusal):
+            load_config(recipe, [*missing, setting])
+    assert main(["train", recipe, *missing, "training.optimizer_states=8bit"]) == 2
+    err = capsys.readouterr().err
+    assert "optimizer_states=8bit is AdamW's" in err and "no-data" not in err
+    assert not (tmp_path / "runs").exists()  # no run directory started
+    assert load_config(recipe, missing).training.optimizer_states == "fp32"

@@ -65,7 +65,10 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, overwrite: 
     tokenizer = Tokenizer.load(find_tokenizer(model_dir))
     ids = {"bos_token_id": tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id,
            "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
-    config.update({**ids, "torch_dtype": "float32", "lmforge_source": str(model_dir)})
+    # Where the weights came from, as an absolute path with links resolved: the path as typed (runs/x) means
+    # nothing read from another directory, and a link (runs/current -> runs/exp7) may be pointed elsewhere
+    # later, while the real directory keeps naming the weights that were exported.
+    config.update({**ids, "torch_dtype": "float32", "lmforge_source": str(model_dir.resolve())})
 
     out = Path(out).resolve()
     remove_stale(out)  # an export killed mid-replacement may have moved the previous one aside

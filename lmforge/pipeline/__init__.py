@@ -5,15 +5,20 @@ YAML file (``configs/pipelines/*.yaml``; the format is in ``docs/pipeline.md``).
 config and of the contents of everything it reads: init weights, data, tokenizer) matches the one
 recorded when it last finished is skipped; a changed stage runs again, its earlier output moved aside
 to OUT_DIR/STAGE.old-N (never deleted), and the stages after it see new inputs and run again too. A
-training stage that was interrupted (a signal, a crash) resumes from its last checkpoint.
+training stage that was interrupted (a signal, a crash) resumes from its last checkpoint; one that
+stopped before its first checkpoint trains again from step 0 on the data it had prepared. A SIGTERM
+outside a training loop stops the run as Ctrl-C does (``Terminated``), the stage recorded as interrupted.
 ``pipeline_status(file)`` says where each stage stands without running anything.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +29,7 @@ from lmforge.pipeline.stages import (
     describe,
     latest_step,
     output_exists,
+    reusable_outputs,
     run_stage,
     serve_command,
     stage_inputs,
@@ -41,6 +47,7 @@ from lmforge.pipeline.state import (
 __all__ = [
     "RunSummary",
     "StageStatus",
+    "Terminated",
     "format_status",
     "load_pipeline",
     "pipeline_status",
@@ -78,13 +85,45 @@ def _select(pipe: Pipeline, until: str | None, only: str | None) -> list[Stage]:
     return list(pipe.stages)
 
 
-def _move_aside(out: Path, state: PipelineState, stage: str, reason: str, log: Callable[[str], None]) -> None:
+class Terminated(KeyboardInterrupt):
+    """A SIGTERM to ``run_pipeline`` outside a training loop (which turns one into a stop at a checkpoint
+    of its own), raised like Ctrl-C's KeyboardInterrupt: the stage is recorded as interrupted, and what it
+    was writing is dropped whole (every output is renamed into place once complete)."""
+
+    signum = signal.SIGTERM
+
+
+@contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """While a run is in progress, SIGTERM raises ``Terminated`` (by default it would kill the process at
+    once, leaving the stage's record "running"). The training loop and the torchrun launcher set handlers
+    of their own while they train and put this one back. Restores the previous handler afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # handlers can only be set from the main thread: SIGTERM is left to the program
+        return
+    raised: list[int] = []
+
+    def handler(signum, _frame) -> None:
+        # Once: a second SIGTERM while the first unwinds would cut short the record being written.
+        if not raised:
+            raised.append(signum)
+            raise Terminated(f"signal {signal.Signals(signum).name}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:  # (None: a handler set outside Python; the default is the closest)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def _move_aside(out: Path, state: PipelineState, stage: str, reason: str, log: Callable[[str], None]) -> Path:
     n = 1
     while (aside := out.with_name(f"{out.name}.old-{n}")).exists():
         n += 1
     os.rename(out, aside)
     state.data.setdefault("moved_aside", []).append({"stage": stage, "path": str(aside), "at": now(), "reason": reason})
     log(f"  {reason}: moved the earlier output aside to {aside} (delete it yourself when no longer needed)")
+    return aside
 
 
 def _header(stage: Stage, pipe: Pipeline) -> str:
@@ -100,8 +139,9 @@ def run_pipeline(file: str | os.PathLike, force: list[str] | tuple[str, ...] = (
     ``force``: stage names to run again even if unchanged. ``until``: stop after this stage; ``only``:
     run this one stage (its inputs must be there). ``vars`` override the file's vars, ``out_dir`` its
     out_dir. ``serve``: afterwards start the serve stage's API server (blocks). The whole file is
-    validated before anything runs. Returns a ``RunSummary``; a stage stopped by a signal ends the run
-    with ``summary.interrupted`` set (the next run resumes it)."""
+    validated before anything runs. Returns a ``RunSummary``; a training stage stopped by a signal ends
+    the run with ``summary.interrupted`` set (the next run resumes it). Ctrl-C elsewhere raises
+    KeyboardInterrupt, and a SIGTERM ``Terminated`` (one), once the stage is recorded as interrupted."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise LMForgeError("lmforge pipeline runs as one process, not under torchrun: give a training stage "
                            "`processes: N` and the pipeline starts torchrun with N processes for that stage")
@@ -115,7 +155,7 @@ def run_pipeline(file: str | os.PathLike, force: list[str] | tuple[str, ...] = (
     check_devices(pipe, selected)
     summary = RunSummary(pipeline=pipe.name, out_dir=str(pipe.out_dir))
     log(f"pipeline {pipe.name} ({pipe.path}): {len(selected)} of {len(pipe.stages)} stages -> {pipe.out_dir}")
-    with RunLock(pipe.out_dir):
+    with _sigterm_interrupts(), RunLock(pipe.out_dir):
         state = PipelineState.load(pipe.state_path, pipe.name)
         try:
             for stage in selected:
@@ -158,18 +198,32 @@ def _run_one(stage: Stage, pipe: Pipeline, state: PipelineState, force: bool, lo
         log(f"  up to date (finished {rec.get('finished_at')}): skipped")
         state.save()  # keeps the hashes just computed
         return StageRun(stage.name, stage.kind, "skipped", 0.0, (rec.get("headline") or {}).get("text", ""))
-    resume = bool(stage.training and rec and not force and rec.get("status") in ("running", "interrupted", "failed")
-                  and rec.get("fingerprint") == fp and latest_step(out) is not None)
-    earlier = float(rec.get("seconds", 0.0)) if resume and rec else 0.0
+    # an earlier attempt with these inputs and settings that did not finish (a signal, a crash, kill -9)
+    unfinished = bool(stage.training and rec and not force and rec.get("fingerprint") == fp
+                      and rec.get("status") in ("running", "interrupted", "failed"))
+    resume = unfinished and latest_step(out) is not None
+    # Stopped before its first checkpoint: the run directory is not resumed from (nothing in it is known to
+    # be whole but what reusable_outputs vouches for); it is moved aside, that data taken back, and
+    # training starts again from step 0.
+    keep = reusable_outputs(stage, pipe) if unfinished and not resume and out.exists() else []
+    earlier = float(rec.get("seconds", 0.0)) if (resume or keep) and rec else 0.0
     if resume:
         log(f"  resuming from its last checkpoint (step {latest_step(out)})")
     elif out.exists():
+        attempt = {"interrupted": "interrupted", "failed": "failed"}.get((rec or {}).get("status"), "unfinished")
         reason = ("--force" if force else "inputs or settings changed" if rec and rec.get("fingerprint") != fp
+                  else f"the {attempt} attempt stopped before its first checkpoint" if keep
                   else "no finished record" if not rec or rec.get("status") != "done" else "output incomplete")
-        _move_aside(out, state, stage.name, reason, log)
+        aside = _move_aside(out, state, stage.name, reason, log)
+        if keep:
+            out.mkdir()
+            for path, what in keep:
+                os.rename(aside / path.name, path)
+                log(f"  reusing its {what} from the {attempt} attempt ({path}); training starts again from step 0")
+            state.data["moved_aside"][-1]["kept"] = [path.name for path, _ in keep]
     state.stages[stage.name] = {"kind": stage.kind, "status": "running", "fingerprint": fp, "inputs": inputs,
                                 "started_at": now(), "output": str(out), "pid": os.getpid(), "seconds": earlier,
-                                "attempts": (rec.get("attempts", 0) if resume and rec else 0) + 1}
+                                "attempts": (rec.get("attempts", 0) if (resume or keep) and rec else 0) + 1}
     state.save()
     start = time.perf_counter()
 
@@ -304,7 +358,10 @@ def _stage_status(stage: Stage, pipe: Pipeline, state: PipelineState, before: di
     elif stage.training and step is not None:
         row.state, row.detail = what, f"resumable, at step {step}" + (f"; {error}" if error else "")
     else:
-        row.state, row.detail = (what if status == "failed" else "pending"), error or "reruns"
+        kept = reusable_outputs(stage, pipe) if stage.training and out.is_dir() else []
+        again = f"reruns from step 0 on its {kept[0][1]}" if kept else "reruns"
+        row.state = what if status == "failed" else "pending"
+        row.detail = f"{error}; {again}" if error and kept else error or again
     return row
 
 

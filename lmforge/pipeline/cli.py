@@ -62,10 +62,16 @@ def _vars(args):
 
 
 def _cmd_run(args) -> int:
-    from lmforge.pipeline import run_pipeline
+    import sys
 
-    summary = run_pipeline(args.file, force=args.force, until=args.until, only=args.only, vars=_vars(args),
-                           out_dir=args.out_dir, serve=args.serve)
+    from lmforge.pipeline import Terminated, run_pipeline
+
+    try:
+        summary = run_pipeline(args.file, force=args.force, until=args.until, only=args.only, vars=_vars(args),
+                               out_dir=args.out_dir, serve=args.serve)
+    except Terminated as e:  # a SIGTERM outside training: the stage is recorded as interrupted
+        print("lmforge: terminated (SIGTERM); `lmforge pipeline run` again goes on from there", file=sys.stderr)
+        return 128 + e.signum  # the shell's status for a process a SIGTERM ended (143)
     return 130 if summary.interrupted else 0
 
 

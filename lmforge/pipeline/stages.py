@@ -79,6 +79,32 @@ def output_exists(stage: Stage, pipe: Pipeline) -> bool:
     return True  # serve writes nothing
 
 
+def reusable_outputs(stage: Stage, pipe: Pipeline) -> list[tuple[Path, str]]:
+    """What an earlier attempt at a training stage that stopped before its first checkpoint left that a rerun
+    from step 0 can take over, as (path, what it is): the data the run prepared into RUN_DIR/data. Only
+    what is whole counts. The lm kind's tokenized data.train_path is built under a hidden name and renamed
+    into place with its meta.json inside, so RUN_DIR/data with a meta.json is complete; hrgc's tokenizer
+    trained on its data is written file by file, tokenizer.json renamed into place last. Anything else
+    there (a half-written checkpoint, a temporary directory, the attempt's logs) is not reused."""
+    data = pipe.stage_dir(stage.name) / "data"
+    if (data / "meta.json").is_file():
+        from lmforge.data.loader import read_meta
+
+        cfg = resolve_training_config(stage, pipe, runtime=True)
+        try:
+            meta = read_meta(data)
+        except LMForgeError:
+            return []  # unreadable, or of an older format: prepared again
+        # The recipe refuses data prepared from other paths (the fingerprint compares contents: the same
+        # corpus moved elsewhere matches), so such data is prepared again rather than reused.
+        paths = [[s.get("path") for s in meta.get(key) or []] for key in ("sources", "val_sources")]
+        wanted = [[str(Path(p).resolve())] if p else [] for p in (cfg.data.train_path, cfg.data.val_path)]
+        return [(data, "tokenized data")] if cfg.data.train_path and paths == wanted else []
+    if (data / "tokenizer.json").is_file():
+        return [(data, "trained tokenizer")]
+    return []
+
+
 def export_paths(stage: Stage, pipe: Pipeline, root: Path) -> dict[str, Path]:
     formats = stage.values.get("formats", ["hf"])
     formats = [formats] if isinstance(formats, str) else formats

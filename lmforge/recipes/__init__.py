@@ -151,6 +151,10 @@ def _call_model(model, batch):
     return model(batch)
 
 
+def _data_seq_len(cfg) -> int:
+    return cfg.data.seq_len
+
+
 def _predicted_tokens_or_rows(batch: dict[str, Any]) -> float:
     """Evaluation means are weighted by predicted tokens where a batch has labels, else by rows."""
     import torch
@@ -178,6 +182,10 @@ class RecipeSpec:
     # --- the step ---------------------------------------------------------------------------------
     prepare_model: Callable[[Any, Any], None] | None = None  # (model, RunConfig): training settings onto it
     make_optimizer: Callable[[Any, Any, Any], Any] | None = None  # (model, RunConfig, device) -> optimizer
+    # The name of the optimizer make_optimizer returns where it is not lmforge's AdamW (make_adamw): its states
+    # stay fp32, so training.optimizer_states=8bit is refused when the config is validated, before any data
+    # or model is built. "" = AdamW (the default optimizer, or make_adamw over the kind's own groups).
+    own_optimizer: str = ""
     # (module, batch) -> (loss, metrics). In training ``module`` is the (torch.compile'd) model, and the loop
     # runs this loss as the forward of one module around it, which DDP / FSDP wrap: so it may call the
     # model (or its methods) as often as it needs. In evaluation ``module`` is the model itself.
@@ -200,6 +208,9 @@ class RecipeSpec:
     add_data_verbs: Callable[[Any], None] | None = None  # adds `lmforge data VERB` builders of its data
     add_verbs: Callable[[Any], None] | None = None  # adds top-level verbs of its own (puzzles: `solve`)
     bench_data: Callable[[Any], Any] | None = None  # (RunConfig) -> a train loader of random batches
+    # (RunConfig) -> the length of the sequences (rows) the kind trains on: what bench_data's batches hold,
+    # and what `lmforge bench` prints and counts its tokens and FLOPs by. Default: data.seq_len
+    seq_len: Callable[[Any], int] = _data_seq_len
 
     def family_names(self) -> tuple[str, ...]:
         return tuple(cls.family for cls in self.families)

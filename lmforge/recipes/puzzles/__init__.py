@@ -22,6 +22,7 @@ SPEC = register(RecipeSpec(
     settings=PuzzleSettings,
     aliases=hrm_aliases,
     make_optimizer=make_optimizer,
+    own_optimizer="AdamATan2SignSGD",  # HRM's and TRM's: 8-bit AdamW moments do not apply
     best_metric="eval/exact_accuracy",
     best_higher_is_better=True,
     eval_weight=eval_weight,
@@ -30,4 +31,5 @@ SPEC = register(RecipeSpec(
     generate=CLIOptions(run=cli.run_solve, add=cli.add_solve_args, help="solve one Sudoku (also `lmforge solve`)"),
     add_data_verbs=add_data_verbs,
     add_verbs=cli.add_verbs,
+    seq_len=lambda cfg: cfg.model.seq_len,  # the grid's cells (0 until build_data reads dataset.json), not data.seq_len
 ))
