@@ -121,9 +121,12 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
 
 # Special-token spellings in what the caller wrote (message contents, tool calls, tool results, tool
 # definitions) are text, never the special tokens: else a user could close their turn with "</s>" and
-# forge a system or assistant turn. ``protect`` replaces each such spelling with MARK + a code character
-# before the template runs, so in the rendered "markup" every special spelling left is the template's
-# own; ``unmark`` turns the codes back into the spellings (Tokenizer.encode_markup encodes them as text).
+# forge a system or assistant turn. "Special" here means every control token (``Tokenizer.special_spellings``):
+# the added tokens flagged special and, flagged or not, those the template and generation rely on (bos, eos,
+# the tool-call and turn markers): many tokenizers have their eos as an added token without the flag.
+# ``protect`` replaces each such spelling with MARK + a code character before the template runs, so in the
+# rendered "markup" every special spelling left is the template's own; ``unmark`` turns the codes back into
+# the spellings (Tokenizer.encode_markup encodes them as text).
 MARK = "\U000F0000"  # a supplementary private-use character; MARK itself is escaped as MARK + MARK
 _CODE0 = 0xF0001  # special k of the list given to ``protect`` is MARK + chr(_CODE0 + k)
 _UNMARK_RE = re.compile(re.escape(MARK) + "(.)", re.DOTALL)
@@ -186,9 +189,10 @@ def render_chat(messages: list[dict[str, Any]], bos_token: str, eos_token: str, 
                 protect_specials: list[str] | None = None) -> str:
     """The prompt text for ``messages`` (and ``tools``), ending with the assistant header.
 
-    With ``protect_specials`` (the tokenizer's special-token spellings) it is the markup instead: the
-    messages' and tools' spellings of those tokens (and of ``MARK``) are marked (``protect``), so that
-    only the template's own markers remain special; ``unmark`` gives the text."""
+    With ``protect_specials`` (``Tokenizer.special_spellings``: the spellings of its control tokens, whether
+    flagged special or not) it is the markup instead: the messages' and tools' spellings of those tokens (and
+    of ``MARK``) are marked (``protect``), so that only the template's own markers remain special; ``unmark``
+    gives the text."""
     check_messages(messages)
     if protect_specials is not None:
         messages, tools = protect(messages, protect_specials), protect(tools, protect_specials)

@@ -18,6 +18,7 @@ import json
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +35,8 @@ CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_MAP_FILE = "special_tokens_map.json"
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # all bytes + the specials, before any merge
 DEFAULT_TRAINED_VOCAB = 8192  # a run that trains its own tokenizer, with model.vocab_size 0
+# An added token that a chat template spells is one of its markers if it has punctuation ("<|im_end|>", "[INST]").
+_MARKER_LIKE = re.compile(r"[^\w\s]")
 
 
 # Names that other tokenizers commonly give their special tokens, most common first; used when a
@@ -76,14 +79,10 @@ class Tokenizer:
         self._bytes: list[bytes] | None = None  # token_bytes' table, built on first use
         self._text_lengths: np.ndarray | None = None  # text_bytes' table, built on first use
         self._longest: int | None = None  # max_chars' longest token in bytes
-        # The special tokens' spellings and ids, and (built on first use) a copy of the backend that encodes
-        # their spellings as plain text: encode_markup's.
-        added = backend.get_added_tokens_decoder()
-        self.special_spellings = sorted((t.content for t in added.values() if t.special), key=len, reverse=True)
-        self._special_ids = {t.content: i for i, t in added.items() if t.special}
-        self._special_re = (re.compile("(" + "|".join(re.escape(s) for s in self.special_spellings) + ")")
-                            if self.special_spellings else None)
-        self._plain: _RustTokenizer | None = None
+        # The control tokens' spellings and ids (``special_spellings``), and (built on first use) a copy of the
+        # backend that encodes their spellings as plain text: encode_markup's. Kept per chat template.
+        self._added = {t.content: (i, t.special) for i, t in backend.get_added_tokens_decoder().items() if t.content}
+        self._controls: _Controls | None = None
 
     def _foreign_specials(self, named: dict[str, str | None]) -> dict[str, str | None]:
         vocab = self._backend.get_vocab(with_added_tokens=True)
@@ -152,13 +151,56 @@ class Tokenizer:
         return self._ids["pad"]
 
     @property
+    def special_spellings(self) -> list[str]:
+        """The spellings of the control tokens, longest first: the added tokens that chat text (``chat_markup``)
+        protects, so that a message spelling one is text and only the template's own are these tokens.
+
+        They are the added tokens flagged ``special``, and, flagged or not, those the chat template and generation
+        rely on: the bos/eos/pad/unk tokens (generation stops at eos), lmforge's own special tokens, the
+        tool-call markers, and every other added token the chat template spells (a foreign template's turn
+        markers: those with a character other than letters, digits, "_" and whitespace, as "<|im_start|>" or
+        "[INST]"; the template's source also holds Jinja keywords and names, and an added word such as "for" or a
+        run of spaces, which some code tokenizers add, is no marker and stays text's). Many Hugging Face
+        tokenizers have such tokens without the flag; leaving them out let a user close their turn with the eos
+        spelling and forge a system or assistant turn."""
+        return self._control_tokens().spellings
+
+    def _control_tokens(self) -> _Controls:
+        if self._controls is None or self._controls.template != self.chat_template:
+            from lmforge.chat import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+
+            template = self.chat_template
+            relied_on = {t for t in self.special_tokens.values() if t is not None}
+            relied_on |= {TOOL_CALL_OPEN, TOOL_CALL_CLOSE, *(SPECIAL_TOKENS if self.is_native else ())}
+            ids = {s: i for s, (i, flagged) in self._added.items()
+                   if flagged or s in relied_on or (_MARKER_LIKE.search(s) and s in template)}
+            spellings = sorted(ids, key=len, reverse=True)
+            pattern = re.compile("(" + "|".join(re.escape(s) for s in spellings) + ")") if spellings else None
+            self._controls = _Controls(template, spellings, ids, pattern)
+        return self._controls
+
+    def _plain_backend(self, controls: _Controls) -> _RustTokenizer:
+        """A copy of the backend that encodes the spellings of ``controls`` as text: each is flagged special in it
+        (``encode_special_tokens`` makes only flagged ones text; an unflagged added token is matched regardless)."""
+        if controls.plain is None:
+            data = json.loads(self._backend.to_str())
+            for token in data.get("added_tokens") or []:
+                if token.get("content") in controls.ids:
+                    token["special"] = True
+            plain = _RustTokenizer.from_str(json.dumps(data))
+            plain.encode_special_tokens = True
+            controls.plain = plain
+        return controls.plain
+
+    @property
     def sha256(self) -> str:
         """Hex digest of the canonical tokenizer.json text; data shards record it to catch mix-ups."""
         return hashlib.sha256(self._canonical.encode("utf-8")).hexdigest()
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``; no bos/eos is added. Text that spells a special token is that token, except
-        in a ``ChatText`` (``apply_chat_template``), where only the template's markers are."""
+        """Token ids of ``text``; no bos/eos is added. Text that spells an added token (special or not) is that
+        token, except in a ``ChatText`` (``apply_chat_template``), where of the control tokens
+        (``special_spellings``) only the template's markers are."""
         if isinstance(text, ChatText):
             return self.encode_markup_batch([text.markup])[0]
         try:
@@ -230,8 +272,8 @@ class Tokenizer:
         return ChatText(unmark(markup, self.special_spellings), markup)
 
     def chat_markup(self, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = True) -> str:
-        """The conversation rendered with the special-token spellings of its messages and tools marked
-        (``lmforge.chat.protect``): for ``encode_markup``, and for slicing at the rendered turns (SFT)."""
+        """The conversation rendered with the control-token spellings (``special_spellings``) of its messages and
+        tools marked (``lmforge.chat.protect``): for ``encode_markup``, and for slicing at the rendered turns (SFT)."""
         from lmforge.chat import render_chat
 
         bos = self.special_tokens.get("bos") or ""
@@ -245,25 +287,23 @@ class Tokenizer:
         return self.encode_markup_batch([self.chat_markup(messages, tools, add_generation_prompt)])[0]
 
     def encode_markup_batch(self, markups: Sequence[str]) -> list[list[int]]:
-        """Token ids of ``chat_markup`` texts (or pieces of them): each special-token spelling left in the
-        markup (the template's) is that token; the text between, marks unmarked, is encoded with special-token
-        spellings as plain text. A markup without marks (nothing the messages say spells a special token) is
+        """Token ids of ``chat_markup`` texts (or pieces of them): each control-token spelling left in the
+        markup (the template's) is that token; the text between, marks unmarked, is encoded with control-token
+        spellings as plain text. A markup without marks (nothing the messages say spells a control token) is
         encoded as ``encode`` encodes its text, for every tokenizer (cutting at the markers and encoding the
         pieces alone would add a Metaspace tokenizer's leading "▁" after each marker)."""
         from lmforge.chat import MARK, unmark
 
-        if self._special_re is None or not any(MARK in m for m in markups):
-            return self.encode_batch([unmark(m, self.special_spellings) for m in markups])
+        controls = self._control_tokens()
+        if controls.pattern is None or not any(MARK in m for m in markups):
+            return self.encode_batch([unmark(m, controls.spellings) for m in markups])
         if not all(MARK in m for m in markups):  # one way per markup, whatever the others in the batch are
             return [self.encode_markup_batch([m])[0] for m in markups]
-        if self._plain is None:
-            plain = _RustTokenizer.from_str(self._backend.to_str())
-            plain.encode_special_tokens = True
-            self._plain = plain
-        parts = [self._special_re.split(m) for m in markups]  # text, special, text, special, ..., text
-        texts = [unmark(p, self.special_spellings) for ps in parts for p in ps[::2]]
+        plain = self._plain_backend(controls)
+        parts = [controls.pattern.split(m) for m in markups]  # text, control, text, control, ..., text
+        texts = [unmark(p, controls.spellings) for ps in parts for p in ps[::2]]
         try:
-            encoded = iter(e.ids for e in self._plain.encode_batch(texts, add_special_tokens=False))
+            encoded = iter(e.ids for e in plain.encode_batch(texts, add_special_tokens=False))
         except TypeError:
             for text in texts:
                 check_text(text)
@@ -272,7 +312,7 @@ class Tokenizer:
         for ps in parts:
             ids: list[int] = []
             for k, p in enumerate(ps):
-                ids += next(encoded) if k % 2 == 0 else [self._special_ids[p]]
+                ids += next(encoded) if k % 2 == 0 else [controls.ids[p]]
             out.append(ids)
         return out
 
@@ -312,6 +352,18 @@ class Tokenizer:
             for name, text in texts.items():
                 stack.enter_context(atomic_file(directory / name)).write_text(text, encoding="utf-8")
         return directory
+
+
+@dataclass(eq=False)
+class _Controls:
+    """``Tokenizer.special_spellings`` for one chat template: the spellings (longest first), their ids, a pattern
+    that splits a markup at them, and (built on first use) the backend copy that encodes them as text."""
+
+    template: str
+    spellings: list[str]
+    ids: dict[str, int]
+    pattern: re.Pattern | None
+    plain: _RustTokenizer | None = None
 
 
 class ChatText(str):
