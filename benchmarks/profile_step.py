@@ -4,7 +4,7 @@ optimizer / idle (issue 19, item 2). Usage:
 
     python benchmarks/profile_step.py go_coder_125m --vocab-size 50257 [training.compile=true] [--steps 5]
         [--trace step.json]
-    python benchmarks/profile_step.py --read step.json.gz --steps 5   # the report of a GPU trace, here
+    python benchmarks/profile_step.py --read step.json.gz   # the report of a GPU trace, here
     torchrun --standalone --nproc_per_node=1 benchmarks/profile_step.py ... training.parallel=fsdp
 
 On a GPU the kernels' time is grouped, read from the exported Chrome trace (each kernel once, in the
@@ -165,7 +165,9 @@ def main() -> None:
     parser.add_argument("recipe", nargs="?", help="a preset name or recipe file, as lmforge bench takes")
     parser.add_argument("overrides", nargs="*", help="key=value settings")
     parser.add_argument("--vocab-size", type=int, default=8192, help="for recipes whose vocabulary comes from data")
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=None,
+                        help="steps to profile (default 5); with --read, the steps the trace holds (default: its "
+                             "optimizer steps counted)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--top", type=int, default=15, help="list this many kernels with the most time (0: none)")
     parser.add_argument("--trace", default=None, help="write the Chrome trace here")
@@ -175,6 +177,9 @@ def main() -> None:
     if args.read:
         read(args.read, args.steps, args.top)
         return
+    if args.recipe is None:
+        parser.error("give a recipe to profile, or --read TRACE")
+    args.steps = args.steps or 5
 
     sys.path.insert(0, str(Path(__file__).parent))
     from lmforge.bench import _join_for_fsdp
@@ -204,7 +209,7 @@ def profile_steps(args: argparse.Namespace, cfg) -> None:
     where = torch.cuda.get_device_name(devinfo.device) if on_gpu else cpu_name()
     sharded = f", {cfg.training.parallel} over one process" if cfg.training.parallel != "ddp" else ""
     print(f"{cfg.name} on {where}, {devinfo.precision}, compile={cfg.training.compile}{sharded}, micro-batch "
-          f"{cfg.training.micro_batch_size} x {cfg.data.seq_len}; {args.steps} profiled steps after {args.warmup}")
+          f"{cfg.training.micro_batch_size} x {cfg.spec.seq_len(cfg)}; {args.steps} profiled steps after {args.warmup}")
     with tempfile.TemporaryDirectory() as tmp:
         step, _ = _lmforge_stepper(cfg, devinfo, Path(tmp))
         for _ in range(args.warmup):
@@ -260,11 +265,16 @@ def report_host(trace: dict, steps: int, top: int) -> None:
         print(f"| `{name[:90]}` | {us / steps / 1e3:.2f} | {calls / steps:g} |")
 
 
-def read(path: str, steps: int, top: int) -> None:
+def read(path: str, steps: int | None, top: int) -> None:
     """``--read``: the report of a trace written earlier by ``--trace`` (on a GPU); its wall time is the span
-    of its kernels and host ranges."""
+    of its kernels and host ranges; ``steps`` (None: the optimizer steps it holds) divides the figures."""
     trace = load_trace(path)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    if steps is None:
+        steps = sum(1 for e in events if e.get("cat") == "user_annotation" and e.get("name", "").startswith(
+            "Optimizer.step#"))
+        if not steps:
+            raise SystemExit(f"{path}: no optimizer step in this trace to count steps by: give --steps N")
     spans = [(e["ts"], e["ts"] + e["dur"]) for e in events
              if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset", "cpu_op", "user_annotation") and "dur" in e]
     if not spans:

@@ -141,19 +141,6 @@ def test_bench_times_the_rows_the_kind_trains_on_not_data_seq_len(monkeypatch, c
     assert run["tokens_per_s"] * run["step_ms"] / 1000 == pytest.approx(2 * 24 * 2)
 
 
-@pytest.mark.parametrize("recipe, overrides, expected", [
-    ("go_coder_tiny", ["data.seq_len=48"], 48),  # lm: packed windows of data.seq_len
-    ("code_assistant_tools", ["data.seq_len=48"], 48),  # sft: packed conversations in rows of data.seq_len
-    ("hrm_sudoku_tiny", ["model.seq_len=81", "data.seq_len=48"], 81),  # puzzles: the grid's cells
-    ("hrgc_go_tiny", ["model.generator_config.n_positions=96", "data.seq_len=48"], 96),  # hrgc: up to the generator's
-])
-def test_each_kind_says_how_long_the_rows_it_trains_on_are(recipe, overrides, expected):
-    from lmforge.config import load_config
-
-    cfg = load_config(recipe, overrides)
-    assert cfg.spec.seq_len(cfg) == expected
-
-
 def test_quickstart_on_a_given_tree_beats_the_unigram_baseline(tmp_path, capsys):
     corpus = write_go_corpus(tmp_path / "src", n_files=60)
     # A step count, not a time budget, so a busy machine trains the same model (--minutes is then a guard)

@@ -208,8 +208,8 @@ class RecipeSpec:
     add_data_verbs: Callable[[Any], None] | None = None  # adds `lmforge data VERB` builders of its data
     add_verbs: Callable[[Any], None] | None = None  # adds top-level verbs of its own (puzzles: `solve`)
     bench_data: Callable[[Any], Any] | None = None  # (RunConfig) -> a train loader of random batches
-    # (RunConfig) -> the length of the sequences (rows) the kind trains on: what bench_data's batches hold,
-    # and what `lmforge bench` prints and counts its tokens and FLOPs by. Default: data.seq_len
+    # (RunConfig) -> the length of the rows bench_data's batches hold, which `lmforge bench` prints and counts
+    # its tokens and FLOPs by (only read with bench_data). Default: data.seq_len
     seq_len: Callable[[Any], int] = _data_seq_len
 
     def family_names(self) -> tuple[str, ...]:

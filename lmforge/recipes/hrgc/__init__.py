@@ -32,6 +32,4 @@ SPEC = register(RecipeSpec(
     generate=CLIOptions(run=cli.run_generate, add=cli.add_generate_args, uses=("sampling", "precision"),
                         help="write one function body from --spec: plan, attempts, verdicts"),
     add_data_verbs=add_data_verbs,
-    # one function a row, right-padded to the batch's longest: at most the generator's context (data.seq_len unread)
-    seq_len=lambda cfg: cfg.model.generator_config.n_positions,
 ))

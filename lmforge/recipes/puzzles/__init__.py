@@ -31,5 +31,4 @@ SPEC = register(RecipeSpec(
     generate=CLIOptions(run=cli.run_solve, add=cli.add_solve_args, help="solve one Sudoku (also `lmforge solve`)"),
     add_data_verbs=add_data_verbs,
     add_verbs=cli.add_verbs,
-    seq_len=lambda cfg: cfg.model.seq_len,  # the grid's cells (0 until build_data reads dataset.json), not data.seq_len
 ))
