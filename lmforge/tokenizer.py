@@ -35,8 +35,16 @@ CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_MAP_FILE = "special_tokens_map.json"
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # all bytes + the specials, before any merge
 DEFAULT_TRAINED_VOCAB = 8192  # a run that trains its own tokenizer, with model.vocab_size 0
-# An added token that a chat template spells is one of its markers if it has punctuation ("<|im_end|>", "[INST]").
-_MARKER_LIKE = re.compile(r"[^\w\s]")
+# What the chat template is rendered on to find its own markers (``Tokenizer.special_spellings``): words that
+# spell no added token of any tokenizer worth protecting
+_PROBE_CHAT = [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Hello"},
+               {"role": "assistant", "content": "Hi"}, {"role": "user", "content": "Bye"}]
+_PROBE_CALL = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "", "tool_calls": [
+    {"id": "call_0", "type": "function", "function": {"name": "probe", "arguments": {}}}]}]
+# A marker has 3 characters or more, one of them neither a letter, a digit, "_" nor whitespace ("<|im_end|>",
+# "[INST]"): an added word, a run of spaces or a newline that some code tokenizers add and a template happens
+# to write (between turns, after "user") is text's
+_MARKER_LIKE = re.compile(r"^(?=.*[^\w\s]).{3,}$", re.DOTALL)
 
 
 # Names that other tokenizers commonly give their special tokens, most common first; used when a
@@ -156,28 +164,49 @@ class Tokenizer:
         protects, so that a message spelling one is text and only the template's own are these tokens.
 
         They are the added tokens flagged ``special``, and, flagged or not, those the chat template and generation
-        rely on: the bos/eos/pad/unk tokens (generation stops at eos), lmforge's own special tokens, the
-        tool-call markers, and every other added token the chat template spells (a foreign template's turn
-        markers: those with a character other than letters, digits, "_" and whitespace, as "<|im_start|>" or
-        "[INST]"; the template's source also holds Jinja keywords and names, and an added word such as "for" or a
-        run of spaces, which some code tokenizers add, is no marker and stays text's). Many Hugging Face
-        tokenizers have such tokens without the flag; leaving them out let a user close their turn with the eos
-        spelling and forge a system or assistant turn."""
+        rely on: the bos/eos/pad/unk tokens (generation stops at eos), lmforge's own special tokens, and the added
+        tokens the template writes around the turns of a plain conversation (a foreign template's turn markers,
+        as DeepSeek-R1's unflagged "<｜User｜>"). Many Hugging Face tokenizers have such tokens without the flag;
+        leaving them out let a user close their turn with the eos spelling and forge a system or assistant turn.
+        Added tokens the template only reads in messages (Qwen3's unflagged "<think>", which it finds in an
+        assistant's content and strips) are not protected, or the template would no longer find them."""
         return self._control_tokens().spellings
 
     def _control_tokens(self) -> _Controls:
         if self._controls is None or self._controls.template != self.chat_template:
-            from lmforge.chat import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
-
             template = self.chat_template
             relied_on = {t for t in self.special_tokens.values() if t is not None}
-            relied_on |= {TOOL_CALL_OPEN, TOOL_CALL_CLOSE, *(SPECIAL_TOKENS if self.is_native else ())}
-            ids = {s: i for s, (i, flagged) in self._added.items()
-                   if flagged or s in relied_on or (_MARKER_LIKE.search(s) and s in template)}
+            relied_on |= set(SPECIAL_TOKENS if self.is_native else ())
+            written = self._template_markers(template, relied_on)
+            ids = {s: i for s, (i, flagged) in self._added.items() if flagged or s in relied_on or s in written}
             spellings = sorted(ids, key=len, reverse=True)
             pattern = re.compile("(" + "|".join(re.escape(s) for s in spellings) + ")") if spellings else None
             self._controls = _Controls(template, spellings, ids, pattern)
         return self._controls
+
+    def _template_markers(self, template: str, relied_on: set[str]) -> set[str]:
+        """The unflagged added tokens shaped like markers that ``template`` writes itself, found by rendering a
+        plain conversation (nothing of the probe's words spells them) and one with a tool call. A template that
+        cannot render the first (one that refuses system turns, say) is tried without the system turn; one that
+        cannot render a probe adds nothing from it."""
+        from lmforge.chat import render_chat
+
+        unflagged = [s for s, (_, flagged) in self._added.items()
+                     if not flagged and s not in relied_on and _MARKER_LIKE.match(s.strip())]
+        if not unflagged:
+            return set()
+        bos = self.special_tokens.get("bos") or ""
+        eos = self.special_tokens.get("eos") or ""
+        written: set[str] = set()
+        for probes in ((_PROBE_CHAT, _PROBE_CHAT[1:]), (_PROBE_CALL,)):
+            for probe in probes:
+                try:
+                    text = render_chat(probe, bos, eos, template=template)
+                except LMForgeError:
+                    continue
+                written |= {s for s in unflagged if s in text}
+                break
+        return written
 
     def _plain_backend(self, controls: _Controls) -> _RustTokenizer:
         """A copy of the backend that encodes the spellings of ``controls`` as text: each is flagged special in it
