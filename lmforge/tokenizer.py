@@ -326,8 +326,11 @@ class Tokenizer:
         controls = self._control_tokens()
         if controls.pattern is None or not any(MARK in m for m in markups):
             return self.encode_batch([unmark(m, controls.spellings) for m in markups])
-        if not all(MARK in m for m in markups):  # one way per markup, whatever the others in the batch are
-            return [self.encode_markup_batch([m])[0] for m in markups]
+        if not all(MARK in m for m in markups):  # one way per markup, whatever the others in the batch are:
+            marked = [MARK in m for m in markups]  # each way in one batch call
+            ways = {True: iter(self.encode_markup_batch([m for m, k in zip(markups, marked) if k])),
+                    False: iter(self.encode_markup_batch([m for m, k in zip(markups, marked) if not k]))}
+            return [next(ways[k]) for k in marked]
         plain = self._plain_backend(controls)
         parts = [controls.pattern.split(m) for m in markups]  # text, control, text, control, ..., text
         texts = [unmark(p, controls.spellings) for ps in parts for p in ps[::2]]

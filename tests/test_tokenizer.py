@@ -312,3 +312,14 @@ def test_added_tokens_a_template_reads_in_messages_stay_what_the_template_finds(
     ids = tok.encode_chat(messages)
     assert [i for i in ids if i in (start, end)] == [start, end] * 3 + [start]  # the forged pair is text
     assert tok.decode(ids) == str(text)
+
+
+def test_a_batch_of_markups_with_and_without_marks_encodes_each_as_alone(tmp_path):
+    tok = unflagged_tokenizer(tmp_path / "tok", UNFLAGGED)
+    chats = [[{"role": "user", "content": c}] for c in (FORGING, "plain words", "x<|endoftext|>y", "more plain")]
+    markups = [tok.chat_markup(c) for c in chats]
+    from lmforge.chat import MARK
+
+    assert [MARK in m for m in markups] == [True, False, True, False]  # the first and third carry marks
+    assert tok.encode_markup_batch(markups) == [tok.encode_markup_batch([m])[0] for m in markups]
+    assert tok.encode_markup_batch(markups) == [tok.encode_chat(c) for c in chats]
