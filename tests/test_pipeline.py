@@ -265,7 +265,7 @@ def test_a_stage_stopped_before_its_first_checkpoint_reruns_on_the_data_it_prepa
     assert not (out / "base" / "checkpoints").exists() or not any((out / "base" / "checkpoints").iterdir())
     row = {r.stage: r for r in pipeline_status(file, out_dir=out)}["base"]
     assert (row.state, row.detail) == ("failed", "RuntimeError: the machine went away; reruns from step 0 on its "
-                                                 "tokenized data")
+                                                 "tokenized data; --force base prepares it again")
 
     # other settings: the data is not trusted (the same pipeline_dict with 5 steps), and it fails again
     data = pipeline_dict(corpus, base_steps=5)
@@ -288,7 +288,7 @@ def test_a_stage_stopped_before_its_first_checkpoint_reruns_on_the_data_it_prepa
     assert (f"the failed attempt stopped before its first checkpoint: moved the earlier output aside to "
             f"{out / 'base.old-2'}") in printed
     assert (f"reusing its tokenized data from the failed attempt ({out / 'base' / 'data'}); training starts again "
-            "from step 0") in printed
+            "from step 0 (`--force base` prepares it again)") in printed
     assert "data: tokenizing" not in printed and "data: reusing" in printed  # the recipe took it as it was
     again = (out / "base" / "data" / "meta.json").stat()
     assert (again.st_ino, again.st_mtime_ns) == (prepared.st_ino, prepared.st_mtime_ns)
@@ -356,7 +356,8 @@ def test_a_sigterm_outside_training_stops_the_run_as_ctrl_c_does(corpus, tmp_pat
         assert record(out, "tok")["status"] == "done"
         assert (out / "base" / "data" / "meta.json").is_file()
         row = {r.stage: r for r in pipeline_status(file, out_dir=out)}["base"]
-        assert (row.state, row.detail) == ("pending", "reruns from step 0 on its tokenized data")
+        assert (row.state, row.detail) == ("pending", "reruns from step 0 on its tokenized data; --force base "
+                                                      "prepares it again")
         assert signal.getsignal(signal.SIGTERM) is mine
         capsys.readouterr()
 
@@ -367,6 +368,153 @@ def test_a_sigterm_outside_training_stops_the_run_as_ctrl_c_does(corpus, tmp_pat
         assert got == [] and signal.getsignal(signal.SIGTERM) is mine
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_data_a_stage_failed_on_is_prepared_again(corpus, tmp_path, monkeypatch, capsys):
+    """The data a stage that stopped before its first checkpoint had prepared is reused only when it is
+    whole: a shard that is cut short (the loader's size check) is found before the rerun, and one whose
+    token ids are damaged (refused when a batch reads them: no cheap check sees it) makes that attempt
+    fail with an error naming the data, and the next run prepares it again rather than failing on it on
+    every run."""
+    data = pipeline_dict(corpus)
+    data["stages"] = data["stages"][:2]  # tok, base
+    file, out = write(tmp_path / "p.yaml", data), tmp_path / "out"
+    shard = out / "base" / "data" / "train_000000.bin"
+
+    def failed_before_its_first_checkpoint(*args: str) -> None:
+        with monkeypatch.context() as m:
+            interrupt_base_at(m, 1, "crash")
+            with pytest.raises(RuntimeError, match="went away"):
+                run_pipeline(file, out_dir=out, force=list(args))
+        assert record(out, "base")["status"] == "failed" and shard.is_file()
+        capsys.readouterr()
+
+    # token ids outside the vocabulary, the shard's size unchanged
+    failed_before_its_first_checkpoint()
+    shard.write_bytes(b"\xff" * shard.stat().st_size)
+    with pytest.raises(LMForgeError, match="the shard is damaged"):
+        run_pipeline(file, out_dir=out)
+    assert "reusing its tokenized data" in capsys.readouterr().out  # nothing but reading it could tell
+    rec = record(out, "base")
+    assert rec["status"] == "failed" and str(out / "base" / "data") in rec["error"]
+    row = {r.stage: r for r in pipeline_status(file, out_dir=out)}["base"]
+    assert row.state == "failed" and "reruns from step 0" not in row.detail
+    summary = run_pipeline(file, out_dir=out)
+    printed = capsys.readouterr().out
+    assert [r.result for r in summary.stages] == ["skipped", "ran"]
+    assert (f"its data {out / 'base' / 'data'} is not reused (the failed attempt's error is about that data): "
+            "prepared again") in printed
+    assert "data: tokenizing" in printed and "data: reusing" not in printed
+    assert (out / "base.old-2" / "data" / "meta.json").is_file()  # the damaged data, aside with the rest
+
+    # a shard cut short: found before the rerun, which prepares the data again
+    failed_before_its_first_checkpoint("base")  # (forced: a fresh attempt, its data prepared anew)
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 2)
+    row = {r.stage: r for r in pipeline_status(file, out_dir=out)}["base"]
+    assert (row.state, row.detail) == ("failed", "RuntimeError: the machine went away")
+    summary = run_pipeline(file, out_dir=out)
+    printed = capsys.readouterr().out
+    assert [r.result for r in summary.stages] == ["skipped", "ran"]
+    assert f"its data {out / 'base' / 'data'} is not reused (shard {shard} has " in printed
+    assert "data: tokenizing" in printed and "data: reusing" not in printed
+
+    # data the recipe would refuse (here: tokenized with another tokenizer than the stage's), by the recipe's
+    # own test: prepared again, not refused on every run
+    failed_before_its_first_checkpoint("base")
+    meta_file = out / "base" / "data" / "meta.json"
+    meta_file.write_text(json.dumps({**json.loads(meta_file.read_text()), "tokenizer_sha256": "0" * 64}))
+    summary = run_pipeline(file, out_dir=out)
+    printed = capsys.readouterr().out
+    assert [r.result for r in summary.stages] == ["skipped", "ran"]
+    assert f"its data {out / 'base' / 'data'} is not reused ({out / 'base' / 'data'} was tokenized with another" in printed
+    assert "data: tokenizing" in printed and "data: reusing" not in printed
+    assert states(file, out) == {"tok": "done", "base": "done"}
+
+
+def test_a_signal_while_an_output_is_moved_aside_waits_until_the_move_is_recorded(corpus, tmp_path, monkeypatch):
+    """A SIGTERM (or Ctrl-C) that comes between moving a stage's output aside and saving the record of the
+    move is handled once the record is saved: what lies in STAGE.old-N is always in moved_aside."""
+    from lmforge.pipeline import Terminated
+
+    data = pipeline_dict(corpus)
+    data["stages"] = data["stages"][:1]  # tok
+    file, out = write(tmp_path / "p.yaml", data), tmp_path / "out"
+    run_pipeline(file, out_dir=out)
+    real = os.rename
+
+    def rename(src, dst, *args, **kwargs):
+        real(src, dst, *args, **kwargs)
+        if Path(dst) == out / "tok.old-1":
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(Terminated):
+        run_pipeline(file, out_dir=out, force=["tok"])
+    monkeypatch.undo()
+    moved = json.loads((out / "pipeline_state.json").read_text()).get("moved_aside")
+    assert [(m["path"], m["reason"]) for m in moved or []] == [(str(out / "tok.old-1"), "--force")]
+    assert (out / "tok.old-1" / "tokenizer.json").is_file() and not (out / "tok").exists()
+
+
+def test_a_sigterm_the_run_was_started_ignoring_stays_ignored(corpus, tmp_path, monkeypatch):
+    """A pipeline started with SIGTERM ignored (SIG_IGN, as a launcher may leave it) goes on through one."""
+    data = pipeline_dict(corpus)
+    data["stages"] = data["stages"][:1]  # tok
+    file, out = write(tmp_path / "p.yaml", data), tmp_path / "out"
+    sigterm_after(monkeypatch, "train_tokenizer_from_sources")
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        summary = run_pipeline(file, out_dir=out)
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    except KeyboardInterrupt as e:  # (Terminated is one: uncaught, pytest would take it for a Ctrl-C and stop)
+        pytest.fail(f"the SIGTERM the run was started ignoring stopped it: {e!r}")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert [r.result for r in summary.stages] == ["ran"] and record(out, "tok")["status"] == "done"
+
+
+@pytest.mark.parametrize("when", ["preparing", "starting"])
+def test_a_sigterm_before_a_stage_on_two_processes_trains_stops_the_run_with_143(corpus, tmp_path, monkeypatch,
+                                                                                  capsys, when):
+    """A SIGTERM while the processes of a `processes: N` stage prepare their data (torchrun passes it on, and
+    they stop before any checkpoint), or while torchrun is being started, stops the run as it does in one
+    process: the stage is recorded as interrupted, `pipeline run` exits with 143, and torchrun is stopped,
+    never left running. (A stand-in for torchrun: a process that sleeps, and in `preparing` sends the
+    pipeline the SIGTERM itself, as a scheduler would while it ran.)"""
+    import subprocess
+    import sys
+
+    from lmforge.cli import main
+
+    data = pipeline_dict(corpus)
+    data["stages"] = data["stages"][:2]  # tok, base
+    _stage(data, "base").update(processes=2)
+    file, out = write(tmp_path / "p.yaml", data), tmp_path / "out"
+    script = ("import os, signal, time\n" + ("os.kill(os.getppid(), signal.SIGTERM)\n" if when == "preparing" else "")
+              + "time.sleep(60)\n")
+    real, started = subprocess.Popen, []
+
+    def popen(cmd, *args, **kwargs):
+        if "torch.distributed.run" not in cmd:
+            return real(cmd, *args, **kwargs)
+        started.append(real([sys.executable, "-c", script], *args, **kwargs))
+        if when == "starting":  # the moment torchrun has started, before anything knows of it
+            os.kill(os.getpid(), signal.SIGTERM)
+        return started[-1]
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    try:
+        assert main(["pipeline", "run", str(file), "--out-dir", str(out)]) == 143
+        assert len(started) == 1 and started[0].poll() == -signal.SIGTERM  # passed on, and it stopped
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert "lmforge: terminated (SIGTERM)" in capsys.readouterr().err
+    assert record(out, "base")["status"] == "interrupted" and record(out, "tok")["status"] == "done"
+    assert not list(out.glob(".*.torchrun.yaml"))
 
 
 # ---- status ---------------------------------------------------------------------------------------------

@@ -14,16 +14,14 @@ outside a training loop stops the run as Ctrl-C does (``Terminated``), the stage
 from __future__ import annotations
 
 import os
-import signal
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lmforge.errors import LMForgeError
+from lmforge.pipeline.signals import Terminated, signals_deferred, sigterm_interrupts
 from lmforge.pipeline.spec import Pipeline, Stage, check_devices, load_pipeline
 from lmforge.pipeline.stages import (
     describe,
@@ -85,37 +83,6 @@ def _select(pipe: Pipeline, until: str | None, only: str | None) -> list[Stage]:
     return list(pipe.stages)
 
 
-class Terminated(KeyboardInterrupt):
-    """A SIGTERM to ``run_pipeline`` outside a training loop (which turns one into a stop at a checkpoint
-    of its own), raised like Ctrl-C's KeyboardInterrupt: the stage is recorded as interrupted, and what it
-    was writing is dropped whole (every output is renamed into place once complete)."""
-
-    signum = signal.SIGTERM
-
-
-@contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
-    """While a run is in progress, SIGTERM raises ``Terminated`` (by default it would kill the process at
-    once, leaving the stage's record "running"). The training loop and the torchrun launcher set handlers
-    of their own while they train and put this one back. Restores the previous handler afterwards."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # handlers can only be set from the main thread: SIGTERM is left to the program
-        return
-    raised: list[int] = []
-
-    def handler(signum, _frame) -> None:
-        # Once: a second SIGTERM while the first unwinds would cut short the record being written.
-        if not raised:
-            raised.append(signum)
-            raise Terminated(f"signal {signal.Signals(signum).name}")
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:  # (None: a handler set outside Python; the default is the closest)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
-
-
 def _move_aside(out: Path, state: PipelineState, stage: str, reason: str, log: Callable[[str], None]) -> Path:
     n = 1
     while (aside := out.with_name(f"{out.name}.old-{n}")).exists():
@@ -155,7 +122,7 @@ def run_pipeline(file: str | os.PathLike, force: list[str] | tuple[str, ...] = (
     check_devices(pipe, selected)
     summary = RunSummary(pipeline=pipe.name, out_dir=str(pipe.out_dir))
     log(f"pipeline {pipe.name} ({pipe.path}): {len(selected)} of {len(pipe.stages)} stages -> {pipe.out_dir}")
-    with _sigterm_interrupts(), RunLock(pipe.out_dir):
+    with sigterm_interrupts(), RunLock(pipe.out_dir):
         state = PipelineState.load(pipe.state_path, pipe.name)
         try:
             for stage in selected:
@@ -205,22 +172,31 @@ def _run_one(stage: Stage, pipe: Pipeline, state: PipelineState, force: bool, lo
     # Stopped before its first checkpoint: the run directory is not resumed from (nothing in it is known to
     # be whole but what reusable_outputs vouches for); it is moved aside, that data taken back, and
     # training starts again from step 0.
-    keep = reusable_outputs(stage, pipe) if unfinished and not resume and out.exists() else []
+    keep, refused = [], ""
+    if unfinished and not resume and out.exists():
+        keep, refused = reusable_outputs(stage, pipe, failure=_failure(rec))
     earlier = float(rec.get("seconds", 0.0)) if (resume or keep) and rec else 0.0
     if resume:
         log(f"  resuming from its last checkpoint (step {latest_step(out)})")
     elif out.exists():
         attempt = {"interrupted": "interrupted", "failed": "failed"}.get((rec or {}).get("status"), "unfinished")
         reason = ("--force" if force else "inputs or settings changed" if rec and rec.get("fingerprint") != fp
-                  else f"the {attempt} attempt stopped before its first checkpoint" if keep
+                  else f"the {attempt} attempt stopped before its first checkpoint" if unfinished
                   else "no finished record" if not rec or rec.get("status") != "done" else "output incomplete")
-        aside = _move_aside(out, state, stage.name, reason, log)
-        if keep:
-            out.mkdir()
-            for path, what in keep:
-                os.rename(aside / path.name, path)
-                log(f"  reusing its {what} from the {attempt} attempt ({path}); training starts again from step 0")
-            state.data["moved_aside"][-1]["kept"] = [path.name for path, _ in keep]
+        # The move, the data taken back and their record are one step: a signal that comes meanwhile is
+        # handled once the record is saved (else what lies in STAGE.old-N would be known to no record).
+        with signals_deferred():
+            aside = _move_aside(out, state, stage.name, reason, log)
+            if keep:
+                out.mkdir()
+                for path, what in keep:
+                    os.rename(aside / path.name, path)
+                    log(f"  reusing its {what} from the {attempt} attempt ({path}); training starts again from "
+                        f"step 0 (`--force {stage.name}` prepares it again)")
+                state.data["moved_aside"][-1]["kept"] = [path.name for path, _ in keep]
+            elif refused:
+                log(f"  its data {out / 'data'} is not reused ({refused}): prepared again")
+            state.save()
     state.stages[stage.name] = {"kind": stage.kind, "status": "running", "fingerprint": fp, "inputs": inputs,
                                 "started_at": now(), "output": str(out), "pid": os.getpid(), "seconds": earlier,
                                 "attempts": (rec.get("attempts", 0) if (resume or keep) and rec else 0) + 1}
@@ -247,6 +223,11 @@ def _run_one(stage: Stage, pipe: Pipeline, state: PipelineState, force: bool, lo
     elapsed = time.perf_counter() - start
     log(f"  done in {_duration(elapsed)}" + (f": {headline}" if headline else ""))
     return StageRun(stage.name, stage.kind, "resumed" if resume else "ran", elapsed, headline)
+
+
+def _failure(rec: dict[str, Any] | None) -> str:
+    """The error a failed attempt recorded ("" for any other)."""
+    return str((rec or {}).get("error") or "") if (rec or {}).get("status") == "failed" else ""
 
 
 def _duration(seconds: float | None) -> str:
@@ -358,8 +339,9 @@ def _stage_status(stage: Stage, pipe: Pipeline, state: PipelineState, before: di
     elif stage.training and step is not None:
         row.state, row.detail = what, f"resumable, at step {step}" + (f"; {error}" if error else "")
     else:
-        kept = reusable_outputs(stage, pipe) if stage.training and out.is_dir() else []
-        again = f"reruns from step 0 on its {kept[0][1]}" if kept else "reruns"
+        kept = reusable_outputs(stage, pipe, failure=_failure(rec))[0] if stage.training and out.is_dir() else []
+        again = (f"reruns from step 0 on its {kept[0][1]}; --force {stage.name} prepares it again" if kept
+                 else "reruns")
         row.state = what if status == "failed" else "pending"
         row.detail = f"{error}; {again}" if error and kept else error or again
     return row

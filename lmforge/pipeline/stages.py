@@ -18,6 +18,7 @@ from typing import Any
 
 from lmforge.errors import LMForgeError
 from lmforge.files import remove_stale, temporary_sibling
+from lmforge.pipeline.signals import Terminated, signals_deferred
 from lmforge.pipeline.spec import (
     EVAL_TASKS,
     GENERATORS,
@@ -79,30 +80,50 @@ def output_exists(stage: Stage, pipe: Pipeline) -> bool:
     return True  # serve writes nothing
 
 
-def reusable_outputs(stage: Stage, pipe: Pipeline) -> list[tuple[Path, str]]:
+def reusable_outputs(stage: Stage, pipe: Pipeline, failure: str = "") -> tuple[list[tuple[Path, str]], str]:
     """What an earlier attempt at a training stage that stopped before its first checkpoint left that a rerun
-    from step 0 can take over, as (path, what it is): the data the run prepared into RUN_DIR/data. Only
-    what is whole counts. The lm kind's tokenized data.train_path is built under a hidden name and renamed
-    into place with its meta.json inside, so RUN_DIR/data with a meta.json is complete; hrgc's tokenizer
-    trained on its data is written file by file, tokenizer.json renamed into place last. Anything else
-    there (a half-written checkpoint, a temporary directory, the attempt's logs) is not reused."""
+    from step 0 can take over, as (path, what it is): the data the run prepared into RUN_DIR/data; and, when
+    RUN_DIR/data is there but not taken over, why not ("" otherwise). Only what is whole and what the recipe
+    would take counts. The lm kind's tokenized data.train_path is built under a hidden name and renamed into
+    place with its meta.json inside; it counts when the recipe would reuse it (``prepared_data_mismatch``:
+    prepared from these paths, with this tokenizer) and the loader opens each of its splits (their shards
+    all there, of the sizes meta.json gives). hrgc's tokenizer trained on its data is written file by
+    file, tokenizer.json renamed into place last; it counts when it loads. ``failure``: the error the
+    attempt failed with; one that names RUN_DIR/data (a damaged shard the loader refused in training,
+    which no cheap check finds) leaves the data to be prepared again. Anything else there (a half-written
+    checkpoint, a temporary directory, the attempt's logs) is not reused."""
     data = pipe.stage_dir(stage.name) / "data"
-    if (data / "meta.json").is_file():
-        from lmforge.data.loader import read_meta
+    if not (data / "meta.json").is_file() and not (data / "tokenizer.json").is_file():
+        return [], ""
+    if failure and any(str(p) in failure for p in (data, data.resolve())):
+        return [], "the failed attempt's error is about that data"
+    try:
+        if (data / "meta.json").is_file():
+            why = _tokenized_data_mismatch(stage, pipe, data)
+            return ([(data, "tokenized data")], "") if why is None else ([], why)
+        from lmforge.tokenizer import Tokenizer
 
-        cfg = resolve_training_config(stage, pipe, runtime=True)
-        try:
-            meta = read_meta(data)
-        except LMForgeError:
-            return []  # unreadable, or of an older format: prepared again
-        # The recipe refuses data prepared from other paths (the fingerprint compares contents: the same
-        # corpus moved elsewhere matches), so such data is prepared again rather than reused.
-        paths = [[s.get("path") for s in meta.get(key) or []] for key in ("sources", "val_sources")]
-        wanted = [[str(Path(p).resolve())] if p else [] for p in (cfg.data.train_path, cfg.data.val_path)]
-        return [(data, "tokenized data")] if cfg.data.train_path and paths == wanted else []
-    if (data / "tokenizer.json").is_file():
-        return [(data, "trained tokenizer")]
-    return []
+        Tokenizer.load(data / "tokenizer.json")
+        return [(data, "trained tokenizer")], ""
+    except (LMForgeError, OSError, KeyError, TypeError, ValueError) as e:  # (a meta.json of an odd shape)
+        return [], str(e) if isinstance(e, LMForgeError) else f"{data} is unreadable ({type(e).__name__}: {e})"
+
+
+def _tokenized_data_mismatch(stage: Stage, pipe: Pipeline, data: Path) -> str | None:
+    """Why the tokenized data in RUN_DIR/data is not what a rerun of the stage would train on (None: it is):
+    not where the recipe reads it, not what it would prepare (the recipe's own test), or a split the
+    loader cannot open (a shard missing or cut short). LMForgeError when its meta.json cannot be read."""
+    from lmforge.data.loader import TokenDataset, read_meta
+    from lmforge.recipes.lm.data import prepared_data_mismatch, token_data_dir
+
+    cfg = resolve_training_config(stage, pipe, runtime=True)
+    if not cfg.data.train_path or token_data_dir(cfg).resolve() != data.resolve():
+        return f"the stage does not prepare data.train_path into {data}"
+    why = prepared_data_mismatch(cfg, data)
+    if why is None:
+        for split in read_meta(data)["splits"]:
+            TokenDataset(data, split)  # checks each shard's size (what the loader refuses at once)
+    return why
 
 
 def export_paths(stage: Stage, pipe: Pipeline, root: Path) -> dict[str, Path]:
@@ -251,8 +272,10 @@ def _torchrun(cfg, stage: Stage, pipe: Pipeline, processes: int, resume: bool) -
     torchrun runs in a session of its own, so the terminal's Ctrl-C reaches only this process, which
     sends it (or a SIGTERM it got) on to torchrun once: torchrun hands it to the processes, which
     checkpoint and stop, and the stage is recorded as interrupted and resumes. A second Ctrl-C is not
-    passed on (the checkpoint being written would be cut). If this process fails while they run,
-    they are stopped before the error goes on."""
+    passed on (the checkpoint being written would be cut). A signal that stops the processes before they
+    can checkpoint (while they prepare their data) stops the run as it would in one process: a SIGTERM
+    raises ``Terminated``, a Ctrl-C KeyboardInterrupt. If this process fails while they run, they are
+    stopped before the error goes on."""
     import gc
     import signal
     import subprocess
@@ -268,8 +291,6 @@ def _torchrun(cfg, stage: Stage, pipe: Pipeline, processes: int, resume: bool) -
     # this machine's GPUs, checked now (not when the file is read: `pipeline status` may run elsewhere)
     check_gpu_count(processes, cfg.training.device)
     config = pipe.out_dir / f".{stage.name}.torchrun.yaml"
-    config.parent.mkdir(parents=True, exist_ok=True)
-    config.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
            "-m", "lmforge", "train", str(config), *(["--resume"] if resume else [])]
     env = dict(os.environ)
@@ -281,13 +302,11 @@ def _torchrun(cfg, stage: Stage, pipe: Pipeline, processes: int, resume: bool) -
     gc.collect()
     if torch.cuda.is_available():  # an earlier stage's cached memory would crowd process 0's GPU
         torch.cuda.empty_cache()
-    print(f"  {processes} process{'es' if processes > 1 else ''}: {' '.join(cmd[1:])}", flush=True)
     done, error, stopping = None, [], []
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
-                            bufsize=1, env=env, start_new_session=True)
+    proc: subprocess.Popen | None = None
 
     def stop(signum, _frame) -> None:
-        if not stopping and proc.poll() is None:
+        if not stopping and proc is not None and proc.poll() is None:
             proc.send_signal(signum)
         stopping.append(signum)
 
@@ -300,14 +319,29 @@ def _torchrun(cfg, stage: Stage, pipe: Pipeline, processes: int, resume: bool) -
                 error[:] = [found.group(1).strip()]
 
     errors = threading.Thread(target=pass_stderr, daemon=True)
-    errors.start()
     # Signal handlers can only be set from the main thread (a pipeline run from another thread leaves
-    # SIGTERM to whatever that program does with it).
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, stop) if main else None
-    try:
+    # SIGTERM to whatever that program does with it, and so does one that was started ignoring it).
+    handle = (threading.current_thread() is threading.main_thread()
+              and signal.getsignal(signal.SIGTERM) != signal.SIG_IGN)
+    previous, installed = None, False
+    try:  # from here on, whatever stops this process stops torchrun too and removes the launch config
+        config.parent.mkdir(parents=True, exist_ok=True)
+        config.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        if handle:
+            previous, installed = signal.signal(signal.SIGTERM, stop), True
         while True:
             try:
+                if proc is None:
+                    # Started with SIGINT and SIGTERM held back: one that comes meanwhile is passed on (or
+                    # raised here, inside this try) once `proc` is set, never leaving torchrun running unseen.
+                    with signals_deferred():
+                        if stopping:  # stopped before torchrun started: it is not started
+                            break
+                        print(f"  {processes} process{'es' if processes > 1 else ''}: {' '.join(cmd[1:])}",
+                              flush=True)
+                        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                                errors="replace", bufsize=1, env=env, start_new_session=True)
+                        errors.start()
                 for line in proc.stdout:
                     if line.startswith(f"resume with: lmforge train {config}"):
                         continue  # that file is gone afterwards: the pipeline says how to resume
@@ -319,22 +353,23 @@ def _torchrun(cfg, stage: Stage, pipe: Pipeline, processes: int, resume: bool) -
             except KeyboardInterrupt:  # keep reading until the processes have saved and stopped
                 stop(signal.SIGINT, None)
     finally:
-        if main:  # (None: a handler set outside Python; the default is the closest)
+        if installed:  # (None: a handler set outside Python; the default is the closest)
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
-        if proc.poll() is None:  # this process failed (a closed stdout, say): do not leave them training
+        if proc is not None and proc.poll() is None:  # this process failed (a closed stdout, say): stop them
             proc.terminate()
             try:
                 proc.wait(timeout=float(env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]) + 30)
             except (subprocess.TimeoutExpired, ValueError):
                 proc.kill()
-        errors.join(timeout=10)
+        if errors.is_alive():
+            errors.join(timeout=10)
         config.unlink(missing_ok=True)
     if done is not None and (proc.returncode == 0 or done.group(2) == "signal"):
         saved = yaml.safe_load((cfg.run_dir / "config.yaml").read_text()) or {}  # epochs resolved to steps
         max_steps = int((saved.get("training") or {}).get("max_steps", cfg.training.max_steps))
         return int(done.group(1)), done.group(2), max_steps  # torchrun exits non-zero after passing a signal on
-    if stopping:
-        raise KeyboardInterrupt
+    if stopping:  # stopped before the processes could checkpoint (while they prepared their data, say)
+        raise Terminated("signal SIGTERM (passed on to torchrun)") if signal.SIGTERM in stopping else KeyboardInterrupt
     why = error[0] if error else "their errors are printed above"
     raise LMForgeError(f"{processes} training process{'es' if processes > 1 else ''} (torchrun) failed with exit code "
                        f"{proc.returncode}: {why}")

@@ -35,6 +35,35 @@ def given_tokenizer(cfg: RunConfig) -> str:
     return str(theirs)
 
 
+def prepared_data_mismatch(cfg: RunConfig, data_dir: Path, given: str | None = None) -> str | None:
+    """Why the data prepared in ``data_dir`` (RUN_DIR/data, with its meta.json) is not what this config's
+    data.train_path makes: prepared from another path, with another validation set (data.val_path, or
+    data.val_fraction's split), or tokenized with another tokenizer than the one given (``given``: the
+    ``given_tokenizer``, found here when None). None when it is. Raises LMForgeError when meta.json cannot
+    be read. ``prepare_train_path`` refuses such data; `lmforge pipeline` prepares it again instead of
+    reusing it."""
+    from lmforge.data.loader import read_meta
+
+    out, src = Path(data_dir), Path(cfg.data.train_path)
+    val = [Path(cfg.data.val_path)] if cfg.data.val_path else []
+    meta = read_meta(out)
+    prepared_from = [s.get("path") for s in meta.get("sources") or []]
+    if prepared_from != [str(src.resolve())]:
+        return (f"{out} was prepared from {prepared_from}, not data.train_path={src}; train into a new run "
+                "(name=NEW) or delete that directory")
+    held_out = [s.get("path") for s in meta.get("val_sources") or []]  # data of older runs has none
+    if held_out != [str(v.resolve()) for v in val]:
+        was = (f"the validation set {held_out[0]}" if held_out
+               else "data.val_fraction's split (no data.val_path)")
+        now = f"data.val_path={val[0]}" if val else "no data.val_path"
+        return (f"{out} was prepared with {was}, but this run has {now}; train into a new run (name=NEW), or "
+                "delete that directory to prepare it again")
+    given = given_tokenizer(cfg) if given is None else given
+    if given and Tokenizer.load(given).sha256 != meta.get("tokenizer_sha256"):
+        return f"{out} was tokenized with another tokenizer than {given}; train into a new run (name=NEW)"
+    return None
+
+
 def prepare_train_path(cfg: RunConfig, distinfo: DistInfo) -> None:
     """data.train_path (raw JSONL / text / a directory): tokenize it into RUN_DIR/data once, with
     data.tokenizer or a tokenizer trained on it (model.vocab_size tokens, or 8192), and reuse that
@@ -42,8 +71,8 @@ def prepare_train_path(cfg: RunConfig, distinfo: DistInfo) -> None:
     data.train_path); the tokenizer is trained on data.train_path only. Rank 0 does the work; the others
     wait."""
     from lmforge.data import prepare_data, train_tokenizer_from_sources
-    from lmforge.data.loader import read_meta
     from lmforge.data.prepare import VAL_LEAK, check_val_sources
+
     src, out = Path(cfg.data.train_path), token_data_dir(cfg)
     val = [Path(cfg.data.val_path)] if cfg.data.val_path else []
     given = given_tokenizer(cfg)
@@ -53,21 +82,9 @@ def prepare_train_path(cfg: RunConfig, distinfo: DistInfo) -> None:
                                '{"text": ...} records, a text file or a directory of files')
         include = tuple(cfg.data.include)
         if (out / "meta.json").is_file():
-            meta = read_meta(out)
-            prepared_from = [s["path"] for s in meta["sources"]]
-            if prepared_from != [str(src.resolve())]:
-                raise LMForgeError(f"{out} was prepared from {prepared_from}, not data.train_path={src}; "
-                                   "train into a new run (name=NEW) or delete that directory")
-            held_out = [s["path"] for s in meta.get("val_sources", [])]  # data of older runs has none
-            if held_out != [str(v.resolve()) for v in val]:
-                was = (f"the validation set {held_out[0]}" if held_out
-                       else "data.val_fraction's split (no data.val_path)")
-                now = f"data.val_path={val[0]}" if val else "no data.val_path"
-                raise LMForgeError(f"{out} was prepared with {was}, but this run has {now}; train into a new run "
-                                   "(name=NEW), or delete that directory to prepare it again")
-            if given and Tokenizer.load(given).sha256 != meta["tokenizer_sha256"]:
-                raise LMForgeError(f"{out} was tokenized with another tokenizer than {given}; train into a new "
-                                   "run (name=NEW)")
+            problem = prepared_data_mismatch(cfg, out, given)
+            if problem:
+                raise LMForgeError(problem)
             print(f"data: reusing {out} (prepared from {src})")
         else:
             # before a tokenizer is trained: a missing, empty or doubly given data.val_path fails fast
