@@ -620,10 +620,6 @@ def validate_run_config(cfg: RunConfig) -> None:
          f"training.parallel must be ddp, fsdp or hsdp, got {short_repr(t.parallel)}"),
         (t.optimizer_states in OPTIMIZER_STATES,
          f"training.optimizer_states must be {' or '.join(OPTIMIZER_STATES)}, got {short_repr(t.optimizer_states)}"),
-        (t.optimizer_states != "8bit" or t.parallel == "ddp",
-         f"training.optimizer_states=8bit keeps its moments in blocks of each process's whole tensors, which "
-         f"training.parallel={t.parallel} shards: use one of them (FSDP already divides the optimizer's memory by the "
-         "processes; training.fsdp_offload moves it to CPU memory)"),
         (t.optimizer_states != "8bit" or not cfg.spec.own_optimizer,
          f"training.optimizer_states=8bit is AdamW's, and the {cfg.kind} kind trains with its own optimizer "
          f"({cfg.spec.own_optimizer}), whose states stay fp32: drop training.optimizer_states"),

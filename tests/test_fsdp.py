@@ -158,6 +158,85 @@ def test_a_two_process_checkpoint_resumes_on_two_three_and_one_exactly(tmp_path,
         torch.testing.assert_close(one[k], want[k], rtol=1e-4, atol=1e-5, msg=k)
 
 
+def header(shard: Path) -> dict:
+    """A safetensors file's header: each tensor's dtype, shape and offsets."""
+    data = shard.read_bytes()
+    return json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
+
+
+def test_8bit_moments_shard_with_the_rows_and_resume_on_two_and_one_process(tmp_path, data_dir):
+    """training.optimizer_states=8bit under fsdp / hsdp: each process keeps the 8-bit codes and scales of its
+    rows of each weight (DTensors, sharded as the weight is), rounded with the random bits of their places in the
+    whole weight, so two processes train as one does at the same global batch with half the state each; the
+    checkpoint gathered from the shards is a one-process run's optimizer state, and a sharded one (uint8 codes
+    in the shards) resumes on two processes exactly and on one (the shards put together)."""
+    eight = {"optimizer_states": "8bit", "micro_batch_size": 3}
+    one = recipe(tmp_path, data_dir, "one", **{**eight, "micro_batch_size": 6})
+    assert run(lmforge_cmd("train", str(one)), cwd=REPO).returncode == 0
+    full = recipe(tmp_path, data_dir, "full", parallel="fsdp", fsdp_checkpoint="gathered", **eight)
+    done = torchrun(["train", str(full)], tmp_path / "runs" / "full")
+    assert done.returncode == 0, done.stderr[-3000:]
+    a, b = losses(tmp_path / "runs" / "one"), losses(tmp_path / "runs" / "full")
+    assert sorted(a) == sorted(b) == list(range(1, 7))
+    # The gradients differ by the order of float sums only, and the rounding bits are the same: a code can land
+    # on the other side of a rounding point where a moment sits right at one, a 2^-3 step of that one value.
+    for s in a:
+        assert b[s] == pytest.approx(a[s], rel=1e-5), s
+    state = [rows(tmp_path / "runs" / n)[0]["train/state_mb"] for n in ("one", "full")]
+    assert 0.45 < state[1] / state[0] < 0.56, state  # process 0's rows: half, and the padding of uneven splits
+    # Gathered on process 0, the state is a one-process run's: the same entries, dtypes and shapes, and the same
+    # codes but for those few near a rounding point (the bits of process 1's rows follow their place in the
+    # weight: hashing its own rows' indices instead, 52-70% of its codes differed, and the step-6 loss by 4e-5).
+    mine = load_file(str(tmp_path / "runs" / "full" / "checkpoints" / "step-000006" / "optimizer.safetensors"))
+    want = load_file(str(tmp_path / "runs" / "one" / "checkpoints" / "step-000006" / "optimizer.safetensors"))
+    assert {k: (v.dtype, v.shape) for k, v in mine.items()} == {k: (v.dtype, v.shape) for k, v in want.items()}
+    codes = [k for k, v in want.items() if v.dtype == torch.uint8]
+    assert codes
+    for k in codes:
+        assert (mine[k] != want[k]).float().mean() < 0.01, k
+    final = load_file(str(tmp_path / "runs" / "full" / "checkpoints" / "step-000006" / "model.safetensors"))
+    # Stopped at step 3, sharded: the shards hold the codes as uint8 (an 8-bit weight's moments: no fp32 copy).
+    cut = recipe(tmp_path, data_dir, "cut", parallel="fsdp", max_steps=3, **eight)
+    done = torchrun(["train", str(cut)], tmp_path / "runs" / "cut")
+    assert done.returncode == 0, done.stderr[-3000:]
+    written = tmp_path / "runs" / "cut" / "checkpoints" / "step-000003"
+    saved = {}
+    for shard in sorted((written / "shards").iterdir()):
+        for k, v in header(shard).items():
+            saved.setdefault(k, set()).add(v["dtype"] if k != "__metadata__" else "")
+    wte = "optim.tok_embed.weight."  # (384, 32): 192 rows a process
+    assert {k[len(wte):]: v for k, v in saved.items() if k.startswith(wte)} == {
+        "exp_avg": {"U8"}, "exp_avg_sq_sqrt": {"U8"}, "exp_avg_scale": {"F32"}, "exp_avg_sq_sqrt_scale": {"F32"},
+        "step": {"I64"}}
+    import shutil
+
+    shutil.copytree(tmp_path / "runs" / "cut", tmp_path / "runs" / "cut1")
+    on_two = torchrun(["train", str(cut), "training.max_steps=6", "--resume"], tmp_path / "runs" / "cut")
+    assert on_two.returncode == 0, on_two.stderr[-3000:]
+    assert losses(tmp_path / "runs" / "cut") == losses(tmp_path / "runs" / "full")
+    got = weights(tmp_path / "runs" / "cut" / "checkpoints" / "step-000006")
+    assert got.keys() == final.keys() and all(torch.equal(got[k], final[k]) for k in final)
+    on_one = run(lmforge_cmd("train", str(cut), "name=cut1", "training.max_steps=6", "training.micro_batch_size=6",
+                             "training.parallel=ddp", "--resume"), cwd=REPO)
+    assert on_one.returncode == 0 and "written by 2 process(es), resuming on 1" in on_one.stdout, on_one.stderr
+    got = load_file(str(tmp_path / "runs" / "cut1" / "checkpoints" / "step-000006" / "model.safetensors"))
+    for k in final:
+        torch.testing.assert_close(got[k], final[k], rtol=1e-4, atol=1e-5, msg=k)
+    # The other way: the one-process run's step-3 checkpoint (the full state, every process reads it and keeps
+    # its rows) resumed on two processes under hsdp (one machine: the mesh (replicate 1, shard 2)) goes on as the
+    # one-process run did.
+    shutil.copytree(tmp_path / "runs" / "one", tmp_path / "runs" / "hsdp")
+    shutil.rmtree(tmp_path / "runs" / "hsdp" / "checkpoints" / "step-000006")
+    hsdp = torchrun(["train", str(one), "name=hsdp", "training.parallel=hsdp", "training.micro_batch_size=3",
+                     "--resume"], tmp_path / "unused")
+    assert hsdp.returncode == 0 and "written by 1 process(es), resuming on 2" in hsdp.stdout, hsdp.stderr[-3000:]
+    resumed = next(r for r in rows(tmp_path / "runs" / "hsdp") if r["step"] == 4 and "train/state_mb" in r)
+    assert resumed["train/state_mb"] == pytest.approx(state[1])
+    c = losses(tmp_path / "runs" / "hsdp")
+    for s in (4, 5, 6):
+        assert c[s] == pytest.approx(a[s], rel=1e-5), s
+
+
 def test_bf16_shards_compute_in_bf16_and_keep_fp32_weights(tmp_path, data_dir):
     """With precision bf16 the (compiled) blocks compute on bf16 copies of the weights (the losses differ
     from the fp32 run's by rounding, not more) while the stored weights, and so the checkpoint, stay fp32."""

@@ -25,6 +25,18 @@ host mixes from the seed, the step and the parameter's index; its low 20 bits ro
 20 the second): a resumed run and every DDP process get the same bits, whatever rows are stepped together,
 for a dozen integer operations per value and no generator per parameter.
 
+Under FSDP (``training.parallel`` fsdp / hsdp: FSDP2's parameters are DTensors split by rows, dimension 0, as
+``torch.chunk`` splits them) each process keeps the moments of its own rows: the codes are a DTensor of the
+parameter's shape and the scales one of shape (rows, blocks), both sharded as the parameter is, and each
+process steps the local tensors of its rows (blocks never cross a row, so a block is always whole on one
+process). Their random bits are those of the rows' places in the whole parameter (the key of its local values
+plus the flat index of its first one), so two processes write the codes one process would, given the same
+gradients. A process that holds no rows of a parameter (fewer rows than processes) skips it. Being DTensors,
+the codes and scales go through ``torch.distributed.checkpoint`` like any optimizer state: a sharded checkpoint
+resumes on any number of processes, and gathered (``fsdp.full_optimizer_state``) they are a single process's
+state, the same entries and shapes, so checkpoints move between sharded and unsharded runs either way.
+``training.fsdp_offload`` keeps them with the shards in CPU memory, where the CPU's eager step runs.
+
 How a step runs (launch-bound on a GPU, a string of passes over memory on a CPU):
 
 - the 8-bit parameters: with ``compile=True`` (``training.compile``), one ``torch.compile``'d function over
@@ -44,6 +56,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import sys
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -206,8 +219,9 @@ def _adamw_rows(p: torch.Tensor, grad: torch.Tensor, m_codes: torch.Tensor, m_sc
                 skip: torch.Tensor | None, first: int) -> None:
     """One AdamW step of rows of an 8-bit parameter, in place: ``p``, ``grad`` and the codes of shape (rows,
     blocks, block), the scales (rows, blocks), ``hyper`` (``_HYPER`` values) and ``key`` (``rounding_key``) on
-    the device. ``first``: the flat index of the rows' first value in the parameter (the random bits follow
-    it, not the rows stepped together). With ``skip`` (a bool on the device) true, everything is left as it was."""
+    the device. ``first``: the flat index of the rows' first value in the (local) parameter: the random bits
+    follow it, not the rows stepped together (under FSDP ``key`` adds the index of the process's first value in
+    the whole parameter). With ``skip`` (a bool on the device) true, everything is left as it was."""
     decay, minus_step, eps, one_minus_beta1, one_minus_beta2 = hyper.unbind()
     grad = grad.float()
     m = dequantize(m_codes, m_scale).lerp_(grad, one_minus_beta1)
@@ -262,12 +276,51 @@ def _compile(fn: Any) -> Any:
         return None
 
 
+def _is_dtensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor (FSDP2's parameters, their gradients, their states). Without importing
+    torch.distributed.tensor (seconds) where nothing has: no DTensor exists then."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This process's part of ``t``: a DTensor's local tensor (a view: written in place), else ``t``."""
+    return t._local_tensor if _is_dtensor(t) else t
+
+
+def _sharded_like(p: torch.Tensor, local: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``local`` (a state's rows of ``p``'s local rows) as a DTensor of global ``shape``, sharded as ``p`` is,
+    where ``p`` is a DTensor; else ``local`` itself."""
+    if not _is_dtensor(p):
+        return local
+    stride = torch.empty(shape, device="meta").stride()
+    return type(p).from_local(local, p.device_mesh, p.placements, run_check=False, shape=torch.Size(shape),
+                              stride=stride)
+
+
+def _first_index(p: torch.Tensor) -> int:
+    """The flat index in ``p`` (a DTensor: in the whole parameter) of this process's first value. A DTensor
+    must be split by rows only (FSDP2's Shard(0), over any mesh: hsdp's (Replicate, Shard(0)) too): the
+    8-bit step works on whole rows."""
+    if not _is_dtensor(p):
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    if tuple(shape[1:]) != tuple(p.shape[1:]) or any(offset[1:]):
+        raise LMForgeError(f"training.optimizer_states=8bit steps a sharded parameter by whole rows, and this one "
+                           f"(shape {tuple(p.shape)}) is split along another dimension ({p.placements}): shard "
+                           "dimension 0 only (FSDP2's default), or use training.optimizer_states=fp32")
+    return int(offset[0]) * (p.numel() // p.shape[0])
+
+
 class AdamW8bit(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias-corrected moments) with 8-bit moments; see the module's text.
 
     State per 8-bit parameter: ``exp_avg`` and ``exp_avg_sq_sqrt`` (uint8 codes, the parameter's shape),
     ``exp_avg_scale`` and ``exp_avg_sq_sqrt_scale`` (fp32, one per block), ``step`` (a CPU tensor, read
-    without waiting for the device). Others: ``exp_avg``, ``exp_avg_sq`` in fp32, as torch's AdamW.
+    without waiting for the device). Others: ``exp_avg``, ``exp_avg_sq`` in fp32, as torch's AdamW. For a
+    parameter FSDP shards (a DTensor), the moments are DTensors sharded as it is (see the module's text).
     ``found_inf``, when the training loop sets it (a device scalar, 1 after a non-finite step), makes
     each step leave weights and moments as they were, without the host reading it (but for the eager step of
     parameters on the CPU, where reading it waits for nothing); the step count still advances (the loop stops
@@ -286,6 +339,7 @@ class AdamW8bit(torch.optim.Optimizer):
         self.seed = int(seed)
         self.found_inf: torch.Tensor | None = None
         self._compiled = _compile(_step_8bit) if compile else None
+        self._firsts: dict[torch.Tensor, int] = {}  # each sharded 8-bit parameter's ``_first_index``
 
     def state_shapes(self, p: torch.Tensor) -> dict[str, tuple[int, ...]]:
         """The shape of each tensor of ``p``'s state (checked when a checkpoint's state is loaded)."""
@@ -305,10 +359,13 @@ class AdamW8bit(torch.optim.Optimizer):
         rest = {index: {k: v for k, v in entry.items() if k not in _KEPT_AS_SAVED}
                 for index, entry in state_dict["state"].items()}
         super().load_state_dict({**state_dict, "state": rest})
-        params = [p for g in self.param_groups for p in g["params"]]
-        for index, entry in kept.items():
+        # the saved groups' parameter keys (numbers; names where torch.distributed.checkpoint hands the state
+        # in: its values then DTensors, sharded as the parameters are) in the order of this optimizer's
+        keys = [k for g in state_dict["param_groups"] for k in g["params"]]
+        params = dict(zip(keys, (p for g in self.param_groups for p in g["params"]), strict=True))
+        for key, entry in kept.items():
             for name, value in entry.items():
-                self.state[params[index]][name] = value.to(params[index].device)
+                self.state[params[key]][name] = value.to(params[key].device)
 
     @staticmethod
     def _layout(p: torch.Tensor) -> tuple[int, int, int] | None:
@@ -323,13 +380,16 @@ class AdamW8bit(torch.optim.Optimizer):
         state = self.state[p]
         state["step"] = torch.zeros((), dtype=torch.int64)
         layout = self._layout(p)
-        if layout is None:
+        if layout is None:  # (a DTensor's zeros_like is a DTensor sharded as it is)
             state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(state["exp_avg"])
         else:
-            for name in ("exp_avg", "exp_avg_sq_sqrt"):
-                state[name] = torch.zeros(p.shape, dtype=torch.uint8, device=p.device)  # code 0 is 0.0
-                state[f"{name}_scale"] = torch.zeros(layout[:2], dtype=torch.float32, device=p.device)
+            local = _local(p)
+            for name in ("exp_avg", "exp_avg_sq_sqrt"):  # code 0 is 0.0
+                state[name] = _sharded_like(p, torch.zeros(local.shape, dtype=torch.uint8, device=local.device),
+                                            tuple(p.shape))
+                state[f"{name}_scale"] = _sharded_like(
+                    p, torch.zeros((local.shape[0], layout[1]), dtype=torch.float32, device=local.device), layout[:2])
         return state
 
     @torch.no_grad()
@@ -360,15 +420,22 @@ class AdamW8bit(torch.optim.Optimizer):
     def _step_on(self, device: torch.device, todo: list[tuple[dict[str, Any], int, torch.Tensor, dict[str, Any], int]]
                  ) -> None:
         """The step of ``todo``'s parameters (group, index, parameter, state, step count), all on ``device``."""
-        eight = [t for t in todo if "exp_avg_scale" in t[3]]
-        small = [t for t in todo if "exp_avg_scale" not in t[3]]
+        # Under FSDP each process steps its own rows (DTensors' local tensors: views, written in place), with
+        # the rounding bits of their places in the whole parameter (``random_bits`` hashes index + key: the key
+        # plus the flat index of the first local value is the whole parameter's key for local indices), and
+        # skips a parameter it holds no rows of (fewer rows than processes).
+        todo = [t for t in map(self._local_part, todo) if t[2].numel()]
+        if not todo:
+            return
+        eight = [t for t in todo if "exp_avg_scale" in t[4]]
+        small = [t for t in todo if "exp_avg_scale" not in t[4]]
         # Every number the step needs on the device, in one host-to-device copy: the 8-bit parameters'
         # hyper-parameters, the fp32 ones' step counts (read there by the fused kernel), the hash keys.
         floats, keys = [], []
-        for group, index, _, _, step in eight:
+        for group, index, _, _, _, step, first in eight:
             floats += _hyper(group, step)
-            keys.append(rounding_key(self.seed, step, index))
-        floats += [float(step) for *_, step in small]
+            keys.append(_int32(rounding_key(self.seed, step, index) + first))
+        floats += [float(t[5]) for t in small]
         # (as int32: the keys' bits never pass through a float copy, where some would read as NaN)
         host = torch.cat([torch.tensor(floats, dtype=torch.float32).view(torch.int32),
                           torch.tensor(keys, dtype=torch.int32)])
@@ -382,10 +449,10 @@ class AdamW8bit(torch.optim.Optimizer):
         # the loop's flag, on this device (a no-op where it is already there)
         skip = None if self.found_inf is None else self.found_inf.to(device, non_blocking=True)
         if eight:
-            shapes = [(*t[3]["exp_avg_scale"].shape, -1) for t in eight]  # (rows, blocks, block)
-            states = [t[3] for t in eight]
+            shapes = [(*t[4]["exp_avg_scale"].shape, -1) for t in eight]  # (rows, blocks, block)
+            states = [t[4] for t in eight]
             self._step_8bit([t[2].view(s) for t, s in zip(eight, shapes)],
-                            [t[2].grad.reshape(s) for t, s in zip(eight, shapes)],
+                            [t[3].reshape(s) for t, s in zip(eight, shapes)],
                             [s["exp_avg"].view(shape) for s, shape in zip(states, shapes)],
                             [s["exp_avg_scale"] for s in states],
                             [s["exp_avg_sq_sqrt"].view(shape) for s, shape in zip(states, shapes)],
@@ -398,14 +465,26 @@ class AdamW8bit(torch.optim.Optimizer):
             params = [small[k][2] for k in ks]
             # The fused kernel takes one dtype: other weights (bf16, ...) are stepped in an fp32 copy
             params32 = [p if p.dtype == torch.float32 else p.float() for p in params]
-            torch._fused_adamw_(params32, [p.grad.float() for p in params], [small[k][3]["exp_avg"] for k in ks],
-                                [small[k][3]["exp_avg_sq"] for k in ks], [], [small_steps[k] for k in ks],
+            torch._fused_adamw_(params32, [small[k][3].float() for k in ks], [small[k][4]["exp_avg"] for k in ks],
+                                [small[k][4]["exp_avg_sq"] for k in ks], [], [small_steps[k] for k in ks],
                                 lr=float(group["lr"]), beta1=group["betas"][0], beta2=group["betas"][1],
                                 weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False,
                                 grad_scale=None, found_inf=skip)
             for p, p32 in zip(params, params32, strict=True):
                 if p32 is not p:
                     p.copy_(p32)
+
+    def _local_part(self, entry: tuple[dict[str, Any], int, torch.Tensor, dict[str, Any], int]) -> tuple[Any, ...]:
+        """``_step_on``'s entry (group, index, parameter, state, step count) as (group, index, parameter, gradient,
+        state, step count, first): of a DTensor, this process's parts (local tensors) and the flat index of its
+        first value in the whole parameter (``_first_index``, worked out once per parameter); else 0."""
+        group, index, p, state, step = entry
+        if not _is_dtensor(p):
+            return group, index, p, p.grad, state, step, 0
+        first = self._firsts.get(p)
+        if first is None and "exp_avg_scale" in state:
+            first = self._firsts[p] = _first_index(p)
+        return group, index, _local(p), _local(p.grad), {k: _local(v) for k, v in state.items()}, step, first or 0
 
     def _step_8bit(self, *args: Any) -> None:
         """``_step_8bit`` of ``args`` (its arguments but ``chunk``, and ``found_inf`` for ``skip``): compiled, or
