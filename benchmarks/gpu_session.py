@@ -85,6 +85,13 @@ STEPS: list[tuple[str, list[str], int, int]] = [
     # on a GPU: the held-out losses side by side and the memory each held (printed to the log; its working
     # files stay in /tmp, leaving $OUT's few returned files to the others)
     ("fsdp_train_check", [PY, "benchmarks/fsdp_train_check.py", "--out", "/tmp/fsdp_train", "--offload"], 240, 120),
+    # AdamW's 8-bit moments under FSDP (sharded with the rows since the fifth lease; its compiled step on local
+    # rows): against fsdp_one_1b (56,657 tokens/s, 44,764 MiB on the fifth lease), and with offload, where the
+    # 8-bit step runs on the CPU: against offload_1b (11,491 tokens/s, 30,173 MiB)
+    ("fsdp_one_1b_8bit", [*TORCHRUN_ONE, "bench", *LLAMA_1B, "training.parallel=fsdp",
+                          "training.optimizer_states=8bit", "--steps", "10", "--json"], 260, 120),
+    ("offload_1b_8bit", [*TORCHRUN_ONE, "bench", *LLAMA_1B, "training.parallel=fsdp", "training.fsdp_offload=true",
+                         "training.optimizer_states=8bit", "--steps", "5", "--json"], 240, 120),
     ("bench_1b", [PY, "-m", "lmforge", "bench", *LLAMA_1B, "--steps", "10", "--json"], 200, 100),
     # mHC's cost where the model is wider: its bytes grow with the width, the matmuls' work with its square
     ("mhc_on_1b", [PY, "-m", "lmforge", "bench", *MHC_1B, "--steps", "10", "--json"], 420, 300),
