@@ -398,3 +398,21 @@ def test_rounding_bits_come_from_seed_step_and_parameter_not_the_global_generato
 
     assert torch.equal(stepped(1, seed=0), stepped(2, seed=0))
     assert not torch.equal(stepped(1, seed=0), stepped(1, seed=1))
+
+
+def test_sharded_8bit_moments_equal_one_process_and_stay_with_offloaded_shards(tmp_path):
+    """Over three processes (FSDP2 on gloo: rows split unevenly, a 4-row weight leaving one process none):
+    the codes, scales and weights one process writes, bit for bit, after steps, after loading a single
+    process's full state by names and after a torch.distributed.checkpoint round trip; and offloaded shards
+    (a CUDA mesh, shards in CPU memory) keep their moments in CPU memory (tests/fsdp_8bit_worker.py)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).parent.parent
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
+                           str(repo / "tests" / "fsdp_8bit_worker.py"), str(tmp_path / "checkpoint")],
+                          cwd=repo, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("the same codes, scales and weights as one process; offloaded moments in CPU memory") \
+        == 3, done.stdout

@@ -293,9 +293,14 @@ def _sharded_like(p: torch.Tensor, local: torch.Tensor, shape: tuple[int, ...]) 
     where ``p`` is a DTensor; else ``local`` itself."""
     if not _is_dtensor(p):
         return local
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    # Built as FSDP2 builds its sharded parameters, not with DTensor.from_local, which would move ``local`` to the
+    # mesh's device type: under training.fsdp_offload the mesh is CUDA's while the shards (and so the moments)
+    # stay in CPU memory.
     stride = torch.empty(shape, device="meta").stride()
-    return type(p).from_local(local, p.device_mesh, p.placements, run_check=False, shape=torch.Size(shape),
-                              stride=stride)
+    spec = DTensorSpec(p.device_mesh, p.placements, tensor_meta=TensorMeta(torch.Size(shape), stride, local.dtype))
+    return type(p)(local, spec, requires_grad=False)
 
 
 def _first_index(p: torch.Tensor) -> int:
@@ -528,7 +533,8 @@ def default_optimizer(model: Any, cfg: Any, device: torch.device) -> torch.optim
 
 def moment_bytes(params: Iterable[torch.Tensor], optimizer_states: str) -> int:
     """Bytes AdamW's moments of ``params`` take with ``optimizer_states`` (fp32 | 8bit), from their shapes
-    (meta tensors do): 8 a weight in fp32; 2 a weight plus 8 per block in 8 bits."""
+    (meta tensors do): 8 a weight in fp32; 2 a weight plus 8 per block in 8 bits. Whole tensors: under FSDP,
+    the total over the processes."""
     total = 0
     for p in params:
         layout = AdamW8bit._layout(p) if optimizer_states == "8bit" else None
@@ -538,8 +544,8 @@ def moment_bytes(params: Iterable[torch.Tensor], optimizer_states: str) -> int:
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes the optimizer's state tensors hold on this process (moments, scales, steps)."""
-    return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
-               if torch.is_tensor(v))
+    return sum(_local(v).numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
+               if torch.is_tensor(v))  # (under FSDP: this process's shards)
 
 
 __all__ = ["AdamW8bit", "OPTIMIZER_STATES", "block_size", "default_optimizer", "dequantize", "make_adamw",
