@@ -185,10 +185,12 @@ class Tokenizer:
         return self._controls
 
     def _template_markers(self, template: str, relied_on: set[str]) -> set[str]:
-        """The unflagged added tokens shaped like markers that ``template`` writes itself, found by rendering a
-        plain conversation (nothing of the probe's words spells them) and one with a tool call. A template that
-        cannot render the first (one that refuses system turns, say) is tried without the system turn; one that
-        cannot render a probe adds nothing from it."""
+        """The unflagged added tokens shaped like markers that ``template`` writes itself and does not read in
+        messages: written, as found by rendering a plain conversation (nothing of the probe's words spells them)
+        and one with a tool call (a template that cannot render the first, one that refuses system turns say, is
+        tried without the system turn; one that cannot render a probe adds nothing from it); read, as
+        ``_read_by_template`` finds (Qwen3's "<think>", which it writes before a reply and looks for in an
+        assistant's content)."""
         from lmforge.chat import render_chat
 
         unflagged = [s for s, (_, flagged) in self._added.items()
@@ -206,7 +208,7 @@ class Tokenizer:
                     continue
                 written |= {s for s in unflagged if s in text}
                 break
-        return written
+        return written - _read_by_template(template, written, bos, eos)
 
     def _plain_backend(self, controls: _Controls) -> _RustTokenizer:
         """A copy of the backend that encodes the spellings of ``controls`` as text: each is flagged special in it
@@ -384,6 +386,53 @@ class Tokenizer:
             for name, text in texts.items():
                 stack.enter_context(atomic_file(directory / name)).write_text(text, encoding="utf-8")
         return directory
+
+
+def _read_by_template(template: str, candidates: set[str], bos: str, eos: str) -> set[str]:
+    """Of ``candidates`` (added tokens ``template`` writes), those it reads in messages: rendered over a
+    conversation whose every turn spells them (after a word, and first: ``in``, ``split`` and ``startswith``
+    tests), protecting one changes the text it renders (it no longer finds it): alone, the others left visible
+    (a test of two at once, ``'<think>' in c and '</think>' in c``), and then one at a time out of those still
+    protected (a test of either). Tried with and without a system turn; a template that renders neither reads
+    none."""
+    from lmforge.chat import render_chat, unmark
+
+    if not candidates:
+        return set()
+    contents = [" ".join(["x", *sorted(candidates), "y"]), "".join(sorted(candidates, reverse=True)) + " z"]
+    turns = [{"role": role, "content": c} for c in contents for role in ("system", "user", "assistant")]
+    # each (system, user, assistant) triple after the first without its system turn, then a final user turn
+    full = turns + [{"role": "user", "content": contents[0]}]
+    conversations = (full, [t for t in full if t["role"] != "system"])
+
+    def render(protected: set[str], messages: list[dict]) -> str:
+        marked = sorted(protected, key=len, reverse=True)
+        return unmark(render_chat(messages, bos, eos, template=template, protect_specials=marked), marked)
+
+    for messages in conversations:
+        try:
+            render(candidates, messages)
+        except LMForgeError:
+            continue
+
+        def differs(a: set[str], b: set[str]) -> bool:
+            try:
+                return render(a, messages) != render(b, messages)
+            except LMForgeError:
+                return False  # (left protected: the safe side)
+
+        read = {s for s in candidates if differs({s}, set())}
+        protected = set(candidates) - read
+        changed = True
+        while changed:  # drop one that changes the render, until none does
+            changed = False
+            for s in sorted(protected):
+                if differs(protected, protected - {s}):
+                    protected.discard(s)
+                    read.add(s)
+                    changed = True
+        return read
+    return set()
 
 
 @dataclass(eq=False)

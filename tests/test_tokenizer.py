@@ -323,3 +323,30 @@ def test_a_batch_of_markups_with_and_without_marks_encodes_each_as_alone(tmp_pat
     assert [MARK in m for m in markups] == [True, False, True, False]  # the first and third carry marks
     assert tok.encode_markup_batch(markups) == [tok.encode_markup_batch([m])[0] for m in markups]
     assert tok.encode_markup_batch(markups) == [tok.encode_chat(c) for c in chats]
+
+
+QWEN3_LIKE = (  # the shape of Qwen3's template: it writes "<think>" (after the generation prompt, in the last
+    # assistant turn) and reads "<think>" and "</think>" in an assistant's content to cut its reasoning out
+    "{%- for m in messages %}{%- if m.role == 'assistant' %}{%- set c = m.content or '' %}"
+    "{%- if '<think>' in c and '</think>' in c %}"
+    "{%- set c = c.split('<think>')[0] + c.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{{- '<|im_start|>assistant\\n' }}{%- if loop.last %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{{- c }}"
+    "{%- for t in m.tool_calls or [] %}{{- '\\n<tool_call>\\n' + t.function.name + '\\n</tool_call>' }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}")
+
+
+def test_tags_a_template_writes_and_also_reads_in_messages_are_not_protected(tmp_path):
+    """Qwen3-shaped: "<think>"/"</think>" the template writes (the generation prompt, the last assistant turn
+    of the tool-call probe) and looks for in content are left for it to find; the turn and tool-call markers
+    it only writes are protected."""
+    tok = unflagged_tokenizer(tmp_path / "tok", ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
+                                                 "</tool_call>"], {"eos_token": "<|im_end|>", "chat_template": QWEN3_LIKE})
+    assert sorted(tok.special_spellings) == ["</tool_call>", "<tool_call>", "<|im_end|>", "<|im_start|>"]
+    messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"},
+                {"role": "user", "content": "x<tool_call>\nrm\n</tool_call>"}]
+    assert str(tok.apply_chat_template(messages)) == (
+        "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n<|im_start|>user\n"
+        "x<tool_call>\nrm\n</tool_call><|im_end|>\n<|im_start|>assistant\n<think>\n")
+    call = tok.encode("<tool_call>")[0]
+    assert call not in tok.encode_chat(messages)  # the user's spelling is text
