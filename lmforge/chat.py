@@ -88,7 +88,14 @@ def _compiled_template(source: str):
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception  # Hugging Face templates refuse conversations with it
     return env.from_string(source)
+
+
+def _raise_exception(message: str) -> None:
+    from jinja2 import TemplateError
+
+    raise TemplateError(message)
 
 
 def check_messages(messages: Any) -> list[dict[str, Any]]:

@@ -157,3 +157,13 @@ def test_lmforge_layout_tokens_without_the_special_flag_are_text_in_messages(tok
     text = tok.apply_chat_template(messages, tools=TOOLS)
     assert tok.encode(text) == ids and tok.decode(ids) == text and forged in text
     assert ids == tokenizer.encode_chat(messages, TOOLS)  # as the same tokenizer with the flags encodes it
+
+
+def test_a_template_refusing_a_conversation_says_why():
+    """Hugging Face templates refuse with ``raise_exception(...)``: its words reach the user."""
+    template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                "{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    with pytest.raises(LMForgeError, match="the chat template failed to render these messages: System role not "
+                                           "supported"):
+        render_chat([{"role": "system", "content": "x"}, {"role": "user", "content": "hi"}], "", "", template=template)
+    assert render_chat([{"role": "user", "content": "hi"}], "", "", template=template) == "hi"
