@@ -130,7 +130,8 @@ def bench_lmforge(cfg, steps: int, warmup: int, devinfo: DeviceInfo) -> dict[str
 
 def _summary(info: dict[str, Any], cfg, steps: int, seconds: float, devinfo: DeviceInfo) -> dict[str, Any]:
     tokens = steps * cfg.training.micro_batch_size * cfg.spec.seq_len(cfg) * cfg.training.grad_accum_steps
-    out = {"system": info["system"], "params": info["params"], "tokens_per_s": tokens / seconds,
+    out = {"system": info["system"], "params": info["params"], "tokens_per_step": tokens // steps,
+           "tokens_per_s": tokens / seconds,
            **{k: info[k] for k in ("flops_per_token", "flops_per_token_llmc", "sharded") if k in info},
            "step_ms": 1000 * seconds / steps, "peak_memory_mb": peak_memory_mb(devinfo.device, reset=True)}
     mfu = model_flops_utilization(out["tokens_per_s"], info.get("flops_per_token", 0.0), devinfo.peak_flops)
