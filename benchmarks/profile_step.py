@@ -144,8 +144,11 @@ def host_ranges(trace: dict) -> list[tuple[str, float, int]]:
 
 def load_trace(path: str) -> dict:
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        return json.load(f)
+    try:
+        with opener(path, "rt") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:  # missing, not gzip, not JSON
+        raise SystemExit(f"{path}: not a readable Chrome trace ({e}); give a file written by --trace") from e
 
 
 def export_trace(prof, path: str) -> None:
