@@ -196,6 +196,61 @@ def test_carry_keeps_rows_until_they_halt_then_takes_fresh_examples():
     assert model._carry.halted.all() and model._carry.steps.tolist() == [2, 2, 2]
 
 
+def test_training_metrics_are_the_halted_rows_of_the_last_halt_max_steps_steps(monkeypatch):
+    """The window of training metrics against a list of each step's halted rows, kept here."""
+    from lmforge.recipes.puzzles import model as puzzles_model
+
+    model = trm(halt_max_steps=3)  # with exploration: rows halt at different steps
+    model.train()
+    seen = []  # per step: (halted, correct, token accuracy, q right, steps) of its rows
+    original = puzzles_model.PuzzleModel._act_loss
+
+    def spy(self, logits, q_halt, q_cont, target_q_cont, labels, halted, steps):
+        correct = ((logits.argmax(-1) == labels) | (labels == -100)).all(-1)
+        acc = (logits.argmax(-1) == labels).float().mean(-1)
+        seen.append((halted.clone(), correct, acc, (q_halt >= 0) == correct, steps.clone()))
+        return original(self, logits, q_halt, q_cont, target_q_cont, labels, halted, steps)
+
+    monkeypatch.setattr(puzzles_model.PuzzleModel, "_act_loss", spy)
+    halted_any = []
+    for step in range(8):
+        _, metrics = model(random_batch(n=3, seed=step))
+        window = seen[-3:]  # the last halt_max_steps steps
+        rows = sum(int(h.sum()) for h, *_ in window)
+        halted_any.append(rows > 0)
+        assert float(metrics["halted_rows"]) == rows
+        logged = model.logged_metrics({k: float(v) for k, v in metrics.items()})
+        if rows == 0:
+            assert not {"accuracy", "exact_accuracy", "steps"} & set(logged)
+            continue
+        assert logged["steps"] == pytest.approx(sum(float(s[h].sum()) for h, *_, s in window) / rows)
+        assert logged["accuracy"] == pytest.approx(sum(float(a[h].sum()) for h, _, a, *_ in window) / rows)
+        assert logged["exact_accuracy"] == pytest.approx(sum(float(c[h].sum()) for h, c, *_ in window) / rows)
+        assert logged["q_halt_accuracy"] == pytest.approx(sum(float(q[h].sum()) for h, _, _, q, _ in window) / rows)
+    assert not halted_any[0] and all(halted_any[2:])  # both cases were checked
+
+
+def test_compiled_training_step_neither_breaks_its_graph_nor_recompiles_as_steps_go_by():
+    """The metrics' window once recompiled the step for each of its lengths, up to dynamo's limit (8) and
+    then ran eagerly, and asked the device whether a row had halted at every step (a graph break). Traced
+    with the eager backend: dynamo's graphs and guards are the ones Inductor would compile."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = trm(halt_max_steps=6)
+    model.train()
+    compiled = torch.compile(model, backend="eager")
+    for step in range(10):
+        loss, metrics = compiled(random_batch(n=3, seed=step))
+        loss.backward()
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    # one graph for the first step (no carry yet), one for every later step
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    assert float(metrics["halted_rows"]) > 0
+    torch._dynamo.reset()
+
+
 # ---- EMA ---------------------------------------------------------------------------------------
 def test_ema_weights_swap_in_and_back():
     model = trm(ema_decay=0.5)

@@ -94,6 +94,11 @@ class LMForgeModel(nn.Module):
         """Whether weight decay applies to this parameter (default: matrices do, vectors do not)."""
         return param.dim() >= 2
 
+    def logged_metrics(self, values: dict[str, float]) -> dict[str, float]:
+        """The training metrics of a logged step, read from the device: the model's last word on them (e.g.
+        dropping a ratio over no rows), on the host, so that its steps never read the device to decide."""
+        return values
+
     # ---- hooks for families with extra training state (e.g. an EMA of the weights) -----------
     def on_optimizer_step(self) -> None:
         """Called by the loop after every optimizer update."""

@@ -682,7 +682,7 @@ class Trainer:
                         on_device = [k for k, v in metrics.items() if torch.is_tensor(v)]
                         read = torch.stack([torch.as_tensor(window.loss_sum, dtype=torch.float32), grad_norm.float(),
                                             *(metrics[k] for k in on_device)]).tolist()
-                        values = {**metrics, **dict(zip(on_device, read[2:]))}
+                        values = self.model.logged_metrics({**metrics, **dict(zip(on_device, read[2:]))})
                         tokens, examples, flops = self._count_window()  # all processes together
                         window.tokens, window.examples, window.flops = 0, 0, 0.0
                         tok_s = tokens / seconds

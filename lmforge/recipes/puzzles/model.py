@@ -22,7 +22,6 @@ from __future__ import annotations
 import abc
 import contextlib
 import math
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,7 +170,10 @@ class PuzzleModel(LMForgeModel, abc.ABC):
             self.register_buffer("L_init", trunc_normal_(torch.empty(h), 1.0))
         self.loss_fn = LOSSES[c.loss_type]
         self._carry: Carry | None = None
-        self._train_window: deque[torch.Tensor] = deque(maxlen=max(1, c.halt_max_steps))
+        # The training metrics' sums over the last halt_max_steps steps (rows, accuracy, exact, q right,
+        # steps), oldest first: one tensor updated in place, so that a compiled step neither recompiles as a
+        # list of them grows nor reads the device to ask whether a row has halted yet (see logged_metrics).
+        self._train_window: torch.Tensor | None = None
         self._ema: list[torch.Tensor] | None = None
 
     # ---- the family-specific part -------------------------------------------------------------
@@ -270,17 +272,27 @@ class PuzzleModel(LMForgeModel, abc.ABC):
             acc = self._token_accuracy(logits, labels)
             sums = torch.stack([valid.sum().float(), (acc * valid).sum(), (correct & valid).sum().float(),
                                 (((q_halt >= 0) == correct) & valid).sum().float(), (steps * valid).sum().float()])
-            self._train_window.append(sums)
-            window = torch.stack(list(self._train_window)).sum(0)
+            if self._train_window is None or self._train_window.device != sums.device:
+                self._train_window = sums.new_zeros(max(1, self.config.halt_max_steps), sums.numel())
+            self._train_window.copy_(torch.cat([self._train_window[1:], sums.unsqueeze(0)]))
+            window = self._train_window.sum(0)
             n = window[0]
+            rows = n.clamp_min(1)
+        # over the rows that finished in the last halt_max_steps steps (none yet: dropped by logged_metrics)
         metrics = {"lm_loss": lm_loss.detach() / bsz, "q_halt_loss": q_halt_loss.detach() / bsz,
-                   "halted_rows": n}
-        if n > 0:  # over the rows that finished in the last halt_max_steps steps; none yet: not logged
-            metrics.update({"accuracy": window[1] / n, "exact_accuracy": window[2] / n,
-                            "q_halt_accuracy": window[3] / n, "steps": window[4] / n})
+                   "halted_rows": n, "accuracy": window[1] / rows, "exact_accuracy": window[2] / rows,
+                   "q_halt_accuracy": window[3] / rows, "steps": window[4] / rows}
         if target_q_cont is not None:
             metrics["q_continue_loss"] = q_cont_loss.detach() / bsz
         return total / bsz, metrics
+
+    # the ratios over the rows that halted in the window: logged once a row has
+    _WINDOW_RATIOS = ("accuracy", "exact_accuracy", "q_halt_accuracy", "steps")
+
+    def logged_metrics(self, values: dict[str, float]) -> dict[str, float]:
+        if values.get("halted_rows", 1) > 0:
+            return values
+        return {k: v for k, v in values.items() if k not in self._WINDOW_RATIOS}
 
     def _direct_forward(self, batch):
         """A model without ACT (the baseline): one pass, loss over every row."""
