@@ -72,7 +72,9 @@ def _cmd_train(args) -> int:
                                                           if result.best_checkpoint else ""))
         if result.stopped == "signal":
             print(f"resume with: lmforge train {args.recipe} {' '.join(args.overrides)} --resume".replace("  ", " "))
-    return 0
+    # Stopped by a signal, checkpoint saved: the shell's status for that signal (143 for SIGTERM, 130 for
+    # Ctrl-C), not success, so that a scheduler or job controller restarts the unfinished run (with --resume)
+    return 128 + result.signal if result.stopped == "signal" and result.signal else 0
 
 
 # ---- eval and generate: common options, then each training kind's --------------------------------
@@ -376,9 +378,9 @@ def _add_quickstart(sub) -> None:
 def _cmd_quickstart(args) -> int:
     from lmforge.quickstart import quickstart
 
-    quickstart(data=args.data, include=tuple(args.include), out=args.out, minutes=args.minutes,
-               max_bytes=args.max_bytes, vocab_size=args.vocab_size, overrides=args.overrides)
-    return 0
+    done = quickstart(data=args.data, include=tuple(args.include), out=args.out, minutes=args.minutes,
+                      max_bytes=args.max_bytes, vocab_size=args.vocab_size, overrides=args.overrides)
+    return 128 + done["signal"] if done.get("signal") else 0  # stopped by a signal: its status, as train's
 
 
 # ---- serve / chat -------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import signal
 import subprocess
 import sysconfig
 import time
@@ -138,6 +139,11 @@ def quickstart(data: str | None = None, include: tuple[str, ...] = (), out: str 
         by_time = cfg.training.schedule_over == "time"
         cfg.training.max_time_minutes = minutes if by_time else minutes * 1.1  # the budget, or a guard
     result = train(cfg)
+    if result.stopped == "signal":  # Ctrl-C or SIGTERM: the checkpoint is saved; the rest was not asked for
+        name = signal.Signals(result.signal).name if result.signal else "a signal"
+        print(f"stopped by {name} at step {result.step}: the held-out evaluation, plot and sample are skipped. "
+              f"Continue the training with: lmforge train {result.run_dir / 'config.yaml'} --resume")
+        return {"signal": result.signal, "run_dir": str(result.run_dir), "checkpoint": str(result.last_checkpoint)}
 
     _stage(5, "held-out evaluation")
     ckpt = result.best_checkpoint or result.last_checkpoint

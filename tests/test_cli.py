@@ -163,6 +163,40 @@ def test_quickstart_on_a_given_tree_beats_the_unigram_baseline(tmp_path, capsys)
     assert prompt in sample and sample.split(prompt, 1)[1].strip()  # the prompt was continued
 
 
+def test_quickstart_stopped_by_a_signal_skips_the_rest_and_says_how_to_continue(tmp_path, capsys, monkeypatch):
+    """SIGTERM (or Ctrl-C) while the quickstart trains: the loop saves a checkpoint; the evaluation, plot and
+    sample that would follow are skipped, the exit status is the signal's, and the printed command resumes."""
+    import os
+    import signal
+
+    from lmforge.train.loop import Trainer
+
+    real, calls = Trainer._train_step, [0]
+
+    def step_fn(self):
+        calls[0] += 1
+        if calls[0] == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(self)
+
+    monkeypatch.setattr(Trainer, "_train_step", step_fn)
+    corpus = write_go_corpus(tmp_path / "src", n_files=20)
+    argv = ["quickstart", "--data", str(corpus), "--out", str(tmp_path / "qs"), "--minutes", "10", "--vocab-size",
+            "300", "training.micro_batch_size=4", "data.seq_len=32", "model.n_positions=32", "model.n_layer=1",
+            "model.n_embd=32", "model.n_head=2", "training.max_steps=4"]
+    assert main(argv) == 128 + signal.SIGTERM
+    out = capsys.readouterr().out
+    assert "stopped by SIGTERM at step 2" in out and "held-out bits per byte" not in out
+    (run,) = (tmp_path / "qs" / "runs").glob("quickstart-*")
+    assert not (run / "loss.png").exists()
+    command = out.split("Continue the training with: ")[1].split()
+    assert command[:2] == ["lmforge", "train"] and command[-1] == "--resume"
+    monkeypatch.undo()
+    assert main(command[1:]) == 0
+    assert f"resuming from {run / 'checkpoints' / 'step-000002'} (step 2)" in capsys.readouterr().out
+    assert (run / "checkpoints" / "step-000004").is_dir()
+
+
 def test_quickstart_finds_goroot_else_the_python_standard_library_without_site_packages(monkeypatch):
     import shutil
     import sysconfig

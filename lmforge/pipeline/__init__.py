@@ -61,6 +61,7 @@ class StageRun:
     result: str  # ran | resumed | skipped | interrupted | failed | serve
     seconds: float = 0.0
     headline: str = ""
+    signal: int | None = None  # what stopped an interrupted stage
 
 
 @dataclass
@@ -69,6 +70,7 @@ class RunSummary:
     out_dir: str
     stages: list[StageRun] = field(default_factory=list)
     interrupted: str | None = None  # the stage a signal stopped (resumable)
+    signal: int | None = None  # and which signal (SIGTERM 15, SIGINT 2)
     serve_command: list[str] | None = None
 
 
@@ -131,7 +133,7 @@ def run_pipeline(file: str | os.PathLike, force: list[str] | tuple[str, ...] = (
                 run = _run_one(stage, pipe, state, force=stage.name in force, log=log)
                 summary.stages.append(run)
                 if run.result == "interrupted":
-                    summary.interrupted = stage.name
+                    summary.interrupted, summary.signal = stage.name, run.signal
                     break
                 if run.result == "serve":
                     summary.serve_command = serve_command(stage, pipe)
@@ -217,7 +219,7 @@ def _run_one(stage: Stage, pipe: Pipeline, state: PipelineState, force: bool, lo
         raise
     if outcome.interrupted:
         finish("interrupted", step=outcome.step, headline=outcome.headline)
-        return StageRun(stage.name, stage.kind, "interrupted", time.perf_counter() - start)
+        return StageRun(stage.name, stage.kind, "interrupted", time.perf_counter() - start, signal=outcome.signal)
     finish("done", finished_at=now(), step=outcome.step, headline=outcome.headline, **outcome.details)
     headline = (outcome.headline or {}).get("text", "")
     elapsed = time.perf_counter() - start

@@ -62,6 +62,7 @@ def _vars(args):
 
 
 def _cmd_run(args) -> int:
+    import signal
     import sys
 
     from lmforge.pipeline import Terminated, run_pipeline
@@ -72,7 +73,8 @@ def _cmd_run(args) -> int:
     except Terminated as e:  # a SIGTERM outside training: the stage is recorded as interrupted
         print("lmforge: terminated (SIGTERM); `lmforge pipeline run` again goes on from there", file=sys.stderr)
         return 128 + e.signum  # the shell's status for a process a SIGTERM ended (143)
-    return 130 if summary.interrupted else 0
+    # a training stage stopped at a checkpoint: the status of the signal that stopped it (143 SIGTERM, 130 Ctrl-C)
+    return 128 + (summary.signal or signal.SIGINT) if summary.interrupted else 0
 
 
 def _cmd_status(args) -> int:

@@ -43,6 +43,7 @@ EVAL_FILE = "metrics.json"
 class Outcome:
     headline: dict[str, Any] | None = None  # {"metric", "value", "text"} shown by `pipeline status`
     interrupted: bool = False  # a training run stopped by a signal: resumable
+    signal: int | None = None  # which signal stopped it (SIGTERM 15, SIGINT 2)
     step: int | None = None
     details: dict[str, Any] = field(default_factory=dict)
 
@@ -249,12 +250,13 @@ def _run_training(stage: Stage, pipe: Pipeline, resume: bool) -> Outcome:
     processes = stage_processes(stage)
     # FSDP needs a process group even on one process (training.fsdp_offload on one GPU): torchrun gives it
     if processes > 1 or cfg.training.parallel != "ddp":
-        step, stopped, max_steps = _torchrun(cfg, stage, pipe, processes, resume)
+        step, stopped, max_steps, signum = _torchrun(cfg, stage, pipe, processes, resume)
     else:
         result = train(cfg, resume=resume)
-        step, stopped, max_steps = result.step, result.stopped, cfg.training.max_steps
+        step, stopped, max_steps, signum = result.step, result.stopped, cfg.training.max_steps, result.signal
     return Outcome(headline=training_headline(cfg.run_dir, cfg.spec), interrupted=stopped == "signal",
-                   step=step, details={"stopped": stopped, "max_steps": max_steps})
+                   signal=signum if stopped == "signal" else None, step=step,
+                   details={"stopped": stopped, "max_steps": max_steps})
 
 
 DONE_LINE = re.compile(r"^done: step (\d+) \(([^)]*)\)")  # what `lmforge train` prints last (process 0)
@@ -264,10 +266,11 @@ ERROR_LINE = re.compile(r"lmforge: error: (.*)")  # what `lmforge train` prints 
 SHUTDOWN_SECONDS = "600"
 
 
-def _torchrun(cfg, stage: Stage, pipe: Pipeline, processes: int, resume: bool) -> tuple[int, str, int]:
+def _torchrun(cfg, stage: Stage, pipe: Pipeline, processes: int, resume: bool) -> tuple[int, str, int, int | None]:
     """Train ``cfg`` with ``torchrun --standalone --nproc_per_node PROCESSES -m lmforge train`` on its
     resolved config (written beside the run directory while it runs); its output passes through.
-    Returns the step, why it stopped (from process 0's last line) and the run's max_steps.
+    Returns the step, why it stopped (from process 0's last line), the run's max_steps, and the signal
+    that stopped it (the one passed on; SIGTERM for one the processes got from elsewhere, a scheduler's).
 
     torchrun runs in a session of its own, so the terminal's Ctrl-C reaches only this process, which
     sends it (or a SIGTERM it got) on to torchrun once: torchrun hands it to the processes, which
@@ -367,7 +370,8 @@ def _torchrun(cfg, stage: Stage, pipe: Pipeline, processes: int, resume: bool) -
     if done is not None and (proc.returncode == 0 or done.group(2) == "signal"):
         saved = yaml.safe_load((cfg.run_dir / "config.yaml").read_text()) or {}  # epochs resolved to steps
         max_steps = int((saved.get("training") or {}).get("max_steps", cfg.training.max_steps))
-        return int(done.group(1)), done.group(2), max_steps  # torchrun exits non-zero after passing a signal on
+        signum = (stopping[0] if stopping else signal.SIGTERM) if done.group(2) == "signal" else None
+        return int(done.group(1)), done.group(2), max_steps, signum  # torchrun exits non-zero after a signal
     if stopping:  # stopped before the processes could checkpoint (while they prepared their data, say)
         raise Terminated("signal SIGTERM (passed on to torchrun)") if signal.SIGTERM in stopping else KeyboardInterrupt
     why = error[0] if error else "their errors are printed above"

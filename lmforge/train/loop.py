@@ -122,13 +122,14 @@ class TrainResult:
     train_loss: float = float("nan")
     tokens_per_s: float = 0.0
     is_main: bool = True  # False on the other ranks of a torchrun job
+    signal: int | None = None  # the signal that stopped it (stopped == "signal"): SIGTERM's 15, SIGINT's 2
 
 
 class _StopFlag:
     """SIGTERM/SIGINT set a flag; the loop saves at the next step boundary. A second SIGINT aborts."""
 
     def __init__(self):
-        self.reason: str | None = None
+        self.signum: int | None = None
         self._previous: dict[int, Any] = {}
 
     def __enter__(self):
@@ -140,9 +141,9 @@ class _StopFlag:
         return self
 
     def _handle(self, signum, frame):
-        if self.reason is not None and signum == signal.SIGINT:
+        if self.signum is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        self.reason = signal.Signals(signum).name
+        self.signum = signum
 
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
@@ -626,6 +627,7 @@ class Trainer:
         # logging happen between steps and are left out.
         window = self._window  # a resume's: the steps since the last log line before the stop
         stopped, eval_metrics, train_loss, tok_s = "completed", {}, float("nan"), 0.0
+        signum = 0  # the signal the processes stop for (0: none)
         mfu_trusted = True  # False once the peak proved wrong (MFU above 100%)
         finished = self.train_seconds >= budget if by_time else self.step >= t.max_steps
         self.model.train()
@@ -648,16 +650,18 @@ class Trainer:
                     now = self.clock()
                     out_of_time = not by_time and budget > 0 and now - start > budget
                     progress = (self.train_seconds + now - step_start) / budget if by_time else 0.0
-                    signalled = stop.reason is not None
+                    signum = stop.signum or 0
                     if agree_every_step or (self.dist.enabled and due):
                         # Reduced across ranks: every process stops, and sets the same lr, at the same step.
-                        flags = torch.tensor([float(signalled), float(out_of_time), progress],
+                        # (the signal's number: a process that got none stops, and exits, as the others do)
+                        flags = torch.tensor([float(signum), float(out_of_time), progress],
                                              dtype=_reduce_dtype(self.dev.device), device=self.dev.device)
                         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
                         reduced = flags.tolist()
-                        signalled, out_of_time, progress = reduced[0] > 0, reduced[1] > 0, reduced[2]
+                        signum, out_of_time, progress = int(reduced[0]), reduced[1] > 0, reduced[2]
                     elif self.dist.enabled:  # a signal or the time limit is acted on at the next check step
-                        signalled = out_of_time = False
+                        signum, out_of_time = 0, False
+                    signalled = signum > 0
                     finished = progress >= 1.0 if by_time else step == t.max_steps
                     if due or finished or signalled or out_of_time or not nonfinite.on_device:
                         bad = nonfinite.bad_step(self.dist)
@@ -738,7 +742,8 @@ class Trainer:
                         self.save_checkpoint()
                 if stopped != "completed":
                     if is_main:
-                        reason = stop.reason or f"the {t.max_time_minutes:g}-minute time limit"
+                        reason = (signal.Signals(signum).name if stopped == "signal"
+                                  else f"the {t.max_time_minutes:g}-minute time limit")
                         tqdm.write(f"stopping at step {self.step} ({reason}): saving a checkpoint")
                     if stopped == "time":
                         eval_metrics = self._eval_and_keep_best(logger, bar)
@@ -751,7 +756,7 @@ class Trainer:
         return TrainResult(run_dir=self.run_dir, step=self.step, stopped=stopped,
                            last_checkpoint=self.last_checkpoint, best_checkpoint=best if best.is_dir() else None,
                            eval_metrics=eval_metrics, train_loss=train_loss, tokens_per_s=tok_s,
-                           is_main=self.dist.is_main)
+                           is_main=self.dist.is_main, signal=signum if stopped == "signal" else None)
 
     def _do_pending(self, logger: MetricsLogger | None, bar) -> dict[str, float]:
         """The evaluation and probe due at the step the resumed checkpoint was written at (by a signal's stop),
