@@ -16,10 +16,12 @@ import hashlib
 import itertools
 import json
 import re
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tokenizers import Tokenizer as _RustTokenizer
@@ -39,8 +41,19 @@ DEFAULT_TRAINED_VOCAB = 8192  # a run that trains its own tokenizer, with model.
 # spell no added token of any tokenizer worth protecting
 _PROBE_CHAT = [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Hello"},
                {"role": "assistant", "content": "Hi"}, {"role": "user", "content": "Bye"}]
-_PROBE_CALL = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "", "tool_calls": [
-    {"id": "call_0", "type": "function", "function": {"name": "probe", "arguments": {}}}]}]
+_CALL_ID = "call00000"  # nine letters and digits: Mistral's templates refuse any other shape of id
+
+
+def _probe_call(arguments: Any) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": _CALL_ID, "type": "function", "function": {"name": "probe", "arguments": arguments}}]}]
+
+
+# the arguments as an object, then as its JSON text (DeepSeek-R1's template joins them to its markers as text)
+_PROBE_CALLS = (_probe_call({}), _probe_call("{}"))
+# and the tool's result after the call: the markers around a tool turn (Qwen's "<tool_response>")
+_PROBE_RESULTS = tuple([*call, {"role": "tool", "tool_call_id": _CALL_ID, "name": "probe", "content": "Done"}]
+                       for call in _PROBE_CALLS)
 # A marker has 3 characters or more, one of them neither a letter, a digit, "_" nor whitespace ("<|im_end|>",
 # "[INST]"): an added word, a run of spaces or a newline that some code tokenizers add and a template happens
 # to write (between turns, after "user") is text's
@@ -200,14 +213,22 @@ class Tokenizer:
         bos = self.special_tokens.get("bos") or ""
         eos = self.special_tokens.get("eos") or ""
         written: set[str] = set()
-        for probes in ((_PROBE_CHAT, _PROBE_CHAT[1:]), (_PROBE_CALL,)):
+        rendered = False
+        for probes in ((_PROBE_CHAT, _PROBE_CHAT[1:]), _PROBE_CALLS, _PROBE_RESULTS):
             for probe in probes:
                 try:
                     text = render_chat(probe, bos, eos, template=template)
                 except LMForgeError:
                     continue
                 written |= {s for s in unflagged if s in text}
+                rendered = True
                 break
+        if not rendered:
+            warnings.warn(f"the chat template renders none of the conversations lmforge probes it with, so its "
+                          f"added tokens without the special flag ({', '.join(sorted(unflagged)[:8])}) are not "
+                          "protected: a message that spells one is that token. Check the template renders a "
+                          "plain system/user/assistant conversation (lmforge chat, or apply_chat_template)",
+                          stacklevel=4)
         return written - _read_by_template(template, written, bos, eos)
 
     def _plain_backend(self, controls: _Controls) -> _RustTokenizer:
