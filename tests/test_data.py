@@ -565,3 +565,15 @@ def test_too_few_tokens_for_seq_len(data_dir):
     small = PackedLoader(ds, seq_len=ds.num_tokens // 2, micro_batch_size=4)
     with pytest.raises(LMForgeError, match="fewer than one training step"):
         small.next_batch()
+
+
+def test_preparing_data_and_reading_shards_does_not_import_torch():
+    """`lmforge.data` (prepare, the shard reader) starts without torch (~2 s of imports): only the loader's batches
+    need it, and then it is there."""
+    import subprocess
+    import sys
+
+    code = ("import sys, numpy as np, lmforge.data, lmforge.data.prepare; assert 'torch' not in sys.modules, 'torch'; "
+            "from lmforge.data.loader import PackedLoader; assert 'torch' not in sys.modules")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

@@ -17,10 +17,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
+if TYPE_CHECKING:  # torch is imported where batches are made: the data verbs and --help start without it (~2 s)
+    import torch
 from lmforge.errors import LMForgeError
 
 META_FILE = "meta.json"
@@ -186,6 +188,8 @@ class PackedLoader:
         starts = windows * self.seq_len
         ids = self.dataset.gather(starts[:, None] + np.arange(self.seq_len + 1))
         self.dataset.check_ids(ids, starts)
+        import torch
+
         tokens = torch.from_numpy(ids)
         # contiguous copies, so callers can .view() them (e.g. flattening labels for cross-entropy)
         return {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
