@@ -33,6 +33,8 @@ from lmforge.models.base import LMForgeModel
 from lmforge.recipes.puzzles.layers import LOSSES, Rotary, lecun_linear, trunc_normal_
 
 IGNORE = -100
+# What the training metrics' window sums per step over the rows that halted (PuzzleModel._act_loss)
+_WINDOW_SUMS = ("rows", "accuracy", "exact", "q_right", "steps")
 POS_ENCODINGS = ("rope", "learned", "none")
 
 
@@ -223,14 +225,9 @@ class PuzzleModel(LMForgeModel, abc.ABC):
             return self._direct_forward(batch)
         c = self.config
         bsz, device = batch["inputs"].shape[0], batch["inputs"].device
-        carry = self._carry
-        if carry is None or carry.halted.shape[0] != bsz or carry.z_h.device != device:
-            z_h, z_l = self.initial_state(bsz, device)
-            carry = Carry(z_h, z_l, torch.zeros(bsz, dtype=torch.int32, device=device),
-                          torch.ones(bsz, dtype=torch.bool, device=device), {})
+        carry = self._carry_for(batch)
         fresh = carry.halted
-        data = {k: (torch.where(fresh.view(-1, *([1] * (v.dim() - 1))), v, carry.data[k])
-                    if k in carry.data else v) for k, v in batch.items()}
+        data = {k: torch.where(fresh.view(-1, *([1] * (v.dim() - 1))), v, carry.data[k]) for k, v in batch.items()}
         init_h, init_l = self.initial_state(bsz, device)
         z_h = torch.where(fresh.view(-1, 1, 1), init_h, carry.z_h)
         z_l = torch.where(fresh.view(-1, 1, 1), init_l, carry.z_l)
@@ -257,6 +254,22 @@ class PuzzleModel(LMForgeModel, abc.ABC):
                             {k: v.detach() for k, v in data.items()})
         return self._act_loss(logits, q_halt, q_cont, target_q_cont, data["labels"], halted, steps)
 
+    @torch.compiler.disable
+    def _carry_for(self, batch: dict[str, torch.Tensor]) -> Carry:
+        """The carry this step continues: the last step's, or at the start (or when the batch's size or device
+        changed) a fresh one, every row halted, so that each takes its example from ``batch``. Outside the
+        compiled graph: the first step then compiles the same graph as every later one (a second compile of the
+        whole step, 43 s for trm_sudoku on an H200, when this was traced). Also makes the metrics' window."""
+        bsz, device = batch["inputs"].shape[0], batch["inputs"].device
+        carry = self._carry
+        if carry is None or carry.halted.shape[0] != bsz or carry.z_h.device != device:
+            z_h, z_l = self.initial_state(bsz, device)
+            carry = Carry(z_h, z_l, torch.zeros(bsz, dtype=torch.int32, device=device),
+                          torch.ones(bsz, dtype=torch.bool, device=device), {k: v.detach() for k, v in batch.items()})
+        if self._train_window is None or self._train_window.device != device:
+            self._train_window = torch.zeros(max(1, self.config.halt_max_steps), len(_WINDOW_SUMS), device=device)
+        return carry
+
     def _act_loss(self, logits, q_halt, q_cont, target_q_cont, labels, halted, steps):
         bsz = labels.shape[0]
         lm_loss, correct = self._lm_loss(logits, labels)
@@ -270,10 +283,8 @@ class PuzzleModel(LMForgeModel, abc.ABC):
         with torch.no_grad():
             valid = halted & ((labels != IGNORE).sum(-1) > 0)
             acc = self._token_accuracy(logits, labels)
-            sums = torch.stack([valid.sum().float(), (acc * valid).sum(), (correct & valid).sum().float(),
+            sums = torch.stack([valid.sum().float(), (acc * valid).sum(), (correct & valid).sum().float(),  # _WINDOW_SUMS
                                 (((q_halt >= 0) == correct) & valid).sum().float(), (steps * valid).sum().float()])
-            if self._train_window is None or self._train_window.device != sums.device:
-                self._train_window = sums.new_zeros(max(1, self.config.halt_max_steps), sums.numel())
             self._train_window.copy_(torch.cat([self._train_window[1:], sums.unsqueeze(0)]))
             window = self._train_window.sum(0)
             n = window[0]
