@@ -39,6 +39,8 @@ def run_quickstart(out: Path, minutes: float, busy_seconds: float, overrides: li
         for p in spinners:
             p.terminate()  # already gone unless the quickstart ended first
             p.join()
+    if result.get("signal"):  # stopped by Ctrl-C / SIGTERM: no held-out figures to report
+        raise SystemExit(128 + result["signal"])
     last = latest_checkpoint(Path(result["run_dir"]) / "checkpoints")
     state = json.loads((last / "trainer_state.json").read_text())
     return {"bpb": result["bpb"], "unigram_bpb": result["unigram_bpb"], "steps": state["step"],

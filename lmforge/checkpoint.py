@@ -55,6 +55,11 @@ SHARDS_FILE = "shards.json"
 SHARDS_FORMAT = "lmforge-shards"
 SHARDS_VERSION = 1
 _DCP_OFFSETS = "DCP_SHARDING_INFO"  # the header entry in which torch's HuggingFaceStorageWriter puts the offsets
+# The sha256 of every safetensors file of a checkpoint (weights, optimizer state, shards), written with it: a file
+# whose bytes changed since (a bad disk, a copy cut short, an edit) is named when the checkpoint is resumed from
+# or verified (`lmforge checkpoint verify`), instead of training on from damaged numbers.
+CHECKSUMS_FILE = "checksums.json"
+CHECKSUMS_FORMAT = "lmforge-checksums"
 
 
 def step_dir_name(step: int) -> str:
@@ -163,6 +168,7 @@ def _publish(ckpt_root: Path, name: str, write_files, staged: Path | None = None
             tmp.mkdir()
         try:
             write_files(tmp)
+            write_checksums(tmp)
             _fsync_dir_tree(tmp)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)  # frees the space it took; earlier checkpoints are untouched
@@ -187,6 +193,56 @@ def write_checkpoint(ckpt_root: Path, step: int, write_files, keep_last: int, st
 def write_best(ckpt_root: Path, write_files) -> Path:
     """Replace ``best/`` with new weights; the old one survives until the new one is complete."""
     return _publish(ckpt_root, "best", write_files)
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 23):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_checksums(directory: Path) -> None:
+    """Record the sha256 of each safetensors file in ``directory`` (its shards/ included) in ``CHECKSUMS_FILE``."""
+    files = sorted(p for p in Path(directory).rglob("*.safetensors") if p.is_file())
+    save_json(Path(directory) / CHECKSUMS_FILE, {
+        "format": CHECKSUMS_FORMAT, "version": 1, "algorithm": "sha256",
+        "files": {p.relative_to(directory).as_posix(): _sha256(p) for p in files}})
+
+
+def checksum_mismatch(directory: Path) -> str | None:
+    """What in ``directory`` does not match the checksums written with it (a file changed or missing), or None.
+    A checkpoint of an lmforge before checksums has none to compare: None."""
+    path = Path(directory) / CHECKSUMS_FILE
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        files = record["files"] if record.get("format") == CHECKSUMS_FORMAT else None
+        if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+            raise ValueError("not an lmforge checksums file")
+    except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:
+        return f"{path} is unreadable ({e})"
+    for name, digest in sorted(files.items()):
+        f = Path(directory) / name
+        if not f.is_file():
+            return f"{f} is missing (its checksum was written with the checkpoint)"
+        try:
+            if _sha256(f) != digest:
+                return f"{f} does not match the sha256 written with it: its bytes changed after it was saved"
+        except OSError as e:  # a failing disk's read error, or removed meanwhile
+            return f"{f} cannot be read ({e.strerror or e})"
+    return None
+
+
+def verify_checksums(ckpt: Path) -> None:
+    """Refuse to resume from a step checkpoint whose files changed after they were written."""
+    bad = checksum_mismatch(ckpt)
+    if bad:
+        raise LMForgeError(f"{bad}; the checkpoint is damaged: {_resume_earlier(ckpt)}")
 
 
 def save_json(path: Path, data: dict[str, Any]) -> None:
@@ -221,9 +277,9 @@ def read_trainer_state(ckpt: Path) -> dict[str, Any]:
 
 
 def checkpoint_damage(ckpt: Path) -> str | None:
-    """Why the step checkpoint ``ckpt`` cannot be resumed from, found cheaply (its JSON and YAML files parse,
-    its safetensors files' headers read and cover each file); None when nothing is found. It does not read the
-    tensors: a checkpoint it passes may still be damaged inside."""
+    """Why the step checkpoint ``ckpt`` cannot be resumed from (its JSON and YAML files parse, its safetensors
+    files' headers read and cover each file, and their bytes match the checksums written with them); None when
+    nothing is found. A checkpoint without checksums (an older lmforge's) may still be damaged inside."""
     import yaml
     from safetensors import safe_open
 
@@ -250,7 +306,7 @@ def checkpoint_damage(ckpt: Path) -> str | None:
                 opened.keys()
         except Exception as e:  # noqa: BLE001 - safetensors raises several types for a damaged file
             return f"{f}: {e}"
-    return None
+    return checksum_mismatch(ckpt)  # (reads every file: only where a resume asks about a newer checkpoint)
 
 
 def load_training_file(ckpt: Path, name: str, what: str) -> Any:
@@ -290,6 +346,8 @@ def convert_legacy(ckpt: Path) -> list[str]:
                 os.fsync(f.fileno())
         legacy.unlink()
         done.append(f"{legacy_name} -> {name}")
+    if done:
+        write_checksums(ckpt)  # the new files with the rest
     return done
 
 
@@ -578,6 +636,9 @@ def consolidate(ckpt: Path, out: Path | None = None) -> Path:
     if out is not None and Path(out).resolve().is_relative_to(ckpt.resolve()):
         raise LMForgeError(f"{out} lies inside {ckpt}: name a directory outside it, or leave OUT out to consolidate "
                            f"{ckpt} in place")
+    bad = checksum_mismatch(ckpt)  # the consolidated files get checksums of their own: not over damaged shards
+    if bad:
+        raise LMForgeError(f"{bad}; the checkpoint is damaged: consolidate an earlier one")
     weights = read_sharded_weights(ckpt)
     training = read_sharded_training_state(ckpt) if (ckpt / STATE_FILE).is_file() else None
 

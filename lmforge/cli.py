@@ -73,8 +73,13 @@ def _cmd_train(args) -> int:
         if result.stopped == "signal":
             print(f"resume with: lmforge train {args.recipe} {' '.join(args.overrides)} --resume".replace("  ", " "))
     # Stopped by a signal, checkpoint saved: the shell's status for that signal (143 for SIGTERM, 130 for
-    # Ctrl-C), not success, so that a scheduler or job controller restarts the unfinished run (with --resume)
-    return 128 + result.signal if result.stopped == "signal" and result.signal else 0
+    # Ctrl-C), not success, so that a scheduler or job controller restarts the unfinished run (with --resume).
+    # Process 0's only: under torchrun the first process to exit non-zero has the others stopped, which could
+    # cut process 0's last lines (all have saved by now)
+    if result.stopped == "signal" and result.signal and result.is_main:
+        sys.stdout.flush()
+        return 128 + result.signal
+    return 0
 
 
 # ---- eval and generate: common options, then each training kind's --------------------------------
@@ -487,7 +492,7 @@ def _cmd_export(args) -> int:
 
 # ---- checkpoint ---------------------------------------------------------------------------------
 def _add_checkpoint(sub) -> None:
-    p = sub.add_parser("checkpoint", help="maintain training checkpoints (convert older ones, consolidate shards)",
+    p = sub.add_parser("checkpoint", help="maintain training checkpoints (verify, convert, consolidate shards)",
                        formatter_class=formatter)
     verbs = p.add_subparsers(dest="checkpoint_verb", metavar="VERB")
     verbs.required = True
@@ -515,6 +520,68 @@ def _add_checkpoint(sub) -> None:
     c.add_argument("out", metavar="OUT", nargs="?", default=None,
                    help="write the ordinary checkpoint here (a new directory) instead of replacing DIR in place")
     c.set_defaults(func=_cmd_checkpoint_consolidate)
+    c = verbs.add_parser("verify", formatter_class=formatter,
+                         help="check checkpoints against the checksums written with them",
+                         description="Every checkpoint lmforge writes records the sha256 of its safetensors files "
+                                     "(weights, optimizer state, shards) in checksums.json. This reads each file "
+                                     "again and names any whose bytes changed since (a failing disk, a copy cut "
+                                     "short) or that is missing; a resume does the same check before it loads. "
+                                     "Exit status 1 when one is damaged. Checkpoints of an lmforge without "
+                                     "checksums are reported as unchecked.")
+    c.add_argument("paths", nargs="+", metavar="PATH",
+                   help="a checkpoint (step-NNNNNN, best/), or a run directory / its checkpoints/ (every one in it)")
+    c.set_defaults(func=_cmd_checkpoint_verify)
+
+
+def _cmd_checkpoint_verify(args) -> int:
+    from lmforge.checkpoint import CHECKSUMS_FILE, list_checkpoints
+
+    damaged = 0
+    for raw in args.paths:
+        path = Path(raw)
+        if not path.is_dir():
+            raise LMForgeError(f"{path} {'is a file' if path.exists() else 'does not exist'}: pass a checkpoint "
+                               "directory (runs/NAME/checkpoints/step-NNNNNN, .../best) or a run directory")
+        if any(path.glob("*.safetensors")) or (path / CHECKSUMS_FILE).is_file() or (path / "shards").is_dir():
+            found = [path]
+        else:
+            roots = (path / "checkpoints", path)
+            found = [p for root in roots for _, p in list_checkpoints(root)]
+            found += [root / "best" for root in roots if (root / "best").is_dir()]
+        if not found:
+            raise LMForgeError(f"{path} holds no checkpoint: pass runs/NAME, runs/NAME/checkpoints or a checkpoint")
+        for ckpt in found:
+            if not (ckpt / CHECKSUMS_FILE).is_file():
+                print(f"{ckpt}: unchecked (no {CHECKSUMS_FILE}: written by an lmforge without checksums)")
+                continue
+            bad = _verify_one(ckpt)
+            damaged += bad is not None and bad != "replaced"
+            print(f"{ckpt}: " + ("ok" if bad is None else "replaced or removed while verified (by a run that "
+                                 "writes there): verify again" if bad == "replaced" else f"DAMAGED: {bad}"))
+    return 1 if damaged else 0
+
+
+def _verify_one(ckpt: Path) -> str | None:
+    """``checksum_mismatch`` of ``ckpt``, or "replaced" when a run replaced it (a new ``best/``) or pruned it
+    while it was read: a run's writes are whole directories renamed into place, so a mismatch seen across one
+    is no damage. Checked again once when that happens."""
+    import os
+
+    from lmforge.checkpoint import checksum_mismatch
+
+    for _ in range(2):
+        try:
+            before = os.stat(ckpt).st_ino
+        except FileNotFoundError:
+            return "replaced"
+        bad = checksum_mismatch(ckpt)
+        try:
+            same = os.stat(ckpt).st_ino == before
+        except FileNotFoundError:
+            same = False
+        if bad is None or same:
+            return bad
+    return "replaced"
 
 
 def _cmd_checkpoint_convert(args) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
+import json
 import math
 import pickle
 import random
@@ -23,7 +24,8 @@ import torch
 
 from lmforge.cli import main
 from lmforge.errors import LMForgeError
-from lmforge.checkpoint import LEGACY_FILES, OPTIMIZER_FILE, RNG_FILE, convert_legacy, load_training_file
+from lmforge.checkpoint import (CHECKSUMS_FILE, LEGACY_FILES, OPTIMIZER_FILE, RNG_FILE, checksum_mismatch,
+                                convert_legacy, load_training_file, write_checksums)
 from lmforge.safe_state import load_legacy_torch_file, load_state, save_state
 from tests.train_helpers import PEAK_FLOPS, write_recipe
 
@@ -152,7 +154,9 @@ def test_legacy_pickles_load_through_the_restricted_loader_and_convert(tmp_path)
     assert np.array_equal(load_training_file(ckpt, RNG_FILE, "rng")["per_rank"][0]["numpy"][1], rng["numpy"][1])
 
     assert main(["checkpoint", "convert", str(tmp_path)]) == 0
-    assert sorted(p.name for p in ckpt.iterdir()) == sorted([OPTIMIZER_FILE, RNG_FILE, "trainer_state.json"])
+    assert sorted(p.name for p in ckpt.iterdir()) == sorted([OPTIMIZER_FILE, RNG_FILE, "trainer_state.json",
+                                                             CHECKSUMS_FILE])  # the new files' checksums
+    assert checksum_mismatch(ckpt) is None
     again = load_training_file(ckpt, OPTIMIZER_FILE, "optimizer state")
     assert again["optimizer"]["param_groups"] == opt["optimizer"]["param_groups"]
     assert load_state(ckpt / RNG_FILE, "rng")["per_rank"][0]["python"] == rng["python"]
@@ -368,6 +372,7 @@ def test_well_formed_state_files_of_the_wrong_shape_are_refused_on_resume(lm_run
         case = tmp_path / str(i)
         shutil.copytree(run, case)
         save_state(case / "checkpoints" / "step-000002" / name, content)
+        write_checksums(case / "checkpoints" / "step-000002")  # crafted with its checksums: the content is refused
         code = main(["train", str(recipe), f"out_dir={tmp_path}", f"name={i}", "training.max_steps=3", "--resume",
                      str(case / "checkpoints" / "step-000002")])
         err = capsys.readouterr().err
@@ -379,6 +384,7 @@ def test_well_formed_state_files_of_the_wrong_shape_are_refused_on_resume(lm_run
         **opt["optimizer"]["state"], first: {**opt["optimizer"]["state"][first], "exp_avg_sq": nan_moment}}}}
     shutil.copytree(run, tmp_path / "nan")
     save_state(tmp_path / "nan" / "checkpoints" / "step-000002" / OPTIMIZER_FILE, poisoned)
+    write_checksums(tmp_path / "nan" / "checkpoints" / "step-000002")  # as a run whose moments went NaN writes it
     code = main(["train", str(recipe), f"out_dir={tmp_path}", "name=nan", "training.max_steps=3", "--resume",
                  str(tmp_path / "nan" / "checkpoints" / "step-000002")])
     err = capsys.readouterr().err
@@ -431,6 +437,7 @@ def test_a_sharded_checkpoint_is_read_without_pickle_and_consolidates(lm_run, tm
     (sharded / "model.safetensors").unlink()
     (sharded / OPTIMIZER_FILE).unlink()
     fsdp.save_sharded(model, optimizer, sharded, {"scaler": {}, "model_state": {}}, world_size=1, is_main=True)
+    write_checksums(sharded)  # as publishing a checkpoint does
     assert (sharded / SHARDS_FILE).is_file() and len(list((sharded / SHARDS_DIR).iterdir())) == 1
     for f in sharded.rglob("*"):
         assert not f.is_file() or f.read_bytes()[:1] != b"\x80", f  # no pickle (DCP's .metadata is one)
@@ -466,6 +473,9 @@ def test_a_sharded_checkpoint_is_read_without_pickle_and_consolidates(lm_run, tm
     assert consolidated.keys() == load_file(str(ordinary / "model.safetensors")).keys()
     assert all(torch.equal(v, want[k]) for k, v in consolidated.items())
     same_optimizer_state(load_state(whole / OPTIMIZER_FILE, "optimizer state")["optimizer"], saved["optimizer"])
+    # its checksums are of its own files (the copied record named the shards' and the removed files)
+    listed = json.loads((whole / CHECKSUMS_FILE).read_text())["files"]
+    assert set(listed) == {"model.safetensors", OPTIMIZER_FILE, RNG_FILE} and checksum_mismatch(whole) is None
     monkeypatch.undo()
 
     # what pipelines and the harness cache fingerprint: the shards, so a rewritten shard changes both
@@ -484,10 +494,11 @@ def test_a_sharded_checkpoint_is_read_without_pickle_and_consolidates(lm_run, tm
 
     # damage: a shard cut short, a shard missing, a model of other shapes, not a checkpoint at all
     shard.write_bytes(data[:-100])
-    for read in (lambda: LMForgeModel.from_pretrained(sharded), lambda: read_shards_manifest(sharded),
-                 lambda: consolidate(sharded, tmp_path / "again")):
+    for read in (lambda: LMForgeModel.from_pretrained(sharded), lambda: read_shards_manifest(sharded)):
         with pytest.raises(LMForgeError, match=f"cannot read the shard {shard}.*use an earlier checkpoint"):
             read()
+    with pytest.raises(LMForgeError, match=f"{shard} does not match the sha256 .* consolidate an earlier one"):
+        consolidate(sharded, tmp_path / "again")  # checked against its checksums before it is read
     shard.unlink()
     with pytest.raises(LMForgeError, match="cannot read the shard .*damaged or incomplete"):
         load_training_file(sharded, OPTIMIZER_FILE, "optimizer state")

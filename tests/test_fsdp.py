@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lmforge.checkpoint import SHARDS_FILE, is_sharded, read_sharded_weights
+from lmforge.checkpoint import (CHECKSUMS_FILE, SHARDS_FILE, checksum_mismatch, is_sharded, read_sharded_weights,
+                                write_checksums)
 from lmforge.config import load_config
 from lmforge.errors import LMForgeError
 from lmforge.train import train
@@ -52,6 +53,7 @@ def poison(shard: Path, prefix: str) -> str:
     start = 8 + size + header[name]["data_offsets"][0]
     data[start:start + 4] = struct.pack("<f", float("nan"))
     shard.write_bytes(bytes(data))
+    write_checksums(shard.parent.parent)  # as a run whose weights went NaN writes it: the NaN check is tested
     return name
 
 
@@ -88,6 +90,10 @@ def test_two_sharded_processes_match_one_and_hold_half_the_state(tmp_path, data_
     for step in ("step-000003", "step-000006", "best"):
         sharded = tmp_path / "runs" / "two" / "checkpoints" / step
         assert is_sharded(sharded) == (step != "best") != (sharded / "model.safetensors").is_file()
+        # the checksums written with it cover both processes' shards
+        listed = json.loads((sharded / CHECKSUMS_FILE).read_text())["files"]
+        assert (len([f for f in listed if f.startswith("shards/")]) == 2) == (step != "best")
+        assert checksum_mismatch(sharded) is None
         wa, wb = weights(tmp_path / "runs" / "one" / "checkpoints" / step), weights(sharded)
         assert wa.keys() == wb.keys()
         for k in wa:

@@ -249,6 +249,7 @@ def test_compiled_training_step_is_one_graph_from_the_first_step_on(build):
     try:
         model = build(halt_max_steps=6)
         model.train()
+        model.before_compile(torch.device("cpu"))  # as the loop does before it compiles
         compiled = torch.compile(model, backend="eager")
         for step in range(10):
             loss, metrics = compiled(random_batch(n=3, seed=step))

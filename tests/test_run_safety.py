@@ -234,6 +234,74 @@ def test_a_damaged_latest_checkpoint_names_the_resume_that_works_and_that_resume
     assert (root / "damaged-step-000030" / ck.STATE_FILE).read_text() == "{not json"
 
 
+def _flip_last_byte(path: Path) -> None:
+    """A changed byte inside the tensor data (the header still reads): what a failing disk or a bad copy leaves."""
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def test_a_checkpoint_whose_weights_changed_after_saving_is_named_and_the_earlier_one_resumes(tmp_path, trained_run,
+                                                                                                capsys):
+    from lmforge.cli import main
+
+    run_dir, recipe = _copy_run(trained_run, tmp_path)
+    root = run_dir / "checkpoints"
+    listed = json.loads((root / "step-000030" / ck.CHECKSUMS_FILE).read_text())["files"]
+    assert {"model.safetensors", "optimizer.safetensors", "rng_state.safetensors"} <= set(listed)
+    assert main(["checkpoint", "verify", str(run_dir)]) == 0
+    assert capsys.readouterr().out.count(": ok") == len(ck.list_checkpoints(root)) + 1  # the steps and best/
+    weights = root / "step-000030" / ck.WEIGHTS_FILE
+    _flip_last_byte(weights)
+    assert ck.checkpoint_damage(root / "step-000030") is not None  # headers read: only the checksum finds it
+    before = weights.read_bytes()
+    with pytest.raises(LMForgeError) as e:
+        train(load_config(str(recipe)), resume=True)
+    assert f"{weights} does not match the sha256 written with it" in str(e.value)
+    assert f"--resume {root / 'step-000020'}`" in str(e.value)
+    assert weights.read_bytes() == before  # nothing written over it
+    assert main(["checkpoint", "verify", str(run_dir)]) == 1
+    out = capsys.readouterr().out
+    assert f"{root / 'step-000030'}: DAMAGED: {weights} does not match" in out and f"{root / 'step-000020'}: ok" in out
+    # not a checkpoint: a clear error; a best/ that a run replaced while it was read: checked again, not "damaged"
+    assert main(["checkpoint", "verify", str(tmp_path / "nowhere")]) == 2
+    assert main(["checkpoint", "verify", str(weights)]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    real, calls = ck.checksum_mismatch, []
+
+    def replaced_meanwhile(directory):
+        calls.append(directory)
+        if len(calls) == 1:  # as write_best does: the new directory renamed over the old one
+            shutil.copytree(directory, directory.with_name("new"))
+            shutil.rmtree(directory)
+            os.rename(directory.with_name("new"), directory)
+            return f"{directory / ck.WEIGHTS_FILE} does not match the sha256 written with it"
+        return real(directory)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(ck, "checksum_mismatch", replaced_meanwhile)
+        assert main(["checkpoint", "verify", str(root / "best")]) == 0
+    assert capsys.readouterr().out == f"{root / 'best'}: ok\n" and len(calls) == 2
+    result = train(load_config(str(recipe)), resume=str(root / "step-000020"))  # the damaged one is set aside
+    assert result.step == 30 and (root / "damaged-step-000030" / ck.WEIGHTS_FILE).read_bytes() == before
+    assert ck.checksum_mismatch(root / "step-000030") is None  # written again, with its checksums
+
+
+def test_checksums_cover_shards_and_name_a_missing_file_or_an_unreadable_record(tmp_path):
+    from safetensors.torch import save_file
+    import torch
+
+    ckpt = tmp_path / "step-000001"
+    (ckpt / ck.SHARDS_DIR).mkdir(parents=True)
+    save_file({"a": torch.ones(3)}, str(ckpt / ck.SHARDS_DIR / "shard-00001.safetensors"))
+    ck.write_checksums(ckpt)
+    assert ck.checksum_mismatch(ckpt) is None
+    (ckpt / ck.SHARDS_DIR / "shard-00001.safetensors").unlink()
+    assert "shard-00001.safetensors is missing" in ck.checksum_mismatch(ckpt)
+    (ckpt / ck.CHECKSUMS_FILE).write_text("{not json")
+    assert "is unreadable" in ck.checksum_mismatch(ckpt)
+
+
 def test_resume_from_an_earlier_checkpoint_is_still_refused_when_the_newer_one_reads(tmp_path, trained_run):
     run_dir, recipe = _copy_run(trained_run, tmp_path)
     root = run_dir / "checkpoints"

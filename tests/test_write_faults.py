@@ -132,7 +132,8 @@ def test_a_full_disk_during_a_checkpoint_stops_training_and_keeps_the_earlier_on
         path.write_text('{"step": ')
         raise full_disk(path)
 
-    fail_on_call(monkeypatch, ck, "save_json", 2, half_written_state)
+    # each checkpoint's save_json calls: its trainer_state.json, then its checksums.json; the third is step 4's state
+    fail_on_call(monkeypatch, ck, "save_json", 3, half_written_state)
     assert main(["train", str(recipe)]) == 2
     err = one_line_error(capsys)
     assert f"no space left on device while writing {ckpts / 'step-000004' / ck.STATE_FILE}: free space" in err

@@ -298,6 +298,7 @@ class Trainer:
     def load_checkpoint(self, path: Path) -> None:
         """Restore model, optimizer, scaler, schedule position, data position and RNG exactly."""
         state = ckpt.read_trainer_state(path)
+        ckpt.verify_checksums(path)  # every process: each stops with the error, none waits on the others
         if self.sharded and ckpt.is_sharded(path):  # each process reads its own shards
             opt_state = fsdp.load_sharded(self.model, self.optimizer, path)
         else:  # full tensors (a sharded checkpoint's put together) on every process

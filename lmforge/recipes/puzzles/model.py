@@ -254,12 +254,19 @@ class PuzzleModel(LMForgeModel, abc.ABC):
                             {k: v.detach() for k, v in data.items()})
         return self._act_loss(logits, q_halt, q_cont, target_q_cont, data["labels"], halted, steps)
 
-    @torch.compiler.disable
+    def before_compile(self, device: torch.device) -> None:
+        # the carry is picked outside the compiled graph (here, not as a decorator: that would import the
+        # compiler, ~2 s, with the module, for every verb that only loads a model)
+        if not getattr(PuzzleModel._carry_for, "_outside_graph", False):  # once, for every puzzle model
+            PuzzleModel._carry_for = torch.compiler.disable(PuzzleModel._carry_for)
+            PuzzleModel._carry_for._outside_graph = True
+
     def _carry_for(self, batch: dict[str, torch.Tensor]) -> Carry:
         """The carry this step continues: the last step's, or at the start (or when the batch's size or device
         changed) a fresh one, every row halted, so that each takes its example from ``batch``. Outside the
-        compiled graph: the first step then compiles the same graph as every later one (a second compile of the
-        whole step, 43 s for trm_sudoku on an H200, when this was traced). Also makes the metrics' window."""
+        compiled graph (``before_compile``): the first step then compiles the same graph as every later one (a
+        second compile of the whole step, 43 s for trm_sudoku on an H200, when this was traced). Also makes the
+        metrics' window."""
         bsz, device = batch["inputs"].shape[0], batch["inputs"].device
         carry = self._carry
         if carry is None or carry.halted.shape[0] != bsz or carry.z_h.device != device:
