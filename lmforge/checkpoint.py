@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.errors import LMForgeError
-from lmforge.files import FileLock, atomic_file, lock_held, reporting_write_faults
+from lmforge.files import FileLock, atomic_file, lock_held, reporting_write_faults, sha256_file
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 DAMAGED_PREFIX = "damaged-"  # a damaged step checkpoint set aside by a resume from an earlier one
@@ -195,22 +195,12 @@ def write_best(ckpt_root: Path, write_files) -> Path:
     return _publish(ckpt_root, "best", write_files)
 
 
-def _sha256(path: Path) -> str:
-    import hashlib
-
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 23):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def write_checksums(directory: Path) -> None:
     """Record the sha256 of each safetensors file in ``directory`` (its shards/ included) in ``CHECKSUMS_FILE``."""
     files = sorted(p for p in Path(directory).rglob("*.safetensors") if p.is_file())
     save_json(Path(directory) / CHECKSUMS_FILE, {
         "format": CHECKSUMS_FORMAT, "version": 1, "algorithm": "sha256",
-        "files": {p.relative_to(directory).as_posix(): _sha256(p) for p in files}})
+        "files": {p.relative_to(directory).as_posix(): sha256_file(p) for p in files}})
 
 
 def checksum_mismatch(directory: Path) -> str | None:
@@ -231,7 +221,7 @@ def checksum_mismatch(directory: Path) -> str | None:
         if not f.is_file():
             return f"{f} is missing (its checksum was written with the checkpoint)"
         try:
-            if _sha256(f) != digest:
+            if sha256_file(f) != digest:
                 return f"{f} does not match the sha256 written with it: its bytes changed after it was saved"
         except OSError as e:  # a failing disk's read error, or removed meanwhile
             return f"{f} cannot be read ({e.strerror or e})"

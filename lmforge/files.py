@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import glob
+import hashlib
 import os
 import re
 import shutil
@@ -253,3 +254,12 @@ def _holder(fd: int) -> str:
 def _live_holder(holder: str) -> bool:
     m = re.match(r"pid (\d+) on (.+)$", holder)
     return bool(m and m.group(2) == socket.gethostname() and _alive(int(m.group(1))))
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file's bytes, read in 8 MiB pieces."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 23):
+            h.update(chunk)
+    return h.hexdigest()

@@ -16,20 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.errors import LMForgeError
-from lmforge.files import FileLock, atomic_file, lock_held
+from lmforge.files import FileLock, atomic_file, lock_held, sha256_file
 
 STATE_FORMAT = "lmforge-pipeline-state"
 STATE_VERSION = 1
 LOCK_FILE = ".pipeline.lock"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def digest(value: Any) -> str:
