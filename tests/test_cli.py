@@ -315,3 +315,21 @@ def test_ctrl_c_while_the_command_line_is_still_being_built_is_a_message_not_a_t
     monkeypatch.setattr(cli, "build_parser", interrupted)  # the first seconds: every kind's modules import
     assert cli.main(["train", "go_coder_tiny"]) == 130
     assert capsys.readouterr().err == "lmforge: interrupted\n"
+
+
+@pytest.mark.parametrize("is_main, stopped, signal_number, status", [
+    (True, "signal", 15, 143), (True, "signal", 2, 130), (False, "signal", 15, 0), (True, "completed", None, 0)])
+def test_train_exits_with_the_signal_status_on_process_0_only(monkeypatch, capsys, is_main, stopped, signal_number,
+                                                              status):
+    """A run a signal stopped (its checkpoint saved) exits 128 + the signal's number on process 0; under torchrun
+    the others exit 0, since the first non-zero exit has torchrun stop the rest (which could cut process 0's
+    last lines)."""
+    import lmforge.train as training
+    from lmforge.train.loop import TrainResult
+
+    result = TrainResult(run_dir=Path("runs/x"), step=3, stopped=stopped, last_checkpoint=Path("runs/x/c"),
+                         best_checkpoint=None, is_main=is_main, signal=signal_number)
+    monkeypatch.setattr(training, "train", lambda cfg, resume=False: result)
+    assert main(["train", "go_coder_tiny", "training.max_steps=3"]) == status
+    out = capsys.readouterr().out
+    assert ("--resume" in out) == (is_main and stopped == "signal")

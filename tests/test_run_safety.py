@@ -323,3 +323,18 @@ def test_a_damaged_metrics_line_in_the_middle_is_an_error_a_partial_last_line_is
     _truncate_after(path, 3)
     assert path.read_text() == "\n".join(rows[:3]) + "\n"
     assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]
+
+
+def test_a_checkpoint_file_that_cannot_be_read_is_named_not_a_traceback(tmp_path, monkeypatch):
+    """A failing disk's read error while checking the checksums: the file and the error, as a reason."""
+    from safetensors.torch import save_file
+    import torch
+
+    save_file({"a": torch.ones(2)}, str(tmp_path / "model.safetensors"))
+    ck.write_checksums(tmp_path)
+
+    def failing_read(path):
+        raise OSError(errno.EIO, "Input/output error", str(path))
+
+    monkeypatch.setattr(ck, "sha256_file", failing_read)
+    assert ck.checksum_mismatch(tmp_path) == f"{tmp_path / 'model.safetensors'} cannot be read (Input/output error)"
