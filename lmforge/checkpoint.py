@@ -203,11 +203,16 @@ def write_checksums(directory: Path) -> None:
         "files": {p.relative_to(directory).as_posix(): sha256_file(p) for p in files}})
 
 
-def checksum_mismatch(directory: Path) -> str | None:
+def checksum_mismatch(directory: Path, share: tuple[int, int] = (0, 1), weights_only: bool = False) -> str | None:
     """What in ``directory`` does not match the checksums written with it (a file changed or missing), or None.
-    A checkpoint of an lmforge before checksums has none to compare: None."""
+    ``share``: (i, n) checks only the i-th of n parts of the files, split by size (each of n processes
+    hashes its part of a checkpoint: together they read it once). ``weights_only``: skip the optimizer and
+    RNG state (what loading a model reads). A checkpoint of an lmforge before checksums has none to compare:
+    None; one whose trainer state says they were written, and whose checksums file is gone, is damaged."""
     path = Path(directory) / CHECKSUMS_FILE
     if not path.is_file():
+        if has_checksums(directory):
+            return f"{path} is missing (the checkpoint was written with it: its files cannot be checked)"
         return None
     try:
         record = json.loads(path.read_text())
@@ -216,16 +221,51 @@ def checksum_mismatch(directory: Path) -> str | None:
             raise ValueError("not an lmforge checksums file")
     except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:
         return f"{path} is unreadable ({e})"
-    for name, digest in sorted(files.items()):
+    names = sorted(n for n in files if not (weights_only and n in (OPTIMIZER_FILE, RNG_FILE)))
+    for name in _size_share(Path(directory), names, *share):
         f = Path(directory) / name
         if not f.is_file():
             return f"{f} is missing (its checksum was written with the checkpoint)"
         try:
-            if sha256_file(f) != digest:
+            if sha256_file(f) != files[name]:
                 return f"{f} does not match the sha256 written with it: its bytes changed after it was saved"
         except OSError as e:  # a failing disk's read error, or removed meanwhile
             return f"{f} cannot be read ({e.strerror or e})"
     return None
+
+
+def has_checksums(directory: Path) -> bool:
+    """Whether ``directory`` was written with checksums: it holds them, or it is a step checkpoint whose
+    trainer state records them (an lmforge before checksums wrote neither)."""
+    if (Path(directory) / CHECKSUMS_FILE).is_file():
+        return True
+    try:
+        return json.loads((Path(directory) / STATE_FILE).read_text()).get("checksums") == CHECKSUMS_FILE
+    except (OSError, ValueError, AttributeError):  # no state (best/), or one a resume reports itself
+        return False
+
+
+def _size_share(directory: Path, names: list[str], index: int, parts: int) -> list[str]:
+    """The ``index``-th of ``parts`` lists of ``names`` (files in ``directory``) of about equal bytes: largest
+    first, each to the lightest list so far. The same on every process for the same files; a missing file
+    weighs nothing (and is reported by whichever process gets it)."""
+    if parts <= 1:
+        return names
+
+    def size(name: str) -> int:
+        try:
+            return (directory / name).stat().st_size
+        except OSError:
+            return 0
+
+    loads = [0] * parts
+    mine = []
+    for name in sorted(names, key=lambda n: (-size(n), n)):
+        lightest = loads.index(min(loads))
+        loads[lightest] += size(name)
+        if lightest == index:
+            mine.append(name)
+    return sorted(mine)
 
 
 def verify_checksums(ckpt: Path) -> None:

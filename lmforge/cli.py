@@ -534,7 +534,7 @@ def _add_checkpoint(sub) -> None:
 
 
 def _cmd_checkpoint_verify(args) -> int:
-    from lmforge.checkpoint import CHECKSUMS_FILE, list_checkpoints
+    from lmforge.checkpoint import CHECKSUMS_FILE, has_checksums, list_checkpoints
 
     damaged = 0
     for raw in args.paths:
@@ -551,7 +551,7 @@ def _cmd_checkpoint_verify(args) -> int:
         if not found:
             raise LMForgeError(f"{path} holds no checkpoint: pass runs/NAME, runs/NAME/checkpoints or a checkpoint")
         for ckpt in found:
-            if not (ckpt / CHECKSUMS_FILE).is_file():
+            if not has_checksums(ckpt):
                 print(f"{ckpt}: unchecked (no {CHECKSUMS_FILE}: written by an lmforge without checksums)")
                 continue
             bad = _verify_one(ckpt)

@@ -338,3 +338,126 @@ def test_a_checkpoint_file_that_cannot_be_read_is_named_not_a_traceback(tmp_path
 
     monkeypatch.setattr(ck, "sha256_file", failing_read)
     assert ck.checksum_mismatch(tmp_path) == f"{tmp_path / 'model.safetensors'} cannot be read (Input/output error)"
+
+
+# ---- checksums: what a deleted record, a changed model and several processes do ---------------------------------
+def test_a_deleted_checksums_file_is_damage_where_the_trainer_state_says_it_was_written(tmp_path, trained_run,
+                                                                                        capsys):
+    from lmforge.cli import main
+
+    run_dir, recipe = _copy_run(trained_run, tmp_path)
+    root = run_dir / "checkpoints"
+    (root / "step-000030" / ck.CHECKSUMS_FILE).unlink()
+    with pytest.raises(LMForgeError, match=f"{root / 'step-000030' / ck.CHECKSUMS_FILE} is missing .* "
+                                           f"--resume {root / 'step-000020'}"):
+        train(load_config(str(recipe)), resume=True)
+    # an older lmforge's checkpoint wrote neither the record nor its mention: unchecked, as before
+    state = json.loads((root / "step-000020" / ck.STATE_FILE).read_text())
+    del state["checksums"]
+    (root / "step-000020" / ck.STATE_FILE).write_text(json.dumps(state))
+    (root / "step-000020" / ck.CHECKSUMS_FILE).unlink()
+    (root / "best" / ck.CHECKSUMS_FILE).unlink()  # best/ has no trainer state to say it had one
+    assert main(["checkpoint", "verify", str(run_dir)]) == 1
+    out = capsys.readouterr().out
+    assert f"{root / 'step-000030'}: DAMAGED: {root / 'step-000030' / ck.CHECKSUMS_FILE} is missing" in out
+    assert f"{root / 'step-000020'}: unchecked" in out and f"{root / 'best'}: unchecked" in out
+
+
+def test_a_model_whose_weights_changed_is_refused_where_it_is_loaded_and_its_optimizer_state_is_not_read(
+        tmp_path, trained_run, capsys):
+    from lmforge.cli import main
+    from lmforge.models import load_model
+
+    run_dir, _ = _copy_run(trained_run, tmp_path)
+    root = run_dir / "checkpoints"
+    _flip_last_byte(root / "step-000030" / ck.OPTIMIZER_FILE)
+    assert load_model(root / "step-000030") is not None  # loading a model reads its weights only
+    weights = root / "best" / ck.WEIGHTS_FILE
+    _flip_last_byte(weights)
+    with pytest.raises(LMForgeError, match=f"{weights} does not match the sha256 .* the model is damaged"):
+        load_model(run_dir)  # a run directory loads its best/
+    assert main(["generate", str(run_dir), "--prompt", "func ", "--max-new-tokens", "2", "--device", "cpu"]) == 2
+    assert f"{weights} does not match the sha256" in capsys.readouterr().err
+
+
+def test_each_process_hashes_a_share_of_the_files_of_about_equal_bytes(tmp_path):
+    for name, size in {"a.safetensors": 100, "b.safetensors": 60, "c.safetensors": 50, "d.safetensors": 10}.items():
+        (tmp_path / name).write_bytes(b"x" * size)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    shares = [ck._size_share(tmp_path, names, i, 2) for i in range(2)]
+    assert shares == [["a.safetensors", "d.safetensors"], ["b.safetensors", "c.safetensors"]]  # 110 bytes each
+    assert ck._size_share(tmp_path, names, 0, 1) == names
+    assert sorted(sum((ck._size_share(tmp_path, names, i, 3) for i in range(3)), [])) == names
+    ck.write_checksums(tmp_path)
+    _flip_last_byte(tmp_path / "c.safetensors")
+    found = [ck.checksum_mismatch(tmp_path, share=(i, 2)) for i in range(2)]
+    assert found[0] is None and "c.safetensors does not match" in found[1]
+    assert "c.safetensors does not match" in ck.checksum_mismatch(tmp_path)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_two_processes(args: list[str]) -> list[subprocess.Popen]:
+    """``lmforge ARGS`` as the two processes of a job, as torchrun starts them (its environment), but each
+    left to finish on its own: torchrun stops the others when one fails, which could cut their last lines."""
+    from tests.train_helpers import subprocess_env
+
+    port = _free_port()
+    return [subprocess.Popen(lmforge_cmd(*args), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=subprocess_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                                                LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+            for rank in range(2)]
+
+
+def test_damage_only_one_process_hashed_stops_every_process_with_the_same_message(tmp_path, trained_run):
+    run_dir, recipe = _copy_run(trained_run, tmp_path)
+    ckpt = run_dir / "checkpoints" / "step-000030"
+    files = json.loads((ckpt / ck.CHECKSUMS_FILE).read_text())["files"]
+    # the file process 1 hashes (the optimizer state, twice the weights' bytes, is process 0's)
+    weights = ckpt / ck.WEIGHTS_FILE
+    assert ck._size_share(ckpt, sorted(files), 0, 2) == [ck.OPTIMIZER_FILE]
+    assert ck.WEIGHTS_FILE in ck._size_share(ckpt, sorted(files), 1, 2)
+    _flip_last_byte(weights)
+    procs = _start_two_processes(["train", str(recipe), "training.max_steps=40", "--resume"])
+    outs = [p.communicate(timeout=240) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 2, err
+        assert f"lmforge: error: {weights} does not match the sha256 written with it" in err, err
+    assert not (run_dir / "checkpoints" / "step-000040").exists()
+
+
+def test_a_signal_to_one_process_stops_every_process_at_one_step_and_process_0_exits_with_it(tmp_path, go_data):
+    """SIGTERM to process 1 only (a scheduler that signals one rank): process 0, which got none, learns it
+    from the stop flags reduced across processes, both save one checkpoint at the same step, and process
+    0 exits 143 (the status a job controller reads), process 1 0."""
+    import signal
+    import time
+
+    recipe = write_recipe(tmp_path / "r.yaml", go_data, tmp_path / "runs",
+                          training={"max_steps": 100000, "eval_interval": 0, "save_interval": 0})
+    metrics = tmp_path / "runs" / "t" / "metrics.jsonl"
+    procs = _start_two_processes(["train", str(recipe)])
+    try:
+        for _ in range(2400):  # until a few steps are logged: the loop (and its signal handlers) runs
+            if metrics.is_file() and metrics.read_text().count("\n") >= 3 or any(p.poll() is not None for p in procs):
+                break
+            time.sleep(0.1)
+        assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+        procs[1].send_signal(signal.SIGTERM)
+        outs = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [128 + signal.SIGTERM, 0], outs
+    stopped = [line for line in outs[0][0].splitlines() + outs[0][1].splitlines() if "(SIGTERM)" in line]
+    assert len(stopped) == 1 and stopped[0].startswith("stopping at step "), outs[0]
+    step = int(stopped[0].split()[3])
+    assert [p.name for _, p in ck.list_checkpoints(tmp_path / "runs" / "t" / "checkpoints")] == [ck.step_dir_name(step)]
+    state = json.loads((tmp_path / "runs" / "t" / "checkpoints" / ck.step_dir_name(step) / ck.STATE_FILE).read_text())
+    assert state["step"] == step and state["world_size"] == 2

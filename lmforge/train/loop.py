@@ -295,10 +295,25 @@ class Trainer:
         return self.gathered(self.model)
 
     # ---- resume ---------------------------------------------------------------------------
+    def _verify_checksums(self, path: Path) -> None:
+        """Refuse a checkpoint whose files changed since they were written. Each process hashes its share of
+        the files (together they read the checkpoint once); when any found damage, every process checks all
+        of them, so each stops with the same message and none waits on the others."""
+        if not self.dist.enabled:
+            ckpt.verify_checksums(path)
+            return
+        bad = ckpt.checksum_mismatch(path, share=(self.dist.rank, self.dist.world_size))
+        found = torch.tensor([float(bad is not None)], device=self.dev.device)
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        if found.item() > 0:
+            ckpt.verify_checksums(path)
+            raise LMForgeError(f"a file of {path} did not match its checksum on another process, and did on this "
+                               "one's second reading: check the disk (a failing read), then resume again")
+
     def load_checkpoint(self, path: Path) -> None:
         """Restore model, optimizer, scaler, schedule position, data position and RNG exactly."""
         state = ckpt.read_trainer_state(path)
-        ckpt.verify_checksums(path)  # every process: each stops with the error, none waits on the others
+        self._verify_checksums(path)
         if self.sharded and ckpt.is_sharded(path):  # each process reads its own shards
             opt_state = fsdp.load_sharded(self.model, self.optimizer, path)
         else:  # full tensors (a sharded checkpoint's put together) on every process
@@ -440,6 +455,7 @@ class Trainer:
                 "pending": sorted(self._pending),
                 **({"data_per_rank": data_states} if self.dist.enabled else {}),
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "checksums": ckpt.CHECKSUMS_FILE,  # written with it by write_checkpoint: its absence is damage
             })
 
         if not sharded:
