@@ -234,6 +234,28 @@ def checksum_mismatch(directory: Path, share: tuple[int, int] = (0, 1), weights_
     return None
 
 
+REPLACED = "replaced"  # settled_checksum_mismatch: the directory was replaced (or removed) each time it was read
+
+
+def settled_checksum_mismatch(directory: Path, weights_only: bool = False) -> str | None:
+    """``checksum_mismatch`` of ``directory``, read again once when a run replaced it (a new ``best/``) or
+    pruned it while it was read: a run's writes are whole directories renamed into place, so a mismatch seen
+    across one is no damage. ``REPLACED`` when it changed both times."""
+    for _ in range(2):
+        try:
+            before = os.stat(directory).st_ino
+        except FileNotFoundError:
+            return REPLACED
+        bad = checksum_mismatch(directory, weights_only=weights_only)
+        try:
+            same = os.stat(directory).st_ino == before
+        except FileNotFoundError:
+            same = False
+        if bad is None or same:
+            return bad
+    return REPLACED
+
+
 def has_checksums(directory: Path) -> bool:
     """Whether ``directory`` was written with checksums: it holds them, or it is a step checkpoint whose
     trainer state records them (an lmforge before checksums wrote neither)."""

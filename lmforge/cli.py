@@ -534,7 +534,7 @@ def _add_checkpoint(sub) -> None:
 
 
 def _cmd_checkpoint_verify(args) -> int:
-    from lmforge.checkpoint import CHECKSUMS_FILE, has_checksums, list_checkpoints
+    from lmforge.checkpoint import CHECKSUMS_FILE, REPLACED, has_checksums, list_checkpoints, settled_checksum_mismatch
 
     damaged = 0
     for raw in args.paths:
@@ -554,34 +554,11 @@ def _cmd_checkpoint_verify(args) -> int:
             if not has_checksums(ckpt):
                 print(f"{ckpt}: unchecked (no {CHECKSUMS_FILE}: written by an lmforge without checksums)")
                 continue
-            bad = _verify_one(ckpt)
-            damaged += bad is not None and bad != "replaced"
+            bad = settled_checksum_mismatch(ckpt)
+            damaged += bad is not None and bad != REPLACED
             print(f"{ckpt}: " + ("ok" if bad is None else "replaced or removed while verified (by a run that "
-                                 "writes there): verify again" if bad == "replaced" else f"DAMAGED: {bad}"))
+                                 "writes there): verify again" if bad == REPLACED else f"DAMAGED: {bad}"))
     return 1 if damaged else 0
-
-
-def _verify_one(ckpt: Path) -> str | None:
-    """``checksum_mismatch`` of ``ckpt``, or "replaced" when a run replaced it (a new ``best/``) or pruned it
-    while it was read: a run's writes are whole directories renamed into place, so a mismatch seen across one
-    is no damage. Checked again once when that happens."""
-    import os
-
-    from lmforge.checkpoint import checksum_mismatch
-
-    for _ in range(2):
-        try:
-            before = os.stat(ckpt).st_ino
-        except FileNotFoundError:
-            return "replaced"
-        bad = checksum_mismatch(ckpt)
-        try:
-            same = os.stat(ckpt).st_ino == before
-        except FileNotFoundError:
-            same = False
-        if bad is None or same:
-            return bad
-    return "replaced"
 
 
 def _cmd_checkpoint_convert(args) -> int:

@@ -269,14 +269,14 @@ def test_a_checkpoint_whose_weights_changed_after_saving_is_named_and_the_earlie
     assert "does not exist" in capsys.readouterr().err
     real, calls = ck.checksum_mismatch, []
 
-    def replaced_meanwhile(directory):
+    def replaced_meanwhile(directory, **kw):
         calls.append(directory)
         if len(calls) == 1:  # as write_best does: the new directory renamed over the old one
             shutil.copytree(directory, directory.with_name("new"))
             shutil.rmtree(directory)
             os.rename(directory.with_name("new"), directory)
             return f"{directory / ck.WEIGHTS_FILE} does not match the sha256 written with it"
-        return real(directory)
+        return real(directory, **kw)
 
     with pytest.MonkeyPatch.context() as m:
         m.setattr(ck, "checksum_mismatch", replaced_meanwhile)
@@ -378,6 +378,23 @@ def test_a_model_whose_weights_changed_is_refused_where_it_is_loaded_and_its_opt
         load_model(run_dir)  # a run directory loads its best/
     assert main(["generate", str(run_dir), "--prompt", "func ", "--max-new-tokens", "2", "--device", "cpu"]) == 2
     assert f"{weights} does not match the sha256" in capsys.readouterr().err
+    # a run that writes a new best/ while it is read (renamed over the old): read again, no damage reported
+    shutil.copy(root / "step-000030" / ck.WEIGHTS_FILE, weights)
+    ck.write_checksums(root / "best")
+    real, calls = ck.checksum_mismatch, []
+
+    def replaced_meanwhile(directory, **kw):
+        calls.append(directory)
+        if len(calls) == 1:
+            shutil.copytree(directory, directory.with_name("new"))
+            shutil.rmtree(directory)
+            os.rename(directory.with_name("new"), directory)
+            return f"{directory / ck.WEIGHTS_FILE} does not match the sha256 written with it"
+        return real(directory, **kw)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(ck, "checksum_mismatch", replaced_meanwhile)
+        assert load_model(run_dir) is not None and len(calls) == 2
 
 
 def test_each_process_hashes_a_share_of_the_files_of_about_equal_bytes(tmp_path):

@@ -18,8 +18,8 @@ import yaml
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from lmforge.checkpoint import (SHARDS_FILE, WEIGHTS_FILE, checksum_mismatch, first_non_finite, is_sharded,
-                                non_finite_message, read_sharded_weights, resolve_model_dir)
+from lmforge.checkpoint import (REPLACED, SHARDS_FILE, WEIGHTS_FILE, first_non_finite, is_sharded, non_finite_message,
+                                read_sharded_weights, resolve_model_dir, settled_checksum_mismatch)
 from lmforge.errors import LMForgeError
 from lmforge.files import atomic_file
 from lmforge.recipes import model_class
@@ -182,7 +182,9 @@ class LMForgeModel(nn.Module):
         directory = resolve_model_dir(directory)
         weights_path = directory / WEIGHTS_FILE
         klass, config = read_model_config(directory)
-        damage = checksum_mismatch(directory, weights_only=True)  # safetensors itself checks no bytes
+        damage = settled_checksum_mismatch(directory, weights_only=True)  # safetensors itself checks no bytes
+        if damage == REPLACED:  # a run replaced it twice meanwhile (a new best/ each time)
+            raise LMForgeError(f"{directory} was replaced while it was read, twice: load it again")
         if damage:
             raise LMForgeError(f"{damage}; the model is damaged: use another checkpoint (runs/NAME/checkpoints/; "
                                "`lmforge checkpoint verify runs/NAME` lists the sound ones) or retrain")
