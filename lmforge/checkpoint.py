@@ -36,6 +36,7 @@ import math
 import os
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -200,7 +201,23 @@ def write_checksums(directory: Path) -> None:
     files = sorted(p for p in Path(directory).rglob("*.safetensors") if p.is_file())
     save_json(Path(directory) / CHECKSUMS_FILE, {
         "format": CHECKSUMS_FORMAT, "version": 1, "algorithm": "sha256",
-        "files": {p.relative_to(directory).as_posix(): sha256_file(p) for p in files}})
+        "files": {p.relative_to(directory).as_posix(): digest for p, digest in zip(files, _hashes(files))}})
+
+
+def _hashes(paths: list[Path]) -> list[str | OSError]:
+    """The sha256 of each file (or the error reading it raised), several files at a time: hashlib and file
+    reads release the GIL, so each thread keeps a core busy (a checkpoint's weights and optimizer state hash
+    in the time of the larger)."""
+    def one(path: Path) -> str | OSError:
+        try:
+            return sha256_file(path)
+        except OSError as e:
+            return e
+
+    if len(paths) <= 1:
+        return [one(p) for p in paths]
+    with ThreadPoolExecutor(max_workers=min(len(paths), os.cpu_count() or 1, 8)) as pool:
+        return list(pool.map(one, paths))
 
 
 def checksum_mismatch(directory: Path, share: tuple[int, int] = (0, 1), weights_only: bool = False) -> str | None:
@@ -222,15 +239,15 @@ def checksum_mismatch(directory: Path, share: tuple[int, int] = (0, 1), weights_
     except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:
         return f"{path} is unreadable ({e})"
     names = sorted(n for n in files if not (weights_only and n in (OPTIMIZER_FILE, RNG_FILE)))
-    for name in _size_share(Path(directory), names, *share):
-        f = Path(directory) / name
-        if not f.is_file():
-            return f"{f} is missing (its checksum was written with the checkpoint)"
-        try:
-            if sha256_file(f) != files[name]:
-                return f"{f} does not match the sha256 written with it: its bytes changed after it was saved"
-        except OSError as e:  # a failing disk's read error, or removed meanwhile
-            return f"{f} cannot be read ({e.strerror or e})"
+    mine = [Path(directory) / name for name in _size_share(Path(directory), names, *share)]
+    missing = next((f for f in mine if not f.is_file()), None)
+    if missing is not None:
+        return f"{missing} is missing (its checksum was written with the checkpoint)"
+    for f, digest in zip(mine, _hashes(mine)):
+        if isinstance(digest, OSError):  # a failing disk's read error, or removed meanwhile
+            return f"{f} cannot be read ({digest.strerror or digest})"
+        if digest != files[f.relative_to(directory).as_posix()]:
+            return f"{f} does not match the sha256 written with it: its bytes changed after it was saved"
     return None
 
 
