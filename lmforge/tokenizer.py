@@ -244,6 +244,21 @@ class Tokenizer:
             controls.plain = plain
         return controls.plain
 
+    def _chat_backend(self, controls: _Controls) -> _RustTokenizer:
+        """The backend a markup without marks is encoded with: this tokenizer's own, unless a control token is
+        matched after its normalizer (``normalized: true``): then a copy that matches it only as spelled, or a
+        case-folding (or NFKC) normalizer would make a message's "<|IM_END|>" that token, which ``protect``,
+        looking for the spelling, leaves unmarked."""
+        if controls.chat is None:
+            data = json.loads(self._backend.to_str())
+            folded = [t for t in data.get("added_tokens") or []
+                      if t.get("content") in controls.ids and t.get("normalized")]
+            for token in folded:
+                token["normalized"] = False
+            controls.chat = (_RustTokenizer.from_str(json.dumps(data)) if folded and data.get("normalizer")
+                             else self._backend)
+        return controls.chat
+
     @property
     def sha256(self) -> str:
         """Hex digest of the canonical tokenizer.json text; data shards record it to catch mix-ups."""
@@ -265,12 +280,7 @@ class Tokenizer:
         """Token ids of many texts, encoded in parallel on the Rust side."""
         if any(isinstance(t, ChatText) for t in texts):  # each by its own kind: a plain text is not markup
             return [self.encode(t) for t in texts]
-        try:
-            return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
-        except TypeError:
-            for text in texts:
-                check_text(text)
-            raise
+        return _encode_texts(self._backend, texts)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text of ``ids``. Special tokens are kept by default so that decode inverts encode exactly."""
@@ -348,21 +358,15 @@ class Tokenizer:
 
         controls = self._control_tokens()
         if controls.pattern is None or not any(MARK in m for m in markups):
-            return self.encode_batch([unmark(m, controls.spellings) for m in markups])
+            return _encode_texts(self._chat_backend(controls), [unmark(m, controls.spellings) for m in markups])
         if not all(MARK in m for m in markups):  # one way per markup, whatever the others in the batch are:
             marked = [MARK in m for m in markups]  # each way in one batch call
             ways = {True: iter(self.encode_markup_batch([m for m, k in zip(markups, marked) if k])),
                     False: iter(self.encode_markup_batch([m for m, k in zip(markups, marked) if not k]))}
             return [next(ways[k]) for k in marked]
-        plain = self._plain_backend(controls)
         parts = [controls.pattern.split(m) for m in markups]  # text, control, text, control, ..., text
         texts = [unmark(p, controls.spellings) for ps in parts for p in ps[::2]]
-        try:
-            encoded = iter(e.ids for e in plain.encode_batch(texts, add_special_tokens=False))
-        except TypeError:
-            for text in texts:
-                check_text(text)
-            raise
+        encoded = iter(_encode_texts(self._plain_backend(controls), texts))
         out = []
         for ps in parts:
             ids: list[int] = []
@@ -456,6 +460,17 @@ def _read_by_template(template: str, candidates: set[str], bos: str, eos: str) -
     return set()
 
 
+def _encode_texts(backend: _RustTokenizer, texts: Sequence[str]) -> list[list[int]]:
+    """Token ids of ``texts`` (no bos/eos added), encoded in parallel on the Rust side; a text that is not a
+    string is named."""
+    try:
+        return [e.ids for e in backend.encode_batch(list(texts), add_special_tokens=False)]
+    except TypeError:
+        for text in texts:
+            check_text(text)
+        raise
+
+
 @dataclass(eq=False)
 class _Controls:
     """``Tokenizer.special_spellings`` for one chat template: the spellings (longest first), their ids, a pattern
@@ -466,6 +481,7 @@ class _Controls:
     ids: dict[str, int]
     pattern: re.Pattern | None
     plain: _RustTokenizer | None = None
+    chat: _RustTokenizer | None = None  # Tokenizer._chat_backend
 
 
 class ChatText(str):

@@ -633,7 +633,8 @@ def test_skipped_bad_rows_are_reported_when_no_row_is_left(tmp_path, tokenizer_d
         getattr(importlib.import_module(module), builder)(cfg, DistInfo())
 
 
-def test_a_row_too_long_for_seq_len_is_left_out_without_tokenizing_it(tmp_path, tokenizer_dir):
+def test_a_row_too_long_for_seq_len_is_left_out_without_tokenizing_it(tmp_path, tokenizer_dir, monkeypatch):
+    from lmforge import tokenizer as tokenizer_module
     from lmforge.posttrain.render import TOO_LONG, RenderStats, render_examples
     from lmforge.tokenizer import Tokenizer
 
@@ -644,8 +645,9 @@ def test_a_row_too_long_for_seq_len_is_left_out_without_tokenizing_it(tmp_path, 
     most = tokenizer.max_chars(64)  # most // 2 characters are at least 96 tokens, more than 64
     path = write_jsonl(tmp_path / "rows.jsonl", [row("hi"), row("weather " * (most // 16)), row("weather " * 100_000)])
     encoded = []  # the characters the tokenizer is asked to encode, per text
-    encode_batch = tokenizer.encode_batch
-    tokenizer.encode_batch = lambda texts: encoded.extend(map(len, texts)) or encode_batch(texts)
+    encode_texts = tokenizer_module._encode_texts  # what every encoding of text goes through
+    monkeypatch.setattr(tokenizer_module, "_encode_texts",
+                        lambda backend, texts: encoded.extend(map(len, texts)) or encode_texts(backend, texts))
     stats = RenderStats()
     examples = render_examples(tokenizer, list(read_conversations(path)), 64, stats=stats)
     assert most // 2 < max(encoded) < most  # the second row was tokenized (and measured); the 800,000 characters not
