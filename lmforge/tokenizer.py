@@ -231,17 +231,26 @@ class Tokenizer:
                           stacklevel=4)
         return written - _read_by_template(template, written, bos, eos)
 
-    def _plain_backend(self, controls: _Controls) -> _RustTokenizer:
-        """A copy of the backend that encodes the spellings of ``controls`` as text: each is flagged special in it
-        (``encode_special_tokens`` makes only flagged ones text; an unflagged added token is matched regardless)."""
+    def _plain_backends(self, controls: _Controls) -> tuple[_RustTokenizer, _RustTokenizer]:
+        """Copies of the backend that encode the spellings of ``controls`` as text (each is flagged special in
+        them: ``encode_special_tokens`` makes only flagged ones text; an unflagged added token is matched
+        regardless): one for the text at the start of a markup, one for the text after a control token. They
+        differ where a Metaspace pre-tokenizer puts its "▁" before the first word of the input only
+        (``prepend_scheme: first``): encoded in one pass, a marker splits the input and the text after it
+        gets none; encoded alone, it would."""
         if controls.plain is None:
             data = json.loads(self._backend.to_str())
             for token in data.get("added_tokens") or []:
                 if token.get("content") in controls.ids:
                     token["special"] = True
-            plain = _RustTokenizer.from_str(json.dumps(data))
-            plain.encode_special_tokens = True
-            controls.plain = plain
+            first = _RustTokenizer.from_str(json.dumps(data))
+            if _metaspace_first_only(data.get("pre_tokenizer")):  # (now "never" in data)
+                rest = _RustTokenizer.from_str(json.dumps(data))
+            else:
+                rest = first
+            for backend in (first, rest):
+                backend.encode_special_tokens = True
+            controls.plain = (first, rest)
         return controls.plain
 
     def _chat_backend(self, controls: _Controls) -> _RustTokenizer:
@@ -365,13 +374,14 @@ class Tokenizer:
                     False: iter(self.encode_markup_batch([m for m, k in zip(markups, marked) if not k]))}
             return [next(ways[k]) for k in marked]
         parts = [controls.pattern.split(m) for m in markups]  # text, control, text, control, ..., text
-        texts = [unmark(p, controls.spellings) for ps in parts for p in ps[::2]]
-        encoded = iter(_encode_texts(self._plain_backend(controls), texts))
+        first, rest = self._plain_backends(controls)
+        starts = iter(_encode_texts(first, [unmark(ps[0], controls.spellings) for ps in parts]))
+        afters = iter(_encode_texts(rest, [unmark(p, controls.spellings) for ps in parts for p in ps[2::2]]))
         out = []
         for ps in parts:
             ids: list[int] = []
             for k, p in enumerate(ps):
-                ids += next(encoded) if k % 2 == 0 else [controls.ids[p]]
+                ids += next(starts) if k == 0 else next(afters) if k % 2 == 0 else [controls.ids[p]]
             out.append(ids)
         return out
 
@@ -460,6 +470,20 @@ def _read_by_template(template: str, candidates: set[str], bos: str, eos: str) -
     return set()
 
 
+def _metaspace_first_only(pre_tokenizer: dict | None) -> bool:
+    """Whether ``pre_tokenizer`` (tokenizer.json's) is, or holds, a Metaspace with ``prepend_scheme: first``;
+    if so, it is set to "never" in place (the pre-tokenizer of the text after a control token)."""
+    if not isinstance(pre_tokenizer, dict):
+        return False
+    if pre_tokenizer.get("type") == "Sequence":
+        found = [_metaspace_first_only(p) for p in pre_tokenizer.get("pretokenizers") or []]
+        return any(found)
+    if pre_tokenizer.get("type") == "Metaspace" and pre_tokenizer.get("prepend_scheme") == "first":
+        pre_tokenizer["prepend_scheme"] = "never"
+        return True
+    return False
+
+
 def _encode_texts(backend: _RustTokenizer, texts: Sequence[str]) -> list[list[int]]:
     """Token ids of ``texts`` (no bos/eos added), encoded in parallel on the Rust side; a text that is not a
     string is named."""
@@ -480,7 +504,7 @@ class _Controls:
     spellings: list[str]
     ids: dict[str, int]
     pattern: re.Pattern | None
-    plain: _RustTokenizer | None = None
+    plain: tuple[_RustTokenizer, _RustTokenizer] | None = None  # Tokenizer._plain_backends
     chat: _RustTokenizer | None = None  # Tokenizer._chat_backend
 
 

@@ -329,6 +329,37 @@ def test_markers_matched_after_a_case_folding_normalizer_are_text_in_messages_in
     assert tok.encode_chat(plain) == tok.encode(str(tok.apply_chat_template(plain)))
 
 
+@pytest.mark.parametrize("scheme", ["first", "always"])
+def test_a_conversation_cut_at_its_markers_encodes_as_one_pass_of_its_text_under_metaspace(tmp_path, scheme):
+    """A markup with marks is encoded piece by piece between the control tokens. A Metaspace pre-tokenizer
+    that puts "▁" before the first word of its input only (``prepend_scheme: first``, Mistral's) gives
+    the text after a marker none in one pass; encoded alone, each piece got one ("▁user" after
+    "<|im_start|>"), so a conversation that spelled a marker had every turn's tokens changed."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as RustTokenizer
+
+    backend = RustTokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Metaspace(prepend_scheme=scheme)])
+    backend.decoder = decoders.Metaspace(prepend_scheme=scheme)
+    backend.train_from_iterator(TRAINING_TEXTS + ["user assistant system"] * 20, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<unk>"], show_progress=False))
+    backend.add_tokens([AddedToken(t, special=True, normalized=False) for t in ("<|im_start|>", "<|im_end|>")])
+    template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+                "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    (tmp_path / "tok").mkdir()
+    backend.save(str(tmp_path / "tok" / "tokenizer.json"))
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>",
+                                                                       "chat_template": template}))
+    tok = Tokenizer.load(tmp_path / "tok")
+    # the private-use character lmforge marks with, in a message: cut at the markers, no marker spelled
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello \U000F0000 world"}]
+    ids = tok.encode_chat(messages)
+    assert ids == tok.encode(str(tok.apply_chat_template(messages)))  # one pass of the same text
+    start = ids.index(tok.encode("<|im_start|>")[0])
+    after = tok.decode(ids[start:start + 2])[len("<|im_start|>"):]  # the token after the marker: no "▁" in one pass
+    assert after.startswith("s" if scheme == "first" else " s"), after
+
+
 def test_added_tokens_a_template_reads_in_messages_stay_what_the_template_finds(tmp_path):
     """Qwen3-like: unflagged "<think>"/"</think>" that the template looks for in an assistant's content to strip
     its reasoning. Protecting them would hide them from the template (the reasoning kept, its tags as text);
