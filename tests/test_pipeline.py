@@ -765,6 +765,8 @@ BAD = {
                           ["stage 'tok'", "'include' must be a list of glob patterns (strings), got 7"]),
     "tokenizer max_bytes": (lambda d: _stage(d, "tok").update(max_bytes=-5),
                             ["stage 'tok'", "'max_bytes' must be a whole number of bytes > 0, got -5"]),
+    "tokenizer heldout_fraction": (lambda d: _stage(d, "tok").update(heldout_fraction=1.5),
+                                   ["stage 'tok'", "'heldout_fraction' must be a fraction in [0, 1)", "got 1.5"]),
     "eval limit": (lambda d: d["stages"].append({"name": "ev", "kind": "eval", "task": "lm", "checkpoint": "ft",
                                                  "data": "${vars.corpus}", "limit": "lots"}),
                    ["stage 'ev'", "'limit' must be a whole number >= 0 (0: all), got 'lots'"]),
@@ -858,9 +860,12 @@ def test_quick_stages_follow_lmforge_code_and_later_stages_follow_their_output(t
 
     file = write(tmp_path / "p.yaml", {"name": "gen", "stages": [
         {"name": "stories", "kind": "data", "generator": "stories", "args": {"n_stories": 30}},
-        {"name": "tok", "kind": "tokenizer", "sources": ["${stages.stories.out}/train.txt"], "vocab_size": 280}]})
+        {"name": "tok", "kind": "tokenizer", "sources": ["${stages.stories.out}/train.txt"], "vocab_size": 280,
+         "heldout_fraction": 0.3}]})
     out = tmp_path / "out"
     run_pipeline(file, out_dir=out)
+    report = json.loads((out / "tok" / "report.json").read_text())  # the stage's heldout_fraction, passed on
+    assert 0.15 < report["heldout_documents"] / (report["heldout_documents"] + report["train_documents"]) < 0.45
     real = stages.code_hash
     monkeypatch.setattr(stages, "code_hash", lambda cache, *modules: real(cache, *modules) + "-edited"
                         if "lmforge.data.stories" in modules else real(cache, *modules))

@@ -34,7 +34,7 @@ TRAINING_KEYS = ("recipe", "init", "tokenizer", "data", "overrides", "processes"
 # The stage kinds the pipeline runs itself; every other kind is a training kind (lmforge.recipes).
 STAGE_KEYS: dict[str, tuple[str, ...]] = {
     "tokenizer": ("sources", "vocab_size", "include", "max_bytes", "text_field", "exclude_tests", "min_frequency",
-                  "seed"),
+                  "heldout_fraction", "seed"),
     "data": ("generator", "args"),
     "eval": ("task", "checkpoint", "baseline", "data", "split", "metric", "limit", "include", "max_new_tokens",
              "batch_size", "device"),
@@ -465,6 +465,8 @@ VALUE_RULES: dict[str, tuple[Any, str]] = {
     "text_field": (lambda x: isinstance(x, str) and bool(x), "a field name (a string)"),
     "exclude_tests": (lambda x: isinstance(x, bool), "true or false"),
     "min_frequency": (lambda x: _whole(x) and x >= 1, "a whole number >= 1"),
+    "heldout_fraction": (lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < 1,
+                         "a fraction in [0, 1) (0.01 is typical)"),
     "seed": (_whole, "a whole number"),
     "split": (lambda x: isinstance(x, str) and bool(x), "a split's name (a string)"),
     "limit": (lambda x: _whole(x) and x >= 0, "a whole number >= 0 (0: all)"),
