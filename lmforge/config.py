@@ -380,7 +380,7 @@ TRAINER_8BIT_OPTIMS = ("adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit", "adam
 # The Trainer's schedules that lmforge has (its cosine ends at training.min_lr_ratio x lr; the Trainer's at 0).
 TRAINER_SCHEDULES = {"cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant",
                      "warmup_stable_decay": "wsd"}
-# Trainer settings whose Trainer default is what lmforge does anyway: dropped, so a pasted TrainingArguments dump
+# Trainer settings whose Trainer default is what lmforge does anyway: dropped, so a guide's script that sets them
 # loads (max_steps -1 is the Trainer's "not set": num_train_epochs decides; lmforge always keeps checkpoints/best).
 TRAINER_DEFAULTS = {"optim": ("adamw_torch", "adamw_torch_fused", "adamw_hf"), "warmup_ratio": (0, 0.0),
                     "dataloader_num_workers": (0,), "max_steps": (-1,), "load_best_model_at_end": (True, False),
@@ -528,19 +528,19 @@ def config_from_dict(values: dict[str, Any]) -> RunConfig:
     values = apply_aliases(dict(values), spec)
     check_layer(values)
     model_values = dict(values.pop("model", {}))
-    family = model_values.pop("family", None) or spec.families[0].family
+    family = model_values.pop("family", None) or spec.family_names()[0]
     recipe_values = values.pop("recipe", {})
     _refuse_other_kinds_names(values, spec)
     cfg = dataclass_from_dict(RunConfig, values, prefix="")
     cfg.kind = spec.name
     cls = model_class(family)
-    if cls not in spec.families:
+    if family not in spec.family_names():
         raise LMForgeError(f"kind {spec.name!r} trains the model families {', '.join(spec.family_names())}, not "
                            f"{family!r}; set model.family to one of them, or choose the kind that trains {family!r} "
                            f"(kind={kind_of_family(family).name})")
     cfg.model = dataclass_from_dict(cls.config_class, model_values, prefix="model")
     if spec.settings is not None:
-        cfg.recipe = dataclass_from_dict(spec.settings, recipe_values, prefix="recipe")
+        cfg.recipe = dataclass_from_dict(spec.settings_class(), recipe_values, prefix="recipe")
     elif recipe_values:
         raise LMForgeError(f"kind {spec.name!r} has no settings of its own: remove the 'recipe' section "
                            f"({', '.join(sorted(recipe_values))})")

@@ -4,8 +4,9 @@ one, ``startswith`` / ``endswith`` it, matches a ``case`` of it, looks it up in 
 family or kind names, or compares with a class's ``family``: ask the registry or the model class instead).
 
 Every ``import`` statement counts, at module level or inside a function (a lazy import is still a
-dependency). The registry's list of built-in kinds (``lmforge.recipes.BUILTIN``) names packages as
-strings, the plug-in link, and is not an import statement. Run alone: ``python -m pytest -q
+dependency), and so does a reference a kind's spec imports on first use (``Lazy("package.module:name")``,
+``Family(name, "package.module:Class")``). The registry's list of built-in kinds
+(``lmforge.recipes.BUILTIN``) names packages as strings, the plug-in link, and is not an import statement. Run alone: ``python -m pytest -q
 tests/test_architecture.py``."""
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("command line", ("lmforge.cli", "lmforge.cli_data", "lmforge.bench", "lmforge.quickstart", "lmforge.__main__",
                       "lmforge.staged_guide", "lmforge.pipeline", "lmforge=")),
 ]
+
+
+# What a spec names by reference ("package.module:name"), imported on first use: an import too.
+REFERENCES = ("Lazy", "Family")
 
 
 def module_name(path: Path) -> str:
@@ -69,6 +74,9 @@ def import_graph() -> dict[str, set[str]]:
                 if node.level:
                     base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) in REFERENCES:
+                targets = [arg.value.partition(":")[0] for arg in node.args
+                           if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and ":" in arg.value]
             else:
                 continue
             edges.update(t for t in targets if t in modules and t != name)
@@ -216,6 +224,7 @@ def test_the_checks_find_what_they_look_for():
     assert "lmforge.recipes" in graph["lmforge.models"]  # module level
     assert "lmforge.train.loggers" in graph["lmforge.plot"]
     assert "lmforge.recipes.puzzles.sudoku" in graph["lmforge.recipes.puzzles.cli"]  # inside a function
+    assert {"lmforge.recipes.puzzles.training", "lmforge.recipes.puzzles.hrm"} <= graph["lmforge.recipes.puzzles"]  # references
     bad = {**graph, "lmforge.data.loader": graph["lmforge.data.loader"] | {"lmforge.train.loop"}}
     assert upward_imports(bad) == ["lmforge.data.loader (models and data) imports lmforge.train.loop "
                                    "(training, export, serving)"]

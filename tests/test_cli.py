@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -35,6 +38,92 @@ def test_every_verb_documents_every_option():
         for action in p._actions:
             if action.dest != "help":
                 assert action.help, f"{p.prog}: option {action.dest} has no help text"
+
+
+# Runs before a test's script in a fresh process (this one has imported torch): keeps the lmforge lines of
+# the stack that first imports torch, for the failure message. The script leaves its results in `out`.
+TORCH_SPY = """
+import json, sys, traceback
+
+first = []
+
+
+class Spy:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" and not first:
+            first.extend(f"{frame.filename}:{frame.lineno} {frame.line}" for frame in traceback.extract_stack()
+                         if "lmforge" in frame.filename)
+        return None
+
+
+sys.meta_path.insert(0, Spy())
+"""
+TORCH_REPORT = """
+print(json.dumps({"torch": "torch" in sys.modules, "first": first, "out": out}))
+"""
+
+
+def _run_without_torch(script: str, cwd: Path | None = None) -> dict:
+    """``script``'s ``out``, after checking that running it imported no torch."""
+    done = subprocess.run([sys.executable, "-c", TORCH_SPY + textwrap.dedent(script) + TORCH_REPORT],
+                          capture_output=True, text=True, timeout=300, cwd=cwd)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert not result["torch"], "torch was imported, first by:\n" + "\n".join(result["first"])
+    return result["out"]
+
+
+def test_help_of_every_verb_imports_no_torch():
+    """Every command builds its parser from every kind's spec: building it and printing each verb's help
+    import no torch (~2 s of CPU on each command); the kinds name what needs it by reference."""
+    shown = _run_without_torch("""
+        import argparse, contextlib, io
+        from lmforge.cli import build_parser, main
+
+        def verbs(parser, path):
+            for action in parser._actions:
+                if isinstance(action, argparse._SubParsersAction):
+                    for name, sub in action.choices.items():
+                        yield [*path, name]
+                        yield from verbs(sub, [*path, name])
+
+        out = []
+        for path in [[], *verbs(build_parser(), [])]:
+            with contextlib.redirect_stdout(io.StringIO()) as text, contextlib.suppress(SystemExit):
+                main([*path, "--help"])
+            out.append([" ".join(path), text.getvalue().startswith("usage: lmforge")])
+    """)
+    shown = dict(shown)
+    assert all(shown.values()), shown
+    assert {"", "train", "eval", "generate", "solve", "data sudoku", "data sft", "checkpoint verify",
+            "pipeline status", "serve"} <= set(shown)
+
+
+def test_verbs_that_need_no_torch_run_without_importing_it(tmp_path):
+    """A verb that only reads, tokenizes or writes files (checkpoint verify, data stories, tokenizer train,
+    data prepare, data sft --tokenizer, --version) runs end to end without importing torch."""
+    from lmforge.checkpoint import write_checksums
+
+    for name in ("good", "damaged"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(b"weights of " + name.encode())
+        write_checksums(tmp_path / name)
+    (tmp_path / "damaged" / "model.safetensors").write_bytes(b"weights changed")
+    codes = _run_without_torch("""
+        import contextlib
+        from lmforge.cli import main
+
+        out = [main(["checkpoint", "verify", "good"]), main(["checkpoint", "verify", "damaged"]),
+               main(["data", "stories", "--out", "stories", "--n", "40", "--no-progress"]),
+               main(["tokenizer", "train", "stories/train.txt", "--out", "tok", "--vocab-size", "300", "--no-progress"]),
+               main(["data", "prepare", "stories/train.txt", "--tokenizer", "tok", "--out", "shards", "--no-progress"]),
+               main(["data", "tool-calls", "--out", "chats", "--n-train", "8", "--n-val", "2", "--n-test", "2"]),
+               main(["data", "sft", "chats", "--tokenizer", "tok", "--show", "0"])]
+        with contextlib.suppress(SystemExit):
+            main(["--version"])
+    """, cwd=tmp_path)
+    assert codes == [0, 1, 0, 0, 0, 0, 0]
+    assert (tmp_path / "tok" / "tokenizer.json").is_file() and (tmp_path / "shards" / "meta.json").is_file()
 
 
 def test_eval_on_shards_and_on_raw_files(trained, tmp_path, capsys):
@@ -118,7 +207,8 @@ def test_bench_times_the_rows_the_kind_trains_on_not_data_seq_len(monkeypatch, c
     generator's) is timed, printed and counted at the length its spec says (RecipeSpec.seq_len)."""
     from lmforge import recipes
     from lmforge.models.gpt import GPT
-    from lmforge.recipes.lm import RandomTokens, count
+    from lmforge.recipes.lm import count
+    from lmforge.recipes.lm.bench import RandomTokens
 
     recipes.kinds()  # the built-in kinds first; the registry is restored after the test
     monkeypatch.setattr(recipes, "_KINDS", dict(recipes._KINDS))

@@ -214,7 +214,7 @@ def test_the_refusal_names_the_kinds_whose_model_the_harness_scores(tmp_path, mo
     plugin = dataclasses.replace(recipes.get_kind("sft"), name="plugin_chat", families=(PluginGPT,))
     recipes.kinds()  # the built-in kinds loaded before the registry is patched
     monkeypatch.setitem(recipes._KINDS, plugin.name, plugin)
-    monkeypatch.setitem(recipes._FAMILIES, PluginGPT.family, (PluginGPT, plugin))
+    monkeypatch.setitem(recipes._FAMILIES, PluginGPT.family, (plugin.families[0], plugin))
     with pytest.raises(LMForgeError, match=r"\(the gpt, plugin_gpt families: kinds dpo, grpo, lm, plugin_chat, sft\)"):
         check_language_model(trm_dir)
     (tmp_path / "plugin").mkdir()

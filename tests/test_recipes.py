@@ -4,6 +4,7 @@ checkpoints and old spellings of moved settings still load; each kind counts wha
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -113,19 +114,21 @@ def toy_kind(tmp_path, monkeypatch):
     return plugin(tmp_path, monkeypatch, "toy_recipe", TOY_KIND)
 
 
-def plugin(tmp_path, monkeypatch, name: str, source: str):
-    """Package ``name`` holding ``source``, imported as a plug-in for one test (the registry is restored
-    afterwards)."""
+def plugin(tmp_path, monkeypatch, name: str, source: str | dict[str, str]):
+    """Package ``name`` holding ``source`` (its ``__init__.py``, or file name -> text), imported as a plug-in
+    for one test (the registry is restored afterwards)."""
     import importlib
 
     package = tmp_path / "plugins" / name
     package.mkdir(parents=True)
-    (package / "__init__.py").write_text(source)
+    for file, text in ({"__init__.py": source} if isinstance(source, str) else source).items():
+        (package / file).write_text(text)
     recipes.kinds()  # the built-in kinds first, so the copies below hold them
     monkeypatch.setattr(recipes, "_KINDS", dict(recipes._KINDS))
     monkeypatch.setattr(recipes, "_FAMILIES", dict(recipes._FAMILIES))
     monkeypatch.syspath_prepend(str(tmp_path / "plugins"))
-    monkeypatch.delitem(sys.modules, name, raising=False)
+    for module in [m for m in sys.modules if m == name or m.startswith(f"{name}.")]:  # an earlier test's copy
+        monkeypatch.delitem(sys.modules, module)
     return importlib.import_module(name)  # the one registry line of a built-in kind does this import
 
 
@@ -209,6 +212,49 @@ def test_kinds_of_installed_packages_load_through_entry_points(tmp_path, monkeyp
     monkeypatch.setattr(recipes, "_state", {"loaded": False, "loading": False})
     with pytest.raises(LMForgeError, match="the training kind 'broken' of an installed package.*does not import"):
         recipes.kinds()
+
+
+def test_every_reference_of_the_built_in_kinds_names_what_it_means():
+    """A kind's spec names what imports torch by reference (imported on first use, so a typo would show only
+    when that kind trains): each one imports, each family's class carries the family's name, and a function
+    given by reference is called through."""
+    specs = [s for s in recipes.kinds() if s.name in ("dpo", "grpo", "hrgc", "lm", "ppo", "puzzles", "reward", "sft")]
+    assert len(specs) == 8
+    lazy = []
+    for spec in specs:
+        for entry in spec.families:
+            assert entry.load().family == entry.family, (spec.name, entry)
+        options = [o for o in (spec.eval, spec.generate) if o is not None]
+        lazy += [(spec.name, value) for holder in (spec, *options) for value in vars(holder).values()
+                 if isinstance(value, recipes.Lazy)]
+    assert len(lazy) >= 20
+    for name, value in lazy:
+        assert value.load() is not None, (name, value)
+    assert recipes.get_kind("lm").family_names() == ("gpt",)
+    assert dataclasses.is_dataclass(recipes.get_kind("sft").settings_class())
+
+
+def test_a_family_given_by_reference_and_by_class_is_one_family(monkeypatch):
+    """A kind of another package may give its model classes as they are (as before references): its gpt is
+    the built-in kinds' gpt, named by reference, without a clash. A reference that names nothing, or a class
+    of another family, is an error that names it."""
+    from lmforge.models.gpt import GPT
+
+    recipes.kinds()
+    monkeypatch.setattr(recipes, "_KINDS", dict(recipes._KINDS))
+    monkeypatch.setattr(recipes, "_FAMILIES", dict(recipes._FAMILIES))
+    spec = recipes.register(recipes.RecipeSpec(name="plain_gpt", summary="", families=(GPT,), build_data=None,
+                                               count=None))
+    assert spec.families == (recipes.Family("gpt", GPT),) and spec.model_classes() == (GPT,)
+    assert recipes.kind_of_family("gpt").name == "lm" and recipes.model_class("gpt") is GPT
+    with pytest.raises(LMForgeError, match="'lmforge.models.gpt:GTP': lmforge.models.gpt has no 'GTP'"):
+        recipes.Lazy("lmforge.models.gpt:GTP")()
+    with pytest.raises(LMForgeError, match="'lmforge.modles.gpt:GPT' names a module that does not exist"):
+        recipes.Family("gpt", "lmforge.modles.gpt:GPT").load()
+    with pytest.raises(LMForgeError, match="'lmforge.models.gpt:GPT' is a class of the family 'gpt'"):
+        recipes.Family("llama", "lmforge.models.gpt:GPT").load()
+    with pytest.raises(LMForgeError, match="give a reference"):
+        recipes.Lazy("lmforge.models.gpt.GPT")
 
 
 def test_kind_options_are_refused_on_other_kinds_checkpoints(trained_run, capsys):
@@ -455,9 +501,16 @@ def guide_blocks(lang: str) -> list[str]:
 
 @pytest.fixture
 def guide_kind(tmp_path, monkeypatch):
-    """The guide's example kind (every ```python block of docs/adding-a-recipe.md, as written), registered as
-    a plug-in for one test (the registry is restored afterwards)."""
-    return plugin(tmp_path, monkeypatch, "guide_adder", "\n\n".join(guide_blocks("python")))
+    """The guide's example kind (every ```python block of docs/adding-a-recipe.md, as written, as the file of
+    lmforge/recipes/adder/ its first line names), registered as a plug-in for one test (the registry is
+    restored afterwards). Its references to lmforge.recipes.adder name the plug-in's package."""
+    files = {}
+    for block in guide_blocks("python"):
+        first = re.match(r"# lmforge/recipes/adder/(\w+\.py)\n", block)
+        assert first, f"a python block of the guide that does not start with its file's path:\n{block}"
+        files[first.group(1)] = block.replace("lmforge.recipes.adder", "guide_adder")
+    assert "__init__.py" in files
+    return plugin(tmp_path, monkeypatch, "guide_adder", files)
 
 
 def test_the_guide_s_example_kind_trains_and_resumes_exactly(guide_kind, tmp_path, capsys):

@@ -440,8 +440,8 @@ def check_language_model(checkpoint: str | os.PathLike) -> None:
     # is on the family's model class, so a kind of another package that trains a GPT passes it too.
     if not issubclass(model_class(family), GPT):
         kind = kind_of_family(family)
-        text = [spec for spec in kinds() if any(issubclass(cls, GPT) for cls in spec.families)]
-        text_families = sorted({cls.family for spec in text for cls in spec.families if issubclass(cls, GPT)})
+        text = [spec for spec in kinds() if any(issubclass(cls, GPT) for cls in spec.model_classes())]
+        text_families = sorted({cls.family for spec in text for cls in spec.model_classes() if issubclass(cls, GPT)})
         raise LMForgeError(f"`lmforge eval --tasks` runs lm-evaluation-harness on language models (the "
                            f"{', '.join(text_families)} famil{'y' if len(text_families) == 1 else 'ies'}: kinds "
                            f"{', '.join(spec.name for spec in text)}); {checkpoint} holds a {family!r} model (kind "

@@ -13,6 +13,9 @@ Adding a kind: a new folder with its spec, and one line in ``BUILTIN`` below (se
 entry-point group instead. The registry imports those packages by name, on first use: it sits at
 the bottom of lmforge's layers (``lmforge.models`` asks it for a family's class), while the kinds sit
 near the top, so the one link from here up to them is this list of names, as with any plug-in.
+
+Every lmforge command imports every kind to build its parser, so a kind's ``__init__`` imports no torch:
+what needs it is named by reference and imported on first use (``RecipeSpec``'s docstring says how).
 """
 
 from __future__ import annotations
@@ -147,6 +150,71 @@ class CLIOptions:
     help: str = ""  # what the verb does for this kind, one line
 
 
+def import_ref(ref: str) -> Any:
+    """The object a reference ``"package.module:name"`` names, imported now."""
+    module, _, name = ref.partition(":")
+    if not module or not name:
+        raise LMForgeError(f"{ref!r} is not a reference \"package.module:name\"")
+    try:
+        target = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != module and not module.startswith(f"{e.name}."):  # one that the named module imports is missing
+            raise
+        raise LMForgeError(f"{ref!r} names a module that does not exist: {e}") from e
+    for part in name.split("."):
+        if not hasattr(target, part):
+            raise LMForgeError(f"{ref!r}: {module} has no {name!r}")
+        target = getattr(target, part)
+    return target
+
+
+class Lazy:
+    """A function (or class) named by reference, ``Lazy("package.module:name")``: calling it imports the object
+    on the first call and calls it; ``load()`` returns the object. What a ``RecipeSpec`` holds in place of a
+    function whose module imports torch (see its docstring)."""
+
+    __slots__ = ("ref", "_target")
+
+    def __init__(self, ref: str):
+        if not isinstance(ref, str) or ref.count(":") != 1 or ref.startswith(":") or ref.endswith(":"):
+            raise LMForgeError(f"Lazy({ref!r}): give a reference \"package.module:name\"")
+        self.ref = ref
+        self._target: Any = None
+
+    def load(self) -> Any:
+        if self._target is None:
+            self._target = import_ref(self.ref)
+        return self._target
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.load()(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"Lazy({self.ref!r})"
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family a kind trains: its name (``model.family`` in a recipe, the class's ``family``) and its
+    model class (an ``LMForgeModel`` subclass), given as the class or as a reference ``"package.module:Class"``
+    imported on first use. A ``RecipeSpec`` holds its families in this form (a class given alone is wrapped)."""
+
+    family: str
+    model: type | str
+
+    def load(self) -> type:
+        cls = import_ref(self.model) if isinstance(self.model, str) else self.model
+        if getattr(cls, "family", None) != self.family:
+            raise LMForgeError(f"model family {self.family!r}: {self.model!r} is a class of the family "
+                               f"{getattr(cls, 'family', None)!r}; the names must match")
+        return cls
+
+    def same_model(self, other: Family) -> bool:
+        if isinstance(self.model, str) and self.model == other.model:
+            return True  # one reference: the same class, and nothing imported to know it
+        return self.load() is other.load()
+
+
 def _call_model(model, batch):
     return model(batch)
 
@@ -168,15 +236,34 @@ def _predicted_tokens_or_rows(batch: dict[str, Any]) -> float:
 
 @dataclass(frozen=True)
 class RecipeSpec:
-    """Everything lmforge needs to know about one training kind."""
+    """Everything lmforge needs to know about one training kind.
+
+    Every lmforge command, ``lmforge --help`` included, imports every kind and reads its spec to build the
+    parser, so a kind's ``__init__`` must not import torch (about 2 s of CPU on each command). What needs torch
+    is named by reference, ``"package.module:name"``, and imported on first use:
+
+    - ``families``: ``Family("gpt", "lmforge.models.gpt:GPT")``, the family's name read at once, its class
+      imported when a model is built, loaded or its config read;
+    - functions (``build_data``, ``count``, ``loss``, ``make_optimizer`` ... ``CLIOptions.run``) and the
+      ``settings`` dataclass: ``Lazy("lmforge.recipes.lm.data:build_lm_data")``, which imports the function
+      when it is first called and calls it.
+
+    What runs while the parser is built (``CLIOptions.add``, ``add_data_verbs``, ``add_verbs``) is given
+    as it is, from a module that imports torch only inside the functions that do a verb's work. A model
+    class or function given as it is works the same (kinds of other packages written that way keep working),
+    but what its module imports is then paid by every command.
+    """
 
     name: str  # the kind: `kind: NAME` in a recipe (default: the kind of model.family)
     summary: str  # one line, shown in --help
-    families: tuple[type, ...]  # the model classes it trains (LMForgeModel subclasses); the first is the default
+    # The model families it trains, each a Family (name + class or reference) or a model class (LMForgeModel subclass,
+    # wrapped into a Family); the first is the default. family_names() reads no class; model_classes() imports them
+    families: tuple[Family | type, ...]
     build_data: Callable[[Any, Any], TrainData]  # (RunConfig, DistInfo) -> TrainData; may fill model sizes
     count: Callable[[Any, dict[str, Any]], Counts]  # (model, CPU batch) -> what the micro-batch held
     # --- configuration ----------------------------------------------------------------------------
-    settings: type | None = None  # dataclass of the kind's training-only settings: config section `recipe`
+    # dataclass of the kind's training-only settings: config section `recipe` (settings_class() imports a Lazy one)
+    settings: type | Lazy | None = None
     aliases: Callable[[dict[str, Any]], dict[str, Any]] | None = None  # a guide's names -> lmforge's, per layer
     supersedes: dict[str, dict[str, list[tuple[str, Any]]]] = field(default_factory=dict)  # see config.py
     # --- the step ---------------------------------------------------------------------------------
@@ -212,12 +299,30 @@ class RecipeSpec:
     # its tokens and FLOPs by (only read with bench_data). Default: data.seq_len
     seq_len: Callable[[Any], int] = _data_seq_len
 
+    def __post_init__(self) -> None:
+        wrapped = []
+        for entry in self.families:
+            if not isinstance(entry, Family):
+                if not isinstance(entry, type) or not isinstance(getattr(entry, "family", None), str):
+                    raise LMForgeError(f"kind {self.name!r}: families holds {entry!r}; give model classes (with a "
+                                       "`family` name) or Family(\"name\", \"package.module:Class\")")
+                entry = Family(entry.family, entry)
+            wrapped.append(entry)
+        object.__setattr__(self, "families", tuple(wrapped))
+
     def family_names(self) -> tuple[str, ...]:
-        return tuple(cls.family for cls in self.families)
+        return tuple(f.family for f in self.families)
+
+    def model_classes(self) -> tuple[type, ...]:
+        """The families' model classes (imports them)."""
+        return tuple(f.load() for f in self.families)
+
+    def settings_class(self) -> type | None:
+        return self.settings.load() if isinstance(self.settings, Lazy) else self.settings
 
 
 _KINDS: dict[str, RecipeSpec] = {}
-_FAMILIES: dict[str, tuple[type, RecipeSpec]] = {}  # family -> (model class, the kind that owns it)
+_FAMILIES: dict[str, tuple[Family, RecipeSpec]] = {}  # family -> (its Family, the kind that owns it)
 _state = {"loaded": False, "loading": False}
 
 
@@ -242,15 +347,16 @@ def register(spec: RecipeSpec) -> RecipeSpec:
             raise LMForgeError(f"kind {spec.name!r}: {verb}=CLIOptions(uses=...) names unknown shared option sets "
                                f"{', '.join(map(repr, unknown))}{hint}; the sets are "
                                f"{', '.join(map(repr, SHARED_OPTIONS))}")
-    for cls in spec.families:
-        owner = _FAMILIES.get(cls.family)
-        if owner is not None and owner[0] is not cls:
-            raise LMForgeError(f"kind {spec.name!r} registers a model family {cls.family!r} that kind {owner[1].name!r} "
-                               f"already defines with another class ({owner[0].__module__}.{owner[0].__name__}); "
+    for entry in spec.families:
+        owner = _FAMILIES.get(entry.family)
+        if owner is not None and not owner[0].same_model(entry):
+            cls = owner[0].load()
+            raise LMForgeError(f"kind {spec.name!r} registers a model family {entry.family!r} that kind {owner[1].name!r} "
+                               f"already defines with another class ({cls.__module__}.{cls.__name__}); "
                                "choose another family name")
     _KINDS[spec.name] = spec
-    for cls in spec.families:
-        _FAMILIES.setdefault(cls.family, (cls, spec))
+    for entry in spec.families:
+        _FAMILIES.setdefault(entry.family, (entry, spec))
     return spec
 
 
@@ -295,20 +401,23 @@ def families() -> list[str]:
     return sorted(_FAMILIES)
 
 
-def model_class(family: str | None) -> type:
-    """The model class of a family name (``gpt``, ``trm`` ...)."""
+def _family(family: str | None) -> tuple[Family, RecipeSpec]:
     _load_builtin()
     if family not in _FAMILIES:
         close = difflib.get_close_matches(str(family), list(_FAMILIES), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise LMForgeError(f"unknown model family {family!r}; known: {', '.join(sorted(_FAMILIES))}.{hint}")
-    return _FAMILIES[family][0]
+    return _FAMILIES[family]
+
+
+def model_class(family: str | None) -> type:
+    """The model class of a family name (``gpt``, ``trm`` ...); imports it."""
+    return _family(family)[0].load()
 
 
 def kind_of_family(family: str | None) -> RecipeSpec:
     """The kind a family's checkpoints belong to (what `lmforge eval` / `generate` run for them)."""
-    model_class(family)  # the error for an unknown family
-    return _FAMILIES[family][1]
+    return _family(family)[1]
 
 
 def default_kind() -> RecipeSpec:
@@ -330,12 +439,12 @@ def flops_per_token(model: Any, length: int) -> float:
 def family_of_config(config: Any) -> str:
     """The family whose config dataclass ``config`` is."""
     _load_builtin()
-    for name, (cls, _) in _FAMILIES.items():
-        if type(config) is cls.config_class:
+    for name, (entry, _) in _FAMILIES.items():
+        if type(config) is entry.load().config_class:
             return name
     raise LMForgeError(f"no model family takes a config of type {type(config).__name__}")
 
 
-__all__ = ["BUILTIN", "DEFAULT_KIND", "RESERVED_KIND_NAMES", "CLIOptions", "Counts", "ModelHost", "Probe",
-           "RecipeSpec", "TrainData", "default_kind", "families", "family_of_config", "flops_per_token", "get_kind", "kind_of_family", "kinds",
-           "model_class", "register"]
+__all__ = ["BUILTIN", "DEFAULT_KIND", "RESERVED_KIND_NAMES", "CLIOptions", "Counts", "Family", "Lazy", "ModelHost",
+           "Probe", "RecipeSpec", "TrainData", "default_kind", "families", "family_of_config", "flops_per_token",
+           "get_kind", "import_ref", "kind_of_family", "kinds", "model_class", "register"]

@@ -11,10 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lmforge.models.gpt import GPT
-from lmforge.recipes import Counts, RecipeSpec, flops_per_token, register
-from lmforge.recipes.dpo.data import DPOSettings, build_dpo_data
-from lmforge.recipes.dpo.loss import dpo_loss
+from lmforge.recipes import Counts, Family, Lazy, RecipeSpec, flops_per_token, register
 
 
 def count(model, batch: dict[str, Any]) -> Counts:
@@ -31,16 +28,14 @@ def count(model, batch: dict[str, Any]) -> Counts:
 SPEC = register(RecipeSpec(
     name="dpo",
     summary="direct preference optimization (gpt family): chosen vs rejected replies against a frozen reference",
-    families=(GPT,),
-    build_data=build_dpo_data,
+    families=(Family("gpt", "lmforge.models.gpt:GPT"),),
+    build_data=Lazy("lmforge.recipes.dpo.data:build_dpo_data"),
     count=count,
-    settings=DPOSettings,
-    loss=dpo_loss,
+    settings=Lazy("lmforge.recipes.dpo.data:DPOSettings"),
+    loss=Lazy("lmforge.recipes.dpo.loss:dpo_loss"),
     # The held-out DPO loss: it weighs how far each pair is ranked right, where accuracy only counts
     # signs, ties on small sets and saturates early (see docs/dpo.md).
     best_metric="eval/loss",
     eval_weight=lambda batch: float(batch["num_examples"]),  # evaluation means are per pair
     supports_fsdp=True,
 ))
-
-__all__ = ["SPEC", "DPOSettings"]

@@ -15,17 +15,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from lmforge.models.gpt import GPT
-from lmforge.models.losses import IGNORE_INDEX
-from lmforge.recipes import CLIOptions, Counts, RecipeSpec, flops_per_token, register
+from lmforge.recipes import CLIOptions, Counts, Family, Lazy, RecipeSpec, flops_per_token, register
 from lmforge.recipes.grpo import cli
-from lmforge.recipes.grpo.data import GRPOSettings, build_grpo_data
-from lmforge.recipes.grpo.loss import grpo_loss
 
 
 def count(model, batch: dict[str, Any]) -> Counts:
     """Tokens: the completion tokens learnt from; examples: completions. FLOPs: the forward and
     backward over every real position, prompts included (generation is not counted)."""
+    from lmforge.models.losses import IGNORE_INDEX  # imports torch, which the batch's tensors have imported
+
     positions = int((batch["document_ids"] >= 0).sum())
     return Counts(tokens=int((batch["labels"] != IGNORE_INDEX).sum()), examples=int(batch["num_examples"]),
                   flops=positions * flops_per_token(model, batch["input_ids"].shape[1]))
@@ -34,11 +32,11 @@ def count(model, batch: dict[str, Any]) -> Counts:
 SPEC = register(RecipeSpec(
     name="grpo",
     summary="group relative policy optimization (gpt family): sampled completions scored by reward functions",
-    families=(GPT,),
-    build_data=build_grpo_data,
+    families=(Family("gpt", "lmforge.models.gpt:GPT"),),
+    build_data=Lazy("lmforge.recipes.grpo.data:build_grpo_data"),
     count=count,
-    settings=GRPOSettings,
-    loss=grpo_loss,
+    settings=Lazy("lmforge.recipes.grpo.data:GRPOSettings"),
+    loss=Lazy("lmforge.recipes.grpo.loss:grpo_loss"),
     best_metric="eval/reward",
     best_higher_is_better=True,
     eval_weight=lambda batch: float(len(batch["eval_total"])),  # held-out figures are means over prompts
@@ -46,5 +44,3 @@ SPEC = register(RecipeSpec(
                     help="held-out reward of a checkpoint's greedy replies, by reward function"),
     supports_fsdp=True,  # rollouts gather one model at a time (ModelHost.gathered)
 ))
-
-__all__ = ["SPEC", "GRPOSettings"]

@@ -7,26 +7,22 @@ the loop's glue), ``writer`` (inference), ``probe``, ``evaluate``, ``cli``. Go s
 
 from __future__ import annotations
 
-from lmforge.recipes import CLIOptions, RecipeSpec, register
+from lmforge.recipes import CLIOptions, Family, Lazy, RecipeSpec, register
 from lmforge.recipes.hrgc import cli
-from lmforge.recipes.hrgc.aliases import hrgc_aliases
 from lmforge.recipes.hrgc.cli_data import add_data_verbs
-from lmforge.recipes.hrgc.model import HRGC
-from lmforge.recipes.hrgc.training import (HRGCSettings, build_go_function_data, count, eval_weight, make_optimizer,
-                                           prepare_model)
 
 SPEC = register(RecipeSpec(
     name="hrgc",
     summary="HRGC Go coders (hrgc): parse, compile and AST-similarity rates; write a function from its spec",
-    families=(HRGC,),
-    build_data=build_go_function_data,
-    count=count,
-    settings=HRGCSettings,
-    aliases=hrgc_aliases,
-    prepare_model=prepare_model,
-    make_optimizer=make_optimizer,
+    families=(Family("hrgc", "lmforge.recipes.hrgc.model:HRGC"),),
+    build_data=Lazy("lmforge.recipes.hrgc.training:build_go_function_data"),
+    count=Lazy("lmforge.recipes.hrgc.training:count"),
+    settings=Lazy("lmforge.recipes.hrgc.training:HRGCSettings"),
+    aliases=Lazy("lmforge.recipes.hrgc.aliases:hrgc_aliases"),  # its module reads the model's (torch) key names
+    prepare_model=Lazy("lmforge.recipes.hrgc.training:prepare_model"),
+    make_optimizer=Lazy("lmforge.recipes.hrgc.training:make_optimizer"),
     ddp_find_unused_parameters=True,  # before refinement_warmup the head gets no gradient
-    eval_weight=eval_weight,
+    eval_weight=Lazy("lmforge.recipes.hrgc.training:eval_weight"),
     eval=CLIOptions(run=cli.run_eval, add=cli.add_eval_args,
                     help="write each held-out function from its spec and score it (--limit N: the first N)"),
     generate=CLIOptions(run=cli.run_generate, add=cli.add_generate_args, uses=("sampling", "precision"),

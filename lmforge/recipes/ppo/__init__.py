@@ -16,15 +16,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from lmforge.models.losses import IGNORE_INDEX
-from lmforge.recipes import Counts, RecipeSpec, flops_per_token, register
-from lmforge.recipes.ppo.data import PPOSettings, build_ppo_data, prepare_model
-from lmforge.recipes.ppo.model import ActorCritic
+from lmforge.recipes import Counts, Family, Lazy, RecipeSpec, flops_per_token, register
 
 
 def count(model, batch: dict[str, Any]) -> Counts:
     """Tokens: the reply tokens learnt from; examples: replies. FLOPs: forward and backward of policy and
     value model over every real position, prompts included (generation is not counted)."""
+    from lmforge.models.losses import IGNORE_INDEX  # imports torch, which the batch's tensors have imported
+
     positions = int((batch["document_ids"] >= 0).sum())
     return Counts(tokens=int((batch["labels"] != IGNORE_INDEX).sum()), examples=int(batch["num_examples"]),
                   flops=positions * flops_per_token(model, batch["input_ids"].shape[1]))
@@ -33,15 +32,13 @@ def count(model, batch: dict[str, Any]) -> Counts:
 SPEC = register(RecipeSpec(
     name="ppo",
     summary="proximal policy optimization (policy + value model) against a reward model or reward functions",
-    families=(ActorCritic,),
-    build_data=build_ppo_data,
+    families=(Family("actor_critic", "lmforge.recipes.ppo.model:ActorCritic"),),
+    build_data=Lazy("lmforge.recipes.ppo.data:build_ppo_data"),
     count=count,
-    settings=PPOSettings,
-    prepare_model=prepare_model,
+    settings=Lazy("lmforge.recipes.ppo.data:PPOSettings"),
+    prepare_model=Lazy("lmforge.recipes.ppo.data:prepare_model"),
     best_metric="eval/reward",
     best_higher_is_better=True,
     eval_weight=lambda batch: float(len(batch["eval_total"])),  # held-out figures are means over prompts
     supports_fsdp=True,  # rollouts gather one model at a time; step checkpoints are gathered (two models)
 ))
-
-__all__ = ["SPEC", "PPOSettings"]

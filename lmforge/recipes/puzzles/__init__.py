@@ -4,28 +4,25 @@ puzzle embeddings, exact accuracy picks `best/`."""
 
 from __future__ import annotations
 
-from lmforge.recipes import CLIOptions, RecipeSpec, register
+from lmforge.recipes import CLIOptions, Family, Lazy, RecipeSpec, register
 from lmforge.recipes.puzzles import cli
 from lmforge.recipes.puzzles.aliases import hrm_aliases
-from lmforge.recipes.puzzles.baseline import PuzzleTransformer
 from lmforge.recipes.puzzles.cli_data import add_data_verbs
-from lmforge.recipes.puzzles.hrm import HRM
-from lmforge.recipes.puzzles.training import PuzzleSettings, build_puzzle_data, count, eval_weight, make_optimizer
-from lmforge.recipes.puzzles.trm import TRM
 
 SPEC = register(RecipeSpec(
     name="puzzles",
     summary="puzzle models (hrm, trm, puzzle_transformer): exact accuracy on Sudoku; solve one puzzle",
-    families=(HRM, TRM, PuzzleTransformer),
-    build_data=build_puzzle_data,
-    count=count,
-    settings=PuzzleSettings,
+    families=(Family("hrm", "lmforge.recipes.puzzles.hrm:HRM"), Family("trm", "lmforge.recipes.puzzles.trm:TRM"),
+              Family("puzzle_transformer", "lmforge.recipes.puzzles.baseline:PuzzleTransformer")),
+    build_data=Lazy("lmforge.recipes.puzzles.training:build_puzzle_data"),
+    count=Lazy("lmforge.recipes.puzzles.training:count"),
+    settings=Lazy("lmforge.recipes.puzzles.training:PuzzleSettings"),
     aliases=hrm_aliases,
-    make_optimizer=make_optimizer,
+    make_optimizer=Lazy("lmforge.recipes.puzzles.training:make_optimizer"),
     own_optimizer="AdamATan2SignSGD",  # HRM's and TRM's: 8-bit AdamW moments do not apply
     best_metric="eval/exact_accuracy",
     best_higher_is_better=True,
-    eval_weight=eval_weight,
+    eval_weight=Lazy("lmforge.recipes.puzzles.training:eval_weight"),
     eval=CLIOptions(run=cli.run_eval, uses=("batch-size",), help="exact and cell accuracy on a puzzle dataset or a Sudoku CSV "
                                            "(--limit N: the first N puzzles)"),
     generate=CLIOptions(run=cli.run_solve, add=cli.add_solve_args, help="solve one Sudoku (also `lmforge solve`)"),

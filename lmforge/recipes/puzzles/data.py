@@ -21,13 +21,17 @@ source.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from lmforge.errors import LMForgeError
+
+if TYPE_CHECKING:  # torch is imported where batches are made: `lmforge data sudoku` runs without it
+    import torch
 
 IGNORE_INDEX = -100  # label value the losses skip
 DIFFICULTY_NAMES = ("singles", "easy", "medium", "hard")
@@ -40,7 +44,8 @@ _REBUILD = "Rebuild the dataset with `lmforge data sudoku --out DIR ...` (or HRM
 def difficulty_bucket(ratings) -> np.ndarray:
     """Bucket index per rating (0 singles, 1 easy, 2 medium, 3 hard; see ``DIFFICULTY_NAMES``); -1 for a
     negative (unknown) rating. Accepts a numpy array, a torch tensor or a sequence."""
-    if isinstance(ratings, torch.Tensor):
+    torch = sys.modules.get("torch")  # a tensor exists only once torch is imported
+    if torch is not None and isinstance(ratings, torch.Tensor):
         ratings = ratings.detach().cpu().numpy()
     r = np.asarray(ratings, dtype=np.int64)
     buckets = np.searchsorted(np.asarray(DIFFICULTY_BUCKET_EDGES), r, side="right")
@@ -169,6 +174,8 @@ class PuzzleSplit:
 
     def batch(self, index: np.ndarray) -> dict[str, torch.Tensor]:
         """Examples ``index`` as int64 tensors; labels equal to ignore_label_id become -100."""
+        import torch
+
         index = np.asarray(index, dtype=np.int64)
         labels = np.asarray(self.labels[index], dtype=np.int64)
         if self.ignore_label_id is not None:
@@ -287,6 +294,8 @@ class PuzzleEvalLoader:
 
     def iter_eval_batches(self, max_batches: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
         """Batches as ``GroupSampler.next_batch`` plus ``ratings`` (int64, -1 when unknown)."""
+        import torch
+
         ratings = self.split.ratings
         for b in range(self.num_batches if max_batches is None else min(max_batches, self.num_batches)):
             index = self._indices[b * self.batch_size:(b + 1) * self.batch_size]

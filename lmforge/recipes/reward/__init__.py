@@ -11,10 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lmforge.models.reward import RewardModel
-from lmforge.recipes import CLIOptions, Counts, RecipeSpec, flops_per_token, register
+from lmforge.recipes import CLIOptions, Counts, Family, Lazy, RecipeSpec, flops_per_token, register
 from lmforge.recipes.reward import cli, cli_data
-from lmforge.recipes.reward.data import RewardSettings, build_reward_data, prepare_model
 
 
 def count(model, batch: dict[str, Any]) -> Counts:
@@ -27,11 +25,11 @@ def count(model, batch: dict[str, Any]) -> Counts:
 SPEC = register(RecipeSpec(
     name="reward",
     summary="a reward model (a chat model's trunk + a scalar head) trained on preference pairs, Bradley-Terry loss",
-    families=(RewardModel,),
-    build_data=build_reward_data,
+    families=(Family("reward", "lmforge.models.reward:RewardModel"),),
+    build_data=Lazy("lmforge.recipes.reward.data:build_reward_data"),
     count=count,
-    settings=RewardSettings,
-    prepare_model=prepare_model,
+    settings=Lazy("lmforge.recipes.reward.data:RewardSettings"),
+    prepare_model=Lazy("lmforge.recipes.reward.data:prepare_model"),
     best_metric="eval/accuracy",
     best_higher_is_better=True,
     eval_weight=lambda batch: float(batch["num_examples"]),  # means over pairs, not tokens
@@ -40,5 +38,3 @@ SPEC = register(RecipeSpec(
     add_data_verbs=cli_data.add_data_verbs,
     supports_fsdp=True,
 ))
-
-__all__ = ["SPEC", "RewardSettings"]

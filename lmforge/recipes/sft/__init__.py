@@ -11,10 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lmforge.models.gpt import GPT
-from lmforge.recipes import CLIOptions, Counts, RecipeSpec, flops_per_token, register
+from lmforge.recipes import CLIOptions, Counts, Family, Lazy, RecipeSpec, flops_per_token, register
 from lmforge.recipes.sft import cli
-from lmforge.recipes.sft.data import SFTSettings, build_sft_data
 
 
 def count(model, batch: dict[str, Any]) -> Counts:
@@ -28,14 +26,12 @@ def count(model, batch: dict[str, Any]) -> Counts:
 SPEC = register(RecipeSpec(
     name="sft",
     summary="chat and tool-calling fine-tuning (gpt family): loss on the assistant's replies, packed conversations",
-    families=(GPT,),
-    build_data=build_sft_data,
+    families=(Family("gpt", "lmforge.models.gpt:GPT"),),
+    build_data=Lazy("lmforge.recipes.sft.data:build_sft_data"),
     count=count,
-    settings=SFTSettings,
+    settings=Lazy("lmforge.recipes.sft.data:SFTSettings"),
     eval=CLIOptions(run=cli.run_eval, add=cli.add_eval_args, uses=("baseline", "batch-size"),
                     help="tool-call figures on held-out conversations, before and after fine-tuning"),
     add_data_verbs=cli.add_data_verbs,
     supports_fsdp=True,
 ))
-
-__all__ = ["SPEC", "SFTSettings"]

@@ -17,7 +17,6 @@ DEFAULT_REPLY_TOKENS = 96
 
 # ---- lmforge data sft ------------------------------------------------------------------------------
 def cmd_data_sft(args: argparse.Namespace) -> int:
-    from lmforge.infer.loading import find_tokenizer
     from lmforge.posttrain.formats import ReadStats
     from lmforge.posttrain.render import (
         RenderStats,
@@ -35,6 +34,7 @@ def cmd_data_sft(args: argparse.Namespace) -> int:
                            "--tokenizer PATH, one of them")
     if args.checkpoint:
         from lmforge.checkpoint import resolve_model_dir
+        from lmforge.infer.loading import find_tokenizer  # imports torch: --tokenizer alone does not
 
         tokenizer_file = find_tokenizer(resolve_model_dir(args.checkpoint))
     else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -18,14 +18,16 @@ from lmforge.posttrain.init import (
     init_tokenizer_path,
     rows_path,
 )
-from lmforge.posttrain.packing import ExampleStore, PackedConversations
 from lmforge.posttrain.render import (
     ASSISTANT_TURNS,
     RenderStats,
     render_examples,
 )
 from lmforge.recipes import TrainData
-from lmforge.train.distributed import DistInfo
+
+if TYPE_CHECKING:
+    from lmforge.train.distributed import DistInfo
+# The packing loaders (torch) are imported by build_sft_data: `lmforge data sft` reads conversations without torch
 
 
 @dataclass
@@ -71,6 +73,7 @@ def read_splits(path: Path, settings: SFTSettings, val_fraction: float, seed: in
 
 def build_sft_data(cfg, distinfo: DistInfo) -> TrainData:
     """``RecipeSpec.build_data`` of the sft kind."""
+    from lmforge.posttrain.packing import ExampleStore, PackedConversations
 
     settings: SFTSettings = cfg.recipe
     path = rows_path(cfg, "sft", "conversations", "a JSONL / JSON / parquet file, a `datasets` directory, or a "
