@@ -199,9 +199,34 @@ def write_best(ckpt_root: Path, write_files) -> Path:
 def write_checksums(directory: Path) -> None:
     """Record the sha256 of each safetensors file in ``directory`` (its shards/ included) in ``CHECKSUMS_FILE``."""
     files = sorted(p for p in Path(directory).rglob("*.safetensors") if p.is_file())
+    digests = _hashes(files)
+    failed = next((d for d in digests if isinstance(d, OSError)), None)
+    if failed is not None:
+        raise failed  # a read error of the disk just written: reported as a write fault by the caller
     save_json(Path(directory) / CHECKSUMS_FILE, {
         "format": CHECKSUMS_FORMAT, "version": 1, "algorithm": "sha256",
-        "files": {p.relative_to(directory).as_posix(): digest for p, digest in zip(files, _hashes(files))}})
+        "files": {p.relative_to(directory).as_posix(): digest for p, digest in zip(files, digests)}})
+
+
+def refresh_checksums(directory: Path, names: list[str]) -> None:
+    """Record the new sha256 of the files ``names`` (relative to ``directory``) in its checksums, if it has
+    some: weights saved into a checkpoint on purpose (``save_pretrained`` over it) would otherwise read as
+    damage. The other files' entries stay as they were, so damage to them is still found."""
+    path = Path(directory) / CHECKSUMS_FILE
+    try:
+        record = json.loads(path.read_text())
+        files = record["files"] if record.get("format") == CHECKSUMS_FORMAT else None
+    except (OSError, ValueError, KeyError, AttributeError, TypeError):
+        return  # none (a fresh directory), or unreadable: checking reports that
+    if not isinstance(files, dict):
+        return
+    paths = [Path(directory) / n for n in names]
+    digests = _hashes(paths)
+    failed = next((d for d in digests if isinstance(d, OSError)), None)
+    if failed is not None:
+        raise failed
+    files.update(zip(names, digests))
+    save_json(path, record)
 
 
 def _hashes(paths: list[Path]) -> list[str | OSError]:

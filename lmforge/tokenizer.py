@@ -253,20 +253,28 @@ class Tokenizer:
             controls.plain = (first, rest)
         return controls.plain
 
-    def _chat_backend(self, controls: _Controls) -> _RustTokenizer:
-        """The backend a markup without marks is encoded with: this tokenizer's own, unless a control token is
-        matched after its normalizer (``normalized: true``): then a copy that matches it only as spelled, or a
-        case-folding (or NFKC) normalizer would make a message's "<|IM_END|>" that token, which ``protect``,
-        looking for the spelling, leaves unmarked."""
-        if controls.chat is None:
+    def _encode_unmarked(self, controls: _Controls, texts: list[str]) -> list[list[int]]:
+        """Token ids of markups without marks, each as ``encode`` encodes its text; except a text in which the
+        normalizer makes a control token out of other characters (a case-folding or NFKC normalizer turns a
+        message's "<|IM_END|>" into "<|im_end|>", matched as the token when it is ``normalized: true``, and
+        ``protect``, looking for the spelling, left it unmarked): that one is encoded by a copy of the backend
+        that matches control tokens only as spelled."""
+        if controls.folded is None:
             data = json.loads(self._backend.to_str())
             folded = [t for t in data.get("added_tokens") or []
                       if t.get("content") in controls.ids and t.get("normalized")]
             for token in folded:
                 token["normalized"] = False
-            controls.chat = (_RustTokenizer.from_str(json.dumps(data)) if folded and data.get("normalizer")
-                             else self._backend)
-        return controls.chat
+            controls.folded = ((_RustTokenizer.from_str(json.dumps(data)), [t["content"] for t in folded])
+                               if folded and self._backend.normalizer is not None else (self._backend, []))
+        as_spelled, spellings = controls.folded
+        if not spellings:
+            return _encode_texts(self._backend, texts)
+        normalize = self._backend.normalizer.normalize_str
+        variant = [any(normalize(t).count(s) > t.count(s) for s in spellings) for t in texts]
+        out = iter(_encode_texts(self._backend, [t for t, v in zip(texts, variant) if not v]))
+        folded_out = iter(_encode_texts(as_spelled, [t for t, v in zip(texts, variant) if v]))
+        return [next(folded_out) if v else next(out) for v in variant]
 
     @property
     def sha256(self) -> str:
@@ -367,7 +375,7 @@ class Tokenizer:
 
         controls = self._control_tokens()
         if controls.pattern is None or not any(MARK in m for m in markups):
-            return _encode_texts(self._chat_backend(controls), [unmark(m, controls.spellings) for m in markups])
+            return self._encode_unmarked(controls, [unmark(m, controls.spellings) for m in markups])
         if not all(MARK in m for m in markups):  # one way per markup, whatever the others in the batch are:
             marked = [MARK in m for m in markups]  # each way in one batch call
             ways = {True: iter(self.encode_markup_batch([m for m, k in zip(markups, marked) if k])),
@@ -505,7 +513,7 @@ class _Controls:
     ids: dict[str, int]
     pattern: re.Pattern | None
     plain: tuple[_RustTokenizer, _RustTokenizer] | None = None  # Tokenizer._plain_backends
-    chat: _RustTokenizer | None = None  # Tokenizer._chat_backend
+    folded: tuple[_RustTokenizer, list[str]] | None = None  # Tokenizer._encode_unmarked
 
 
 class ChatText(str):

@@ -338,6 +338,8 @@ def test_a_checkpoint_file_that_cannot_be_read_is_named_not_a_traceback(tmp_path
 
     monkeypatch.setattr(ck, "sha256_file", failing_read)
     assert ck.checksum_mismatch(tmp_path) == f"{tmp_path / 'model.safetensors'} cannot be read (Input/output error)"
+    with pytest.raises(OSError, match="Input/output error"):  # as a write fault, not a JSON TypeError
+        ck.write_checksums(tmp_path)
 
 
 # ---- checksums: what a deleted record, a changed model and several processes do ---------------------------------
@@ -395,7 +397,18 @@ def test_a_model_whose_weights_changed_is_refused_where_it_is_loaded_and_its_opt
     with pytest.MonkeyPatch.context() as m:
         m.setattr(ck, "checksum_mismatch", replaced_meanwhile)
         assert load_model(run_dir) is not None and len(calls) == 2
+    # weights changed on purpose and saved with save_pretrained: the checksums follow, and it loads; the
+    # optimizer state damaged above is still found
+    import torch
 
+    model = load_model(root / "step-000030")
+    with torch.no_grad():
+        next(model.parameters()).mul_(0.5)
+    model.save_pretrained(root / "step-000030")
+    assert ck.checksum_mismatch(root / "step-000030", weights_only=True) is None
+    assert f"{ck.OPTIMIZER_FILE} does not match" in ck.checksum_mismatch(root / "step-000030")
+    assert torch.equal(next(load_model(root / "step-000030").parameters()), next(model.parameters()))
+    assert not (tmp_path / "fresh" / ck.CHECKSUMS_FILE).exists() and model.save_pretrained(tmp_path / "fresh")
 
 def test_each_process_hashes_a_share_of_the_files_of_about_equal_bytes(tmp_path):
     for name, size in {"a.safetensors": 100, "b.safetensors": 60, "c.safetensors": 50, "d.safetensors": 10}.items():
@@ -442,7 +455,11 @@ def test_damage_only_one_process_hashed_stops_every_process_with_the_same_messag
     assert ck.WEIGHTS_FILE in ck._size_share(ckpt, sorted(files), 1, 2)
     _flip_last_byte(weights)
     procs = _start_two_processes(["train", str(recipe), "training.max_steps=40", "--resume"])
-    outs = [p.communicate(timeout=240) for p in procs]
+    try:
+        outs = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
     for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode == 2, err
         assert f"lmforge: error: {weights} does not match the sha256 written with it" in err, err
@@ -465,7 +482,10 @@ def test_a_signal_to_one_process_stops_every_process_at_one_step_and_process_0_e
             if metrics.is_file() and metrics.read_text().count("\n") >= 3 or any(p.poll() is not None for p in procs):
                 break
             time.sleep(0.1)
-        assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+        if any(p.poll() is not None for p in procs):  # one ended early: the other may wait on it for ever
+            for p in procs:
+                p.kill()
+            pytest.fail(f"a process ended before the signal: {[p.communicate() for p in procs]}")
         procs[1].send_signal(signal.SIGTERM)
         outs = [p.communicate(timeout=240) for p in procs]
     finally:

@@ -18,8 +18,8 @@ import yaml
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from lmforge.checkpoint import (REPLACED, SHARDS_FILE, WEIGHTS_FILE, first_non_finite, is_sharded, non_finite_message,
-                                read_sharded_weights, resolve_model_dir, settled_checksum_mismatch)
+from lmforge.checkpoint import (CHECKSUMS_FILE, REPLACED, SHARDS_FILE, WEIGHTS_FILE, first_non_finite, is_sharded, non_finite_message,
+                                read_sharded_weights, refresh_checksums, resolve_model_dir, settled_checksum_mismatch)
 from lmforge.errors import LMForgeError
 from lmforge.files import atomic_file
 from lmforge.recipes import model_class
@@ -173,6 +173,7 @@ class LMForgeModel(nn.Module):
                  for k, v in _dedupe_shared(self.state_dict() if state_dict is None else state_dict).items()}
         with atomic_file(directory / WEIGHTS_FILE) as tmp:
             save_file(state, str(tmp), metadata={"format": "pt"})
+        refresh_checksums(directory, [WEIGHTS_FILE])  # saved over a checkpoint: its checksums follow
         return directory
 
     @classmethod
@@ -182,14 +183,16 @@ class LMForgeModel(nn.Module):
         directory = resolve_model_dir(directory)
         weights_path = directory / WEIGHTS_FILE
         klass, config = read_model_config(directory)
+        if cls is not LMForgeModel and not issubclass(klass, cls):
+            raise LMForgeError(f"{directory} holds a {klass.family!r} model, not a {cls.family!r} model")
         damage = settled_checksum_mismatch(directory, weights_only=True)  # safetensors itself checks no bytes
         if damage == REPLACED:  # a run replaced it twice meanwhile (a new best/ each time)
             raise LMForgeError(f"{directory} was replaced while it was read, twice: load it again")
         if damage:
             raise LMForgeError(f"{damage}; the model is damaged: use another checkpoint (runs/NAME/checkpoints/; "
-                               "`lmforge checkpoint verify runs/NAME` lists the sound ones) or retrain")
-        if cls is not LMForgeModel and not issubclass(klass, cls):
-            raise LMForgeError(f"{directory} holds a {klass.family!r} model, not a {cls.family!r} model")
+                               "`lmforge checkpoint verify runs/NAME` lists the sound ones) or retrain (weights "
+                               "changed on purpose: save them with `save_pretrained`, which rewrites "
+                               f"{CHECKSUMS_FILE})")
         # Built on the meta device and given the file's tensors (assign=True): no random initialisation and
         # no second copy of the weights (a 1.3B model loaded in ~30 s and twice its size before).
         with on_meta_device():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import random
 import signal
 import time
@@ -296,19 +297,22 @@ class Trainer:
 
     # ---- resume ---------------------------------------------------------------------------
     def _verify_checksums(self, path: Path) -> None:
-        """Refuse a checkpoint whose files changed since they were written. Each process hashes its share of
-        the files (together they read the checkpoint once); when any found damage, every process checks all
-        of them, so each stops with the same message and none waits on the others."""
+        """Refuse a checkpoint whose files changed since they were written. The processes of a machine hash a
+        share of the files each (together they read its copy of the checkpoint once: a shared file system's,
+        or the machine's own); when any found damage, every process checks all of them, so each stops with
+        the same message and none waits on the others."""
         if not self.dist.enabled:
             ckpt.verify_checksums(path)
             return
-        bad = ckpt.checksum_mismatch(path, share=(self.dist.rank, self.dist.world_size))
+        per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", self.dist.world_size))
+        bad = ckpt.checksum_mismatch(path, share=(self.dist.local_rank % per_machine, per_machine))
         found = torch.tensor([float(bad is not None)], device=self.dev.device)
         dist.all_reduce(found, op=dist.ReduceOp.MAX)
         if found.item() > 0:
             ckpt.verify_checksums(path)
-            raise LMForgeError(f"a file of {path} did not match its checksum on another process, and did on this "
-                               "one's second reading: check the disk (a failing read), then resume again")
+            first = f" ({bad})" if bad else " on another process"
+            raise LMForgeError(f"a file of {path} did not match its checksum{first}, and did on a second reading: "
+                               "check the disk (a failing read), then resume again")
 
     def load_checkpoint(self, path: Path) -> None:
         """Restore model, optimizer, scaler, schedule position, data position and RNG exactly."""

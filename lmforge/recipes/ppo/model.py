@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from lmforge.checkpoint import WEIGHTS_FILE, refresh_checksums
 from lmforge.errors import LMForgeError
 from lmforge.models.base import LMForgeModel
 from lmforge.models.gpt import GPT, GPTConfig
@@ -64,6 +65,7 @@ class ActorCritic(LMForgeModel):
                      for part in parts}
         directory = self.policy.save_pretrained(directory, parts["policy"], weights)
         self.value.save_pretrained(directory / VALUE_DIR, parts["value"], weights)
+        refresh_checksums(directory, [f"{VALUE_DIR}/{WEIGHTS_FILE}"])  # listed in the checkpoint's own
         return directory
 
     def _check_checkpoint(self, directory: Path) -> None:
