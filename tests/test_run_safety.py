@@ -241,6 +241,22 @@ def _flip_last_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+def _replaced_while_read(calls: list):
+    """A ``checksum_mismatch`` during whose first call a run replaces the directory, as write_best does (the new
+    directory renamed over the old one), so that first reading sees a mismatch; later calls check for real."""
+    real = ck.checksum_mismatch
+
+    def replaced_meanwhile(directory, **kw):
+        calls.append(directory)
+        if len(calls) == 1:
+            shutil.copytree(directory, directory.with_name("new"))
+            shutil.rmtree(directory)
+            os.rename(directory.with_name("new"), directory)
+            return f"{directory / ck.WEIGHTS_FILE} does not match the sha256 written with it"
+        return real(directory, **kw)
+    return replaced_meanwhile
+
+
 def test_a_checkpoint_whose_weights_changed_after_saving_is_named_and_the_earlier_one_resumes(tmp_path, trained_run,
                                                                                                 capsys):
     from lmforge.cli import main
@@ -267,19 +283,9 @@ def test_a_checkpoint_whose_weights_changed_after_saving_is_named_and_the_earlie
     assert main(["checkpoint", "verify", str(tmp_path / "nowhere")]) == 2
     assert main(["checkpoint", "verify", str(weights)]) == 2
     assert "does not exist" in capsys.readouterr().err
-    real, calls = ck.checksum_mismatch, []
-
-    def replaced_meanwhile(directory, **kw):
-        calls.append(directory)
-        if len(calls) == 1:  # as write_best does: the new directory renamed over the old one
-            shutil.copytree(directory, directory.with_name("new"))
-            shutil.rmtree(directory)
-            os.rename(directory.with_name("new"), directory)
-            return f"{directory / ck.WEIGHTS_FILE} does not match the sha256 written with it"
-        return real(directory, **kw)
-
+    calls = []
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(ck, "checksum_mismatch", replaced_meanwhile)
+        m.setattr(ck, "checksum_mismatch", _replaced_while_read(calls))
         assert main(["checkpoint", "verify", str(root / "best")]) == 0
     assert capsys.readouterr().out == f"{root / 'best'}: ok\n" and len(calls) == 2
     result = train(load_config(str(recipe)), resume=str(root / "step-000020"))  # the damaged one is set aside
@@ -383,19 +389,9 @@ def test_a_model_whose_weights_changed_is_refused_where_it_is_loaded_and_its_opt
     # a run that writes a new best/ while it is read (renamed over the old): read again, no damage reported
     shutil.copy(root / "step-000030" / ck.WEIGHTS_FILE, weights)
     ck.write_checksums(root / "best")
-    real, calls = ck.checksum_mismatch, []
-
-    def replaced_meanwhile(directory, **kw):
-        calls.append(directory)
-        if len(calls) == 1:
-            shutil.copytree(directory, directory.with_name("new"))
-            shutil.rmtree(directory)
-            os.rename(directory.with_name("new"), directory)
-            return f"{directory / ck.WEIGHTS_FILE} does not match the sha256 written with it"
-        return real(directory, **kw)
-
+    calls = []
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(ck, "checksum_mismatch", replaced_meanwhile)
+        m.setattr(ck, "checksum_mismatch", _replaced_while_read(calls))
         assert load_model(run_dir) is not None and len(calls) == 2
     # weights changed on purpose and saved with save_pretrained: the checksums follow, and it loads; the
     # optimizer state damaged above is still found
