@@ -199,13 +199,9 @@ def write_best(ckpt_root: Path, write_files) -> Path:
 def write_checksums(directory: Path) -> None:
     """Record the sha256 of each safetensors file in ``directory`` (its shards/ included) in ``CHECKSUMS_FILE``."""
     files = sorted(p for p in Path(directory).rglob("*.safetensors") if p.is_file())
-    digests = _hashes(files)
-    failed = next((d for d in digests if isinstance(d, OSError)), None)
-    if failed is not None:
-        raise failed  # a read error of the disk just written: reported as a write fault by the caller
     save_json(Path(directory) / CHECKSUMS_FILE, {
         "format": CHECKSUMS_FORMAT, "version": 1, "algorithm": "sha256",
-        "files": {p.relative_to(directory).as_posix(): digest for p, digest in zip(files, digests)}})
+        "files": {p.relative_to(directory).as_posix(): digest for p, digest in zip(files, _digests(files))}})
 
 
 def refresh_checksums(directory: Path, names: list[str]) -> None:
@@ -214,19 +210,32 @@ def refresh_checksums(directory: Path, names: list[str]) -> None:
     damage. The other files' entries stay as they were, so damage to them is still found."""
     path = Path(directory) / CHECKSUMS_FILE
     try:
+        record = _read_checksums(path)
+    except (OSError, ValueError):
+        return  # none (a fresh directory), or unreadable: checking reports that
+    record["files"].update(zip(names, _digests([Path(directory) / n for n in names])))
+    save_json(path, record)
+
+
+def _read_checksums(path: Path) -> dict[str, Any]:
+    """The record of ``CHECKSUMS_FILE`` ``path``; ValueError (or OSError) when it is not one."""
+    try:
         record = json.loads(path.read_text())
         files = record["files"] if record.get("format") == CHECKSUMS_FORMAT else None
-    except (OSError, ValueError, KeyError, AttributeError, TypeError):
-        return  # none (a fresh directory), or unreadable: checking reports that
-    if not isinstance(files, dict):
-        return
-    paths = [Path(directory) / n for n in names]
+    except (KeyError, AttributeError, TypeError) as e:
+        raise ValueError(f"not an lmforge checksums file ({e})") from e
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        raise ValueError("not an lmforge checksums file")
+    return record
+
+
+def _digests(paths: list[Path]) -> list[str]:
+    """``_hashes`` of files just written: a read error is raised (the caller reports it as a write fault)."""
     digests = _hashes(paths)
     failed = next((d for d in digests if isinstance(d, OSError)), None)
     if failed is not None:
         raise failed
-    files.update(zip(names, digests))
-    save_json(path, record)
+    return digests
 
 
 def _hashes(paths: list[Path]) -> list[str | OSError]:
@@ -257,11 +266,8 @@ def checksum_mismatch(directory: Path, share: tuple[int, int] = (0, 1), weights_
             return f"{path} is missing (the checkpoint was written with it: its files cannot be checked)"
         return None
     try:
-        record = json.loads(path.read_text())
-        files = record["files"] if record.get("format") == CHECKSUMS_FORMAT else None
-        if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
-            raise ValueError("not an lmforge checksums file")
-    except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:
+        files = _read_checksums(path)["files"]
+    except (OSError, ValueError) as e:
         return f"{path} is unreadable ({e})"
     names = sorted(n for n in files if not (weights_only and n in (OPTIMIZER_FILE, RNG_FILE)))
     mine = [Path(directory) / name for name in _size_share(Path(directory), names, *share)]

@@ -525,9 +525,10 @@ def _add_checkpoint(sub) -> None:
                          description="Every checkpoint lmforge writes records the sha256 of its safetensors files "
                                      "(weights, optimizer state, shards) in checksums.json. This reads each file "
                                      "again and names any whose bytes changed since (a failing disk, a copy cut "
-                                     "short) or that is missing; a resume does the same check before it loads. "
-                                     "Exit status 1 when one is damaged. Checkpoints of an lmforge without "
-                                     "checksums are reported as unchecked.")
+                                     "short) or that is missing, and a step checkpoint whose checksums.json "
+                                     "is gone; a resume does the same check before it loads, and loading a "
+                                     "model checks its weights. Exit status 1 when one is damaged. Checkpoints "
+                                     "of an lmforge without checksums are reported as unchecked.")
     c.add_argument("paths", nargs="+", metavar="PATH",
                    help="a checkpoint (step-NNNNNN, best/), or a run directory / its checkpoints/ (every one in it)")
     c.set_defaults(func=_cmd_checkpoint_verify)
